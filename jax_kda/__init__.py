@@ -1,0 +1,11 @@
+"""jax_kda: Kimi Delta Attention (KDA) prefill for JAX.
+
+``jax_kda.prefill`` runs CuTe DSL sm90 kernels through the XLA FFI on Hopper and a pure-XLA
+chunked implementation everywhere else; see its docstring for the contract.
+"""
+
+from jax_kda.api import BACKENDS, BackendUnavailableError, prefill
+from jax_kda.constants import CHUNK, HEAD_DIM
+
+__all__ = ["BACKENDS", "CHUNK", "HEAD_DIM", "BackendUnavailableError", "prefill"]
+__version__ = "0.1.0"

@@ -1,0 +1,218 @@
+"""The public entry point, ``jax_kda.prefill``: validation, backend choice and the custom VJP."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jax_kda import xla
+from jax_kda.constants import HEAD_DIM, default_scale
+
+BACKENDS = ("auto", "xla", "sm90")
+_QKV_DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32)
+
+
+class BackendUnavailableError(RuntimeError):
+    """An explicitly requested backend cannot serve this call (the message says why)."""
+
+
+@dataclass(frozen=True)
+class _Call:
+    """Static description of one prefill call (hashable: it is a custom_vjp static argument)."""
+
+    scale: float
+    backend: str
+    batched: bool
+
+
+def prefill(
+    q,
+    k,
+    v,
+    g,
+    beta,
+    *,
+    cu_seqlens=None,
+    initial_state=None,
+    scale=None,
+    output_final_state=True,
+    backend="auto",
+):
+    """Kimi Delta Attention prefill (forward pass), jittable and differentiable.
+
+    Packed (THD) form, N sequences of total length T:
+      q, k, v: [T, H, 128] bfloat16 (float16 and float32 are accepted by the XLA backend).
+      g: [T, H, 128] float32, the per-channel natural-log decay (<= 0).
+      beta: [T, H] float32, in (0, 1).
+      cu_seqlens: [N + 1] int32 on the device: cu[0] = 0, non-decreasing, cu[N] = T.
+        None means one sequence. Its values are not checked (that would need a host sync).
+    Batched form: q, k, v, g: [B, T, H, 128], beta: [B, T, H], one sequence per row (N = B);
+      cu_seqlens must be None.
+
+    initial_state: [N, H, 128, 128] float32, stored transposed ([V, K]); None means zeros.
+    scale: finite Python float; None means 128 ** -0.5.
+    output_final_state: when False, the second result is None.
+    backend: "auto" (the sm90 kernels on Hopper when the call fits them, else "xla"), "sm90" or
+      "xla". An explicit backend that cannot serve the call raises BackendUnavailableError.
+
+    Returns:
+      (o, final_state): o has q's shape and dtype; final_state is [N, H, 128, 128] float32
+      ([V, K]) or None.
+    """
+    batched = _validate(q, k, v, g, beta, cu_seqlens, initial_state)
+    scale = _validate_scale(scale)
+    if backend not in BACKENDS:
+        raise ValueError(f"backend: got {backend!r}, expected one of {BACKENDS}")
+    if not isinstance(output_final_state, bool):
+        raise TypeError(f"output_final_state: got {output_final_state!r}, expected a bool")
+
+    num_heads = q.shape[-2]
+    if batched:
+        num_sequences = q.shape[0]
+        cu_seqlens = jnp.zeros((2,), jnp.int32)  # unused: each row is one sequence
+    elif cu_seqlens is None:
+        num_sequences = 1
+        cu_seqlens = jnp.array([0, q.shape[0]], jnp.int32)
+    else:
+        num_sequences = cu_seqlens.shape[0] - 1
+    if initial_state is None:
+        initial_state = jnp.zeros((num_sequences, num_heads, HEAD_DIM, HEAD_DIM), jnp.float32)
+
+    call = _Call(scale=scale, backend=_resolve_backend(backend, q), batched=batched)
+    o, final_state = _prefill(call, q, k, v, g, beta, cu_seqlens, initial_state)
+    return o, (final_state if output_final_state else None)
+
+
+def _resolve_backend(backend: str, q) -> str:
+    if backend in ("auto", "xla"):
+        return "xla"
+    raise BackendUnavailableError(
+        "backend='sm90': the CuTe DSL sm90 kernels are not built in this version of jax_kda; "
+        "use backend='xla' (or 'auto')"
+    )
+
+
+def _forward(call: _Call, q, k, v, g, beta, cu_seqlens, initial_state):
+    if call.batched:
+        row_cu = jnp.array([0, q.shape[1]], jnp.int32)
+        per_row = partial(xla.forward, cu_seqlens=row_cu, scale=call.scale)
+
+        def one_row(q, k, v, g, beta, state):
+            o, final = per_row(q, k, v, g, beta, initial_state=state[None])
+            return o, final[0]
+
+        return jax.vmap(one_row)(q, k, v, g, beta, initial_state)
+    return xla.forward(q, k, v, g, beta, cu_seqlens, initial_state, call.scale)
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _prefill(call, q, k, v, g, beta, cu_seqlens, initial_state):
+    return _forward(call, q, k, v, g, beta, cu_seqlens, initial_state)
+
+
+def _prefill_fwd(call, q, k, v, g, beta, cu_seqlens, initial_state):
+    out = _forward(call, q, k, v, g, beta, cu_seqlens, initial_state)
+    return out, (q, k, v, g, beta, cu_seqlens, initial_state)
+
+
+def _prefill_bwd(call, residuals, cotangents):
+    """Recompute through the XLA path and pull the cotangents back through it."""
+    *diff_args, cu_seqlens, initial_state = residuals
+    xla_call = _Call(scale=call.scale, backend="xla", batched=call.batched)
+
+    def f(q, k, v, g, beta, initial_state):
+        return _forward(xla_call, q, k, v, g, beta, cu_seqlens, initial_state)
+
+    _, pullback = jax.vjp(f, *diff_args, initial_state)
+    dq, dk, dv, dg, dbeta, dstate = pullback(cotangents)
+    return dq, dk, dv, dg, dbeta, None, dstate
+
+
+_prefill.defvjp(_prefill_fwd, _prefill_bwd)
+
+
+def _describe(x) -> str:
+    return f"shape {tuple(x.shape)} dtype {x.dtype}"
+
+
+def _require_array(name, x):
+    if not hasattr(x, "shape") or not hasattr(x, "dtype"):
+        raise TypeError(f"{name}: got {type(x).__name__}, expected a jax or numpy array")
+
+
+def _validate(q, k, v, g, beta, cu_seqlens, initial_state) -> bool:
+    """Check shapes and dtypes; returns True for the batched [B, T, H, 128] form."""
+    for name, x in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta)):
+        _require_array(name, x)
+    if q.ndim not in (3, 4):
+        raise ValueError(
+            f"q: got {_describe(q)}, expected rank 3 [T, H, {HEAD_DIM}] or rank 4 "
+            f"[B, T, H, {HEAD_DIM}]"
+        )
+    batched = q.ndim == 4
+    layout = "[B, T, H, 128]" if batched else "[T, H, 128]"
+    if q.shape[-1] != HEAD_DIM:
+        raise ValueError(f"q: got head dim {q.shape[-1]} ({_describe(q)}), expected {HEAD_DIM}")
+    if q.dtype not in _QKV_DTYPES:
+        raise TypeError(f"q: got dtype {q.dtype}, expected bfloat16 (or float16, float32)")
+    for name, x in (("k", k), ("v", v), ("g", g)):
+        if x.shape != q.shape:
+            raise ValueError(
+                f"{name}: got {_describe(x)}, expected shape {tuple(q.shape)} {layout}"
+            )
+    for name, x in (("k", k), ("v", v)):
+        if x.dtype != q.dtype:
+            raise TypeError(f"{name}: got dtype {x.dtype}, expected q's dtype {q.dtype}")
+    if g.dtype != jnp.float32:
+        raise TypeError(f"g: got dtype {g.dtype}, expected float32 (the log-decay)")
+    if beta.shape != q.shape[:-1]:
+        raise ValueError(f"beta: got {_describe(beta)}, expected shape {tuple(q.shape[:-1])}")
+    if beta.dtype != jnp.float32:
+        raise TypeError(f"beta: got dtype {beta.dtype}, expected float32")
+
+    heads = q.shape[-2]
+    if cu_seqlens is not None:
+        _require_array("cu_seqlens", cu_seqlens)
+        if batched:
+            raise ValueError(
+                "cu_seqlens: must be None for the batched [B, T, H, 128] form (one sequence per "
+                "row); pack the sequences as [T, H, 128] to pass cu_seqlens"
+            )
+        if cu_seqlens.ndim != 1 or cu_seqlens.shape[0] < 2:
+            raise ValueError(
+                f"cu_seqlens: got {_describe(cu_seqlens)}, expected shape [N + 1], N >= 1"
+            )
+        if cu_seqlens.dtype != jnp.int32:
+            raise TypeError(f"cu_seqlens: got dtype {cu_seqlens.dtype}, expected int32")
+        num_sequences = cu_seqlens.shape[0] - 1
+    else:
+        num_sequences = q.shape[0] if batched else 1
+    if initial_state is not None:
+        _require_array("initial_state", initial_state)
+        expected = (num_sequences, heads, HEAD_DIM, HEAD_DIM)
+        if tuple(initial_state.shape) != expected:
+            raise ValueError(
+                f"initial_state: got {_describe(initial_state)}, expected shape {expected} "
+                "[N, H, 128(V), 128(K)]"
+            )
+        if initial_state.dtype != jnp.float32:
+            raise TypeError(f"initial_state: got dtype {initial_state.dtype}, expected float32")
+    return batched
+
+
+def _validate_scale(scale) -> float:
+    if scale is None:
+        return default_scale()
+    if isinstance(scale, bool) or not isinstance(scale, (int, float, np.floating, np.integer)):
+        raise TypeError(
+            f"scale: got {type(scale).__name__}, expected a Python float (it is static; "
+            "multiply q instead to use a traced scale)"
+        )
+    if not math.isfinite(float(scale)):
+        raise ValueError(f"scale: got {scale}, expected a finite number")
+    return float(scale)

@@ -1,0 +1,148 @@
+"""The pure-XLA KDA forward pass: the chunked (WY/UT) form with 16-token chunks.
+
+It runs on any backend, is the default off Hopper, the fallback the sm90 kernels are compared
+with, and (through ordinary JAX autodiff) the backward pass.
+
+Varlen layout. Packed tokens are mapped to *chunk slots* on the device, without a host sync:
+sequence s owns slots ``cu[s] // 16 + s + c`` for its chunks c = 0 .. ceil(len_s / 16) - 1.
+Slots of different sequences never overlap, and ``T // 16 + N`` slots always suffice, so every
+static shape is known from T and N alone. Unused rows and whole gap slots hold k = v = q = 0,
+g = 0 and beta = 0, which makes their chunk map the identity on the state.
+
+Overflow. The in-chunk decay between tokens i >= j, exp(Gamma_i - Gamma_j) <= 1, is evaluated
+pairwise per channel rather than factorised into exp(Gamma_i) * exp(-Gamma_j), so no operand can
+overflow whatever the gate: the path is exact for any g <= 0, not only g >= -5.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from jax_kda.constants import CHUNK
+
+_HIGHEST = lax.Precision.HIGHEST
+
+
+def chunk_slot_count(total_tokens: int, num_sequences: int) -> int:
+    """Static number of 16-token chunk slots that covers any packing of T tokens in N sequences."""
+    return total_tokens // CHUNK + num_sequences
+
+
+def _token_slots(cu_seqlens: jax.Array, total_tokens: int):
+    """Per token: its sequence index and its row in the flattened [slots * 16] chunk grid."""
+    t = jnp.arange(total_tokens, dtype=jnp.int32)
+    seq = jnp.searchsorted(cu_seqlens[1:], t, side="right").astype(jnp.int32)
+    start = cu_seqlens[seq]
+    local = t - start
+    slot = start // CHUNK + seq + local // CHUNK
+    return seq, slot * CHUNK + local % CHUNK
+
+
+def _sequence_slots(cu_seqlens: jax.Array):
+    """Per sequence: first chunk slot and chunk count (0 for an empty sequence)."""
+    num_sequences = cu_seqlens.shape[0] - 1
+    lengths = cu_seqlens[1:] - cu_seqlens[:-1]
+    first = cu_seqlens[:-1] // CHUNK + jnp.arange(num_sequences, dtype=jnp.int32)
+    count = (lengths + CHUNK - 1) // CHUNK
+    return first, count
+
+
+def _to_chunks(x: jax.Array, rows: jax.Array, num_slots: int) -> jax.Array:
+    """[T, H, ...] -> [slots, H, 16, ...], zero in rows no token maps to."""
+    grid = jnp.zeros((num_slots * CHUNK, *x.shape[1:]), x.dtype)
+    grid = grid.at[rows].set(x, unique_indices=True)
+    grid = grid.reshape(num_slots, CHUNK, *x.shape[1:])
+    return jnp.moveaxis(grid, 1, 2)
+
+
+def _chunk_operands(q, k, v, g, beta, scale):
+    """State-independent per-chunk operands, all chunks in parallel.
+
+    Inputs are float32 [slots, H, 16, D] (beta: [slots, H, 16]). Returns, with S the [K, V] state
+    at the chunk start: V_new = U - W S; O = Qg S + Aqk V_new; S' = a * S + Kd^T V_new.
+    """
+    gamma = jnp.cumsum(g, axis=2)
+    gamma_last = gamma[:, :, -1:, :]
+    rows = jnp.arange(CHUNK)
+    lower_incl = rows[:, None] >= rows[None, :]
+    lower_strict = rows[:, None] > rows[None, :]
+    # exp(Gamma_i - Gamma_j) for i >= j, per channel; the masked entries get exponent 0 so that
+    # neither the value nor its gradient can overflow.
+    diff = gamma[:, :, :, None, :] - gamma[:, :, None, :, :]
+    decay = jnp.exp(jnp.where(lower_incl[:, :, None], diff, 0.0))
+    kk = jnp.sum(k[:, :, :, None, :] * k[:, :, None, :, :] * decay, axis=-1)
+    qk = jnp.sum(q[:, :, :, None, :] * k[:, :, None, :, :] * decay, axis=-1)
+    lower = jnp.where(lower_strict, beta[..., :, None] * kk, 0.0)
+    attn = jnp.where(lower_incl, scale * qk, 0.0)
+    system = lower + jnp.eye(CHUNK, dtype=lower.dtype)
+    rhs = jnp.concatenate([beta[..., None] * k * jnp.exp(gamma), beta[..., None] * v], axis=-1)
+    solved = lax.linalg.triangular_solve(
+        system, rhs, left_side=True, lower=True, unit_diagonal=True
+    )
+    w, u = jnp.split(solved, 2, axis=-1)
+    qg = scale * q * jnp.exp(gamma)
+    kd = k * jnp.exp(gamma_last - gamma)
+    decay_chunk = jnp.exp(gamma_last[:, :, 0, :])
+    return w, u, qg, attn, kd, decay_chunk
+
+
+def _scan_chunks(operands, start_seq, last_seq, initial_state):
+    """Serial pass over chunk slots. initial_state: [N, H, K, V] float32 (K-major inside)."""
+    w, u, qg, attn, kd, decay_chunk = operands
+    num_heads, dk, dv = initial_state.shape[1:]
+
+    def step(carry, xs):
+        state, finals = carry
+        w_c, u_c, qg_c, attn_c, kd_c, a_c, start, last = xs
+        state = jnp.where(start >= 0, initial_state[jnp.maximum(start, 0)], state)
+        v_new = u_c - jnp.einsum("hik,hkv->hiv", w_c, state, precision=_HIGHEST)
+        out = jnp.einsum("hik,hkv->hiv", qg_c, state, precision=_HIGHEST)
+        out = out + jnp.einsum("hij,hjv->hiv", attn_c, v_new, precision=_HIGHEST)
+        state = a_c[:, :, None] * state + jnp.einsum(
+            "hik,hiv->hkv", kd_c, v_new, precision=_HIGHEST
+        )
+        index = jnp.maximum(last, 0)
+        finals = finals.at[index].set(jnp.where(last >= 0, state, finals[index]))
+        return (state, finals), out
+
+    state0 = jnp.zeros((num_heads, dk, dv), jnp.float32)
+    xs = (w, u, qg, attn, kd, decay_chunk, start_seq, last_seq)
+    (_, finals), out = lax.scan(step, (state0, initial_state), xs)
+    return out, finals
+
+
+def forward(q, k, v, g, beta, cu_seqlens, initial_state, scale):
+    """KDA forward, packed THD.
+
+    Args:
+      q, k, v: [T, H, 128], any float dtype (computed in float32).
+      g: [T, H, 128] float32 log-decay (<= 0). beta: [T, H] float32.
+      cu_seqlens: [N + 1] int32 on the device. initial_state: [N, H, 128(V), 128(K)] float32.
+      scale: Python float.
+    Returns:
+      o: [T, H, 128] in q's dtype; final_state: [N, H, 128(V), 128(K)] float32.
+    """
+    total_tokens = q.shape[0]
+    num_sequences = cu_seqlens.shape[0] - 1
+    num_slots = chunk_slot_count(total_tokens, num_sequences)
+    cu_seqlens = jnp.asarray(cu_seqlens, jnp.int32)
+    _, rows = _token_slots(cu_seqlens, total_tokens)
+    as_chunks = [_to_chunks(x.astype(jnp.float32), rows, num_slots) for x in (q, k, v, g, beta)]
+    operands = _chunk_operands(*as_chunks, scale)
+
+    first, count = _sequence_slots(cu_seqlens)
+    seq_ids = jnp.arange(num_sequences, dtype=jnp.int32)
+    no_slot = jnp.full((num_slots,), -1, jnp.int32)
+    # Out-of-range indices (empty sequences) are dropped, leaving -1: no reset / no final there.
+    start_seq = no_slot.at[jnp.where(count > 0, first, num_slots)].set(seq_ids, mode="drop")
+    last_seq = no_slot.at[jnp.where(count > 0, first + count - 1, num_slots)].set(
+        seq_ids, mode="drop"
+    )
+
+    state_kv = jnp.swapaxes(initial_state.astype(jnp.float32), -1, -2)
+    out, finals = _scan_chunks(operands, start_seq, last_seq, state_kv)
+    out = jnp.moveaxis(out, 2, 1).reshape(num_slots * CHUNK, q.shape[1], -1)
+    o = out[rows].astype(q.dtype)
+    return o, jnp.swapaxes(finals, -1, -2)
