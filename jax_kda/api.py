@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_kda import xla
+from jax_kda import sm90, xla
 from jax_kda.constants import HEAD_DIM, default_scale
 
 BACKENDS = ("auto", "xla", "sm90")
@@ -89,15 +89,20 @@ def prefill(
 
 
 def _resolve_backend(backend: str, q) -> str:
-    if backend in ("auto", "xla"):
+    """'auto' takes the sm90 kernels when they can serve the call; 'sm90' insists on them."""
+    if backend == "xla":
         return "xla"
-    raise BackendUnavailableError(
-        "backend='sm90': the CuTe DSL sm90 kernels are not built in this version of jax_kda; "
-        "use backend='xla' (or 'auto')"
-    )
+    reason = sm90.unavailable_reason(q.dtype)
+    if reason is None:
+        return "sm90"
+    if backend == "auto":
+        return "xla"
+    raise BackendUnavailableError(f"backend='sm90' cannot serve this call: {reason}")
 
 
 def _forward(call: _Call, q, k, v, g, beta, cu_seqlens, initial_state):
+    if call.backend == "sm90":
+        return _forward_sm90(call, q, k, v, g, beta, cu_seqlens, initial_state)
     if call.batched:
         row_cu = jnp.array([0, q.shape[1]], jnp.int32)
         per_row = partial(xla.forward, cu_seqlens=row_cu, scale=call.scale)
@@ -108,6 +113,17 @@ def _forward(call: _Call, q, k, v, g, beta, cu_seqlens, initial_state):
 
         return jax.vmap(one_row)(q, k, v, g, beta, initial_state)
     return xla.forward(q, k, v, g, beta, cu_seqlens, initial_state, call.scale)
+
+
+def _forward_sm90(call: _Call, q, k, v, g, beta, cu_seqlens, initial_state):
+    """The kernels take packed THD: a batch of B rows of length T is B sequences of length T."""
+    if not call.batched:
+        return sm90.forward(q, k, v, g, beta, cu_seqlens, initial_state, call.scale)
+    rows, length = q.shape[:2]
+    row_cu = jnp.arange(rows + 1, dtype=jnp.int32) * length
+    packed = [x.reshape(rows * length, *x.shape[2:]) for x in (q, k, v, g, beta)]
+    o, final_state = sm90.forward(*packed, row_cu, initial_state, call.scale)
+    return o.reshape(q.shape), final_state
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(0,))

@@ -17,5 +17,7 @@ def test_auto_serves_the_call_here():
 
 def test_explicit_sm90_raises_with_reason():
     x = production_inputs([16], 1, seed=0)
-    with pytest.raises(jax_kda.BackendUnavailableError, match=r"backend='sm90'.*not built"):
+    with pytest.raises(
+        jax_kda.BackendUnavailableError, match=r"backend=.sm90. cannot serve.*not a Hopper"
+    ):
         jax_kda.prefill(*x[:5], backend="sm90")

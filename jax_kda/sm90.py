@@ -1,0 +1,95 @@
+"""The sm90 backend: exports the CuTe DSL kernels and calls them through the XLA FFI target.
+
+The kernels are compiled for sm_90a with T and N symbolic, once per (heads, scale), and cached on
+disk (see cute_export.py), so neither a new T or N nor a new process compiles them again.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import os
+
+import jax
+import jax.numpy as jnp
+
+from jax_kda.constants import HEAD_DIM
+from jax_kda.plan import plan_prefill
+
+ASSUME_SM90_ENV = "JAX_KDA_ASSUME_SM90"
+"""Set to 1 to lower the sm90 path without a Hopper GPU present (cross-lowering, export, CI)."""
+
+
+def has_hopper() -> bool:
+    """True when JAX's default device is an NVIDIA Hopper (compute capability 9.0) GPU."""
+    device = jax.devices()[0]
+    return device.platform == "gpu" and getattr(device, "compute_capability", "") == "9.0"
+
+
+def unavailable_reason(q_dtype) -> str | None:
+    """Why the sm90 kernels cannot serve a call with this q dtype here, or None if they can."""
+    if jnp.dtype(q_dtype) != jnp.bfloat16:
+        return f"the sm90 kernels take bfloat16 q, k, v; got {jnp.dtype(q_dtype)}"
+    if not (has_hopper() or os.environ.get(ASSUME_SM90_ENV) == "1"):
+        device = jax.devices()[0]
+        return (
+            f"JAX's default device is {device.device_kind} ({device.platform}), not a Hopper "
+            f"(sm90) GPU; set {ASSUME_SM90_ENV}=1 to lower for Hopper from this machine anyway"
+        )
+    try:
+        import cutlass  # noqa: F401
+    except ImportError as error:
+        return f"nvidia-cutlass-dsl cannot be imported: {error}"
+    return None
+
+
+@functools.cache
+def forward_artifact(num_heads: int, scale: float):
+    """The exported forward kernel for H heads and this scale (compiled or read from disk)."""
+    import cutlass.cute as cute
+    from cutlass import BFloat16, Float32, Int32
+
+    from jax_kda.cute_export import export, row_major_fake
+    from jax_kda.kernels.kda_fwd_sm90 import KdaConfig, KdaForwardSm90
+
+    config = KdaConfig(num_heads=num_heads, scale=scale)
+    tokens, seqs, seqs_plus_one = cute.sym_int32(), cute.sym_int32(), cute.sym_int32()
+    token_shape = (tokens, num_heads, HEAD_DIM)
+    state_shape = (seqs, num_heads, HEAD_DIM, HEAD_DIM)
+    fakes = {
+        "q": row_major_fake(BFloat16, token_shape),
+        "k": row_major_fake(BFloat16, token_shape),
+        "v": row_major_fake(BFloat16, token_shape),
+        "g": row_major_fake(Float32, token_shape),
+        "beta": row_major_fake(Float32, (tokens, num_heads), align=4),
+        "cu_seqlens": row_major_fake(Int32, (seqs_plus_one,), align=4),
+        "initial_state": row_major_fake(Float32, state_shape),
+        "o": row_major_fake(BFloat16, token_shape),
+        "final_state": row_major_fake(Float32, state_shape),
+    }
+    scale_tag = hashlib.sha256(repr(scale).encode()).hexdigest()[:8]
+    return export(
+        KdaForwardSm90(config),
+        fakes,
+        prefix=f"kda_fwd_sm90_h{num_heads}_{scale_tag}",
+        config={"num_heads": num_heads, "scale": repr(scale), "v_split": config.v_split},
+    )
+
+
+def forward(q, k, v, g, beta, cu_seqlens, initial_state, scale):
+    """KDA forward on the sm90 kernels; same contract as xla.forward (q, k, v bfloat16)."""
+    from jax_kda.ffi_call import cute_call, register
+
+    total_tokens, num_heads, _ = q.shape
+    num_sequences = cu_seqlens.shape[0] - 1
+    plan = plan_prefill(total_tokens, num_heads, num_sequences)
+    if has_hopper():
+        register()
+    results = [
+        jax.ShapeDtypeStruct((total_tokens, num_heads, HEAD_DIM), jnp.bfloat16),
+        jax.ShapeDtypeStruct((num_sequences, num_heads, HEAD_DIM, HEAD_DIM), jnp.float32),
+        *(jax.ShapeDtypeStruct(b.shape, b.dtype) for b in plan.workspace),
+    ]
+    inputs = [q, k, v, g, beta, jnp.asarray(cu_seqlens, jnp.int32), initial_state]
+    o, final_state, *_workspace = cute_call(forward_artifact(num_heads, scale), inputs, results)
+    return o, final_state

@@ -1,0 +1,207 @@
+"""The sm90 kernels on a Hopper GPU against the float64 oracle (marker gpu; skipped elsewhere).
+
+Fresh random data each run, the production gate (lb = -5), non-zero initial states, outputs
+poisoned with NaN before the kernel writes them.
+"""
+
+import os
+import subprocess
+import sys
+import textwrap
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jax_kda
+from jax_kda import sm90
+from jax_kda.constants import HEAD_DIM, default_scale
+from jax_kda.ffi_call import cute_call, register
+from jax_kda.oracle import RMS_RATIO_BAR, production_inputs, recurrent_oracle, rms_ratio
+
+pytestmark = pytest.mark.gpu
+
+SEED = time.time_ns() % 2**31
+CASES = {
+    **{f"single-{n}": ([n], 2) for n in (1, 15, 16, 17, 31, 63, 64, 65, 121, 251, 257)},
+    "ragged-17-0-16": ([17, 0, 16], 2),
+    "one-empty": ([0], 2),
+    "all-empty": ([0, 0, 0], 2),
+    "short-many": ([7] * 24 + [1] * 8, 4),
+    "flashkda-mixed": ([1300, 547, 2048, 963, 271, 3063], 4),
+    "long-16384": ([16384], 2),
+    "n64-h32": (list(np.random.default_rng(SEED).integers(0, 300, 64)), 32),
+}
+
+
+def _poisoned_kernel_call(x):
+    """The exported kernel with o and final_state pre-filled with NaN (aliased results)."""
+    register()
+    tokens, heads, _ = x.q.shape
+    seqs = x.cu_seqlens.shape[0] - 1
+    results = [
+        jax.ShapeDtypeStruct((tokens, heads, HEAD_DIM), jnp.bfloat16),
+        jax.ShapeDtypeStruct((seqs, heads, HEAD_DIM, HEAD_DIM), jnp.float32),
+    ]
+    artifact = sm90.forward_artifact(heads, default_scale())
+
+    @jax.jit
+    def run(*inputs):
+        poison = [jnp.full(r.shape, jnp.nan, r.dtype) for r in results]
+        return cute_call(artifact, [*inputs, *poison], results, aliases={7: 0, 8: 1})
+
+    return run(*x)
+
+
+def _prefill(backend):
+    return jax.jit(
+        lambda q, k, v, g, b, cu, s: jax_kda.prefill(
+            q, k, v, g, b, cu_seqlens=cu, initial_state=s, backend=backend
+        )
+    )
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_kernel_matches_float64_oracle(case):
+    lengths, heads = CASES[case]
+    x = production_inputs(lengths, heads, seed=SEED + len(case))
+    o, final = _poisoned_kernel_call(x)
+    ref_o, ref_final = recurrent_oracle(*x)
+    err_o = rms_ratio(o, ref_o) if o.size else 0.0
+    err_final = rms_ratio(final, ref_final)
+    xla_o, _ = _prefill("xla")(*x)
+    err_xla = rms_ratio(o, xla_o) if o.size else 0.0
+    print(f"{case}: o {err_o:.2e} final {err_final:.2e} vs xla {err_xla:.2e}")
+    assert not np.isnan(np.asarray(o, np.float32)).any() and not np.isnan(final).any()
+    assert err_o <= RMS_RATIO_BAR and err_final <= RMS_RATIO_BAR
+    assert err_xla <= RMS_RATIO_BAR
+    for s, n in enumerate(lengths):
+        if n == 0:
+            np.testing.assert_array_equal(np.asarray(final[s]), x.initial_state[s])
+
+
+def test_prefill_sm90_equals_oracle_through_the_public_api():
+    x = production_inputs([300, 0, 45, 16], 4, seed=SEED)
+    o, final = _prefill("sm90")(*x)
+    ref_o, ref_final = recurrent_oracle(*x)
+    assert rms_ratio(o, ref_o) <= RMS_RATIO_BAR
+    assert rms_ratio(final, ref_final) <= RMS_RATIO_BAR
+    auto_o, _ = _prefill("auto")(*x)
+    np.testing.assert_array_equal(np.asarray(auto_o), np.asarray(o))
+
+
+def test_non_contiguous_inputs_under_jit():
+    x = production_inputs([90, 38], 2, seed=SEED + 1)
+    ref_o, ref_final = recurrent_oracle(*x)
+    transposed = [jnp.asarray(np.swapaxes(a, 0, 1)) for a in x[:4]]  # stored [H, T, D]
+    padded = [jnp.pad(jnp.asarray(a), ((3, 5), (0, 1), (0, 64))) for a in x[:4]]
+    beta_padded = jnp.pad(jnp.asarray(x.beta), ((3, 5), (0, 1)))
+    state_padded = jnp.pad(jnp.asarray(x.initial_state), ((0, 0), (0, 0), (0, 8), (0, 8)))
+
+    @jax.jit
+    def from_transposed(q, k, v, g, beta, cu, state):
+        q, k, v, g = (a.swapaxes(0, 1) for a in (q, k, v, g))
+        return jax_kda.prefill(q, k, v, g, beta, cu_seqlens=cu, initial_state=state, backend="sm90")
+
+    @jax.jit
+    def from_padded(q, k, v, g, beta, cu, state):
+        q, k, v, g = (a[3:-5, :2, :HEAD_DIM] for a in (q, k, v, g))
+        beta, state = beta[3:-5, :2], state[:, :, :HEAD_DIM, :HEAD_DIM]
+        return jax_kda.prefill(q, k, v, g, beta, cu_seqlens=cu, initial_state=state, backend="sm90")
+
+    runs = {
+        "transposed": from_transposed(*transposed, x.beta, x.cu_seqlens, x.initial_state),
+        "padded-then-sliced": from_padded(*padded, beta_padded, x.cu_seqlens, state_padded),
+    }
+    for name, (o, final) in runs.items():
+        assert rms_ratio(o, ref_o) <= RMS_RATIO_BAR, name
+        assert rms_ratio(final, ref_final) <= RMS_RATIO_BAR, name
+
+
+def test_batched_form_equals_packed_form():
+    x = production_inputs([64] * 3, 2, seed=SEED + 2)
+    o_thd, f_thd = _prefill("sm90")(*x)
+    rows = [a.reshape(3, 64, *a.shape[1:]) for a in x[:5]]
+    o_b, f_b = jax.jit(lambda *a: jax_kda.prefill(*a[:5], initial_state=a[5], backend="sm90"))(
+        *rows, x.initial_state
+    )
+    np.testing.assert_array_equal(np.asarray(o_b).reshape(o_thd.shape), np.asarray(o_thd))
+    np.testing.assert_array_equal(np.asarray(f_b), np.asarray(f_thd))
+
+
+def test_inside_scan_and_fori_loop_chain_states_like_xla():
+    x = production_inputs([70, 30], 2, seed=SEED + 3)
+
+    def chained(backend, loop):
+        step = _prefill(backend)
+
+        @jax.jit
+        def run(q, k, v, g, beta, cu, state):
+            def body(s):
+                return step(q, k, v, g, beta, cu, s)[1]
+
+            if loop == "scan":
+                return jax.lax.scan(lambda s, _: (body(s), None), state, None, length=4)[0]
+            return jax.lax.fori_loop(0, 4, lambda i, s: body(s), state)
+
+        return run(*x)
+
+    for loop in ("scan", "fori_loop"):
+        assert rms_ratio(chained("sm90", loop), chained("xla", loop)) <= RMS_RATIO_BAR, loop
+
+
+def test_grad_through_sm90_forward():
+    x = production_inputs([50, 14], 2, seed=SEED + 4)
+
+    def loss(backend):
+        def f(q, g, state):
+            o, final = jax_kda.prefill(
+                q,
+                x.k,
+                x.v,
+                g,
+                x.beta,
+                cu_seqlens=x.cu_seqlens,
+                initial_state=state,
+                backend=backend,
+            )
+            return jnp.sum(o.astype(jnp.float32) ** 2) + jnp.sum(final**2)
+
+        return jax.jit(jax.value_and_grad(f, argnums=(0, 1, 2)))(x.q, x.g, x.initial_state)
+
+    (value_sm90, grads_sm90), (value_xla, grads_xla) = loss("sm90"), loss("xla")
+    assert abs(float(value_sm90) - float(value_xla)) <= RMS_RATIO_BAR * abs(float(value_xla))
+    # Both backwards are XLA's; they differ only through the cotangent 2 * o of the forward.
+    for a, b in zip(grads_sm90, grads_xla, strict=True):
+        assert np.all(np.isfinite(np.asarray(a, np.float32)))
+        assert rms_ratio(a, b) <= RMS_RATIO_BAR
+
+
+def test_command_buffers_give_equal_results(tmp_path):
+    """XLA command buffers (CUDA graphs) on for custom calls: results equal to the plain run."""
+    script = textwrap.dedent(
+        f"""
+        import sys, numpy as np, jax, jax_kda
+        from jax_kda.oracle import production_inputs
+        x = production_inputs([200, 0, 77], 4, seed={SEED})
+        f = jax.jit(lambda *a: jax_kda.prefill(*a[:5], cu_seqlens=a[5], initial_state=a[6],
+                                               backend="sm90"))
+        o, final = f(*x)
+        o, final = f(*x)
+        np.savez(sys.argv[1], o=np.asarray(o, np.float32), final=np.asarray(final))
+        """
+    )
+    flags = "--xla_gpu_enable_command_buffer=CUSTOM_CALL --xla_gpu_graph_min_graph_size=1"
+    outputs = {}
+    for name, xla_flags in (("plain", ""), ("command-buffer", flags)):
+        env = {**os.environ, "XLA_FLAGS": xla_flags}
+        path = tmp_path / f"{name}.npz"
+        run = subprocess.run(
+            [sys.executable, "-c", script, str(path)], env=env, capture_output=True, text=True
+        )
+        assert run.returncode == 0, run.stderr[-3000:]
+        outputs[name] = np.load(path)
+    for key in ("o", "final"):
+        np.testing.assert_array_equal(outputs["plain"][key], outputs["command-buffer"][key])

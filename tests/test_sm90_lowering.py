@@ -1,0 +1,142 @@
+"""CPU CI for the sm90 path: every kernel variant compiles and exports for sm_90a, and the jitted
+prefill lowers for CUDA to our custom call, without a GPU (CUTE_DSL_ARCH=sm_90a)."""
+
+import os
+import re
+import subprocess
+import sys
+import textwrap
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+import jax_kda
+from jax_kda import cute_export, sm90
+from jax_kda.ffi_call import TARGET
+from jax_kda.oracle import production_inputs
+from jax_kda.plan import plan_prefill
+
+pytest.importorskip("cutlass")
+
+# Heads from SPEC's shapes and the small/many-sequence cases; every one is a separate variant.
+VARIANT_HEADS = [1, 2, 4, 32]
+
+
+@pytest.fixture(autouse=True)
+def _lower_for_hopper(monkeypatch):
+    monkeypatch.setenv(sm90.ASSUME_SM90_ENV, "1")
+
+
+def _lower(fn, *args):
+    return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+
+
+def _prefill(**options):
+    def fn(q, k, v, g, beta, cu, state):
+        return jax_kda.prefill(q, k, v, g, beta, cu_seqlens=cu, initial_state=state, **options)
+
+    return fn
+
+
+def _custom_calls(text):
+    return re.findall(r"stablehlo\.custom_call @(\w+)\(.*\) \{.*\} : \(.*\) -> (.*)$", text, re.M)
+
+
+@pytest.mark.parametrize("heads", VARIANT_HEADS)
+def test_kernel_variant_exports_for_sm90a(heads):
+    artifact = sm90.forward_artifact(heads, 128**-0.5)
+    assert artifact.object_bytes[:4] == b"\x7fELF"
+    assert f"kda_fwd_sm90_h{heads}_" in artifact.prefix
+    assert len(artifact.tensors) == 9  # 7 inputs, o, final_state
+
+
+def test_custom_scale_is_its_own_variant():
+    a = sm90.forward_artifact(2, 0.125)
+    b = sm90.forward_artifact(2, 128**-0.5)
+    assert a.prefix != b.prefix and a.key != b.key
+
+
+def test_prefill_lowers_to_one_custom_call_with_the_planned_results():
+    x = production_inputs([17, 0, 16], 2, seed=0)
+    calls = _custom_calls(_lower(_prefill(backend="sm90"), *x))
+    assert [name for name, _ in calls] == [TARGET]
+    plan = plan_prefill(33, 2, 3)
+    expected = ["tensor<33x2x128xbf16>", "tensor<3x2x128x128xf32>"]
+    expected += [f"tensor<{'x'.join(map(str, b.shape))}x" for b in plan.workspace]
+    results = calls[0][1]
+    for result in expected:
+        assert result in results
+    assert results.count("tensor<") == 2 + len(plan.workspace)
+
+
+def test_new_tokens_or_sequences_do_not_compile_again():
+    _lower(_prefill(backend="sm90"), *production_inputs([40, 9], 2, seed=1))
+    before = cute_export.COMPILE_COUNT
+    for lengths in ([5], [100, 0, 3, 60], [0, 0]):
+        x = production_inputs(lengths, 2, seed=2)
+        assert TARGET in _lower(_prefill(backend="sm90"), *x)
+    assert cute_export.COMPILE_COUNT == before
+
+
+def test_auto_picks_sm90_for_bf16_and_xla_for_float32():
+    x = production_inputs([20], 2, seed=3)
+    assert TARGET in _lower(_prefill(), *x)
+    x32 = production_inputs([20], 2, seed=3, dtype=jnp.float32)
+    assert TARGET not in _lower(_prefill(), *x32)
+    with pytest.raises(jax_kda.BackendUnavailableError, match="take bfloat16 q, k, v; got float32"):
+        _lower(_prefill(backend="sm90"), *x32)
+
+
+def test_lowers_inside_scan_fori_loop_grad_and_batched():
+    x = production_inputs([24, 8], 2, seed=4)
+    step = _prefill(backend="sm90")
+
+    def in_scan(q, k, v, g, beta, cu, state):
+        def body(s, _):
+            return step(q, k, v, g, beta, cu, s)[1], None
+
+        return jax.lax.scan(body, state, None, length=3)[0]
+
+    def in_fori(q, k, v, g, beta, cu, state):
+        return jax.lax.fori_loop(0, 3, lambda i, s: step(q, k, v, g, beta, cu, s)[1], state)
+
+    def loss(q, k, v, g, beta, cu, state):
+        o, final = step(q, k, v, g, beta, cu, state)
+        return jnp.sum(o.astype(jnp.float32)) + jnp.sum(final)
+
+    def value_and_grad(*a):
+        return jax.value_and_grad(loss, argnums=(0, 3, 6))(*a)
+
+    for fn in (in_scan, in_fori, value_and_grad):
+        assert TARGET in _lower(fn, *x), fn.__name__
+
+    rows = [a.reshape(2, 16, *a.shape[1:]) for a in x[:5]]
+
+    def batched(q, k, v, g, beta, state):
+        return jax_kda.prefill(q, k, v, g, beta, initial_state=state, backend="sm90")
+
+    state = x.initial_state
+    assert TARGET in _lower(batched, *rows, state)
+
+
+def test_a_new_process_loads_the_kernel_from_disk_without_compiling(tmp_path):
+    script = textwrap.dedent(
+        """
+        import time
+        t = time.perf_counter()
+        from jax_kda import cute_export, sm90
+        sm90.forward_artifact(3, 128 ** -0.5)
+        print(cute_export.COMPILE_COUNT, f"{time.perf_counter() - t:.2f}")
+        """
+    )
+    env = {**os.environ, "JAX_KDA_CACHE_DIR": str(tmp_path), "CUTE_DSL_ARCH": "sm_90a"}
+    runs = [
+        subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True)
+        for _ in range(2)
+    ]
+    for run in runs:
+        assert run.returncode == 0, run.stderr[-2000:]
+    (cold, cold_s), (warm, warm_s) = (run.stdout.split() for run in runs)
+    print(f"kernel ready: cold process {cold_s} s ({cold} compile), warm {warm_s} s ({warm})")
+    assert (cold, warm) == ("1", "0")
