@@ -11,6 +11,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from jax_kda.constants import CHUNK
+
+CHUNK_RECORD_BYTES = 21504
+"""Bytes PREP writes per (chunk slot, head) for EXPAND: -wt, qg, kg^T (bf16 swizzled wgmma tiles,
+4 KiB each), Z (bf16 16x16), a = exp(gamma) (f32 [128]) and ut^T (f32 [128, 16])."""
+
 
 @dataclass(frozen=True)
 class WorkspaceBuffer:
@@ -44,9 +50,11 @@ class PrefillPlan:
 def plan_prefill(total_tokens: int, num_heads: int, num_sequences: int) -> PrefillPlan:
     """The sm90 plan for T tokens, H heads and N sequences.
 
-    The current kernel is one fused launch: each (V-slab, head, sequence) CTA prepares its chunks
-    and carries the state in registers, so it needs no workspace and never splits a sequence into
-    segments (segment_count is 1 whatever the shapes).
+    Two launches: PREP, parallel over (chunk slot, head), writes one record per slot into the
+    workspace; EXPAND, per (V-slab, head, sequence), runs the serial chain over those records with
+    the state in registers. There are T // 16 + N chunk slots (gap-safe varlen mapping, see
+    xla.py). Sequences are not split into segments yet (segment_count is 1 whatever the shapes),
+    so no per-segment buffer exists.
     """
     for name, value, low in (
         ("total_tokens", total_tokens, 0),
@@ -60,6 +68,12 @@ def plan_prefill(total_tokens: int, num_heads: int, num_sequences: int) -> Prefi
         num_heads=num_heads,
         num_sequences=num_sequences,
         segment_count=1,
-        launches=1,
-        workspace=(),
+        launches=2,
+        workspace=(
+            WorkspaceBuffer(
+                "chunk_records",
+                (total_tokens // CHUNK + num_sequences, num_heads, CHUNK_RECORD_BYTES // 16, 4),
+                "int32",
+            ),
+        ),
     )

@@ -54,6 +54,8 @@ def forward_artifact(num_heads: int, scale: float):
 
     config = KdaConfig(num_heads=num_heads, scale=scale)
     tokens, seqs, seqs_plus_one = cute.sym_int32(), cute.sym_int32(), cute.sym_int32()
+    slots = cute.sym_int32()
+    (records,) = plan_prefill(0, num_heads, 1).workspace
     token_shape = (tokens, num_heads, HEAD_DIM)
     state_shape = (seqs, num_heads, HEAD_DIM, HEAD_DIM)
     fakes = {
@@ -66,13 +68,14 @@ def forward_artifact(num_heads: int, scale: float):
         "initial_state": row_major_fake(Float32, state_shape),
         "o": row_major_fake(BFloat16, token_shape),
         "final_state": row_major_fake(Float32, state_shape),
+        "ws_rec": row_major_fake(Int32, (slots, *records.shape[1:])),
     }
     scale_tag = hashlib.sha256(repr(scale).encode()).hexdigest()[:8]
     return export(
         KdaForwardSm90(config),
         fakes,
         prefix=f"kda_fwd_sm90_h{num_heads}_{scale_tag}",
-        config={"num_heads": num_heads, "scale": repr(scale), "v_split": config.v_split},
+        config={"num_heads": num_heads, "scale": repr(scale), "stages": config.stages},
     )
 
 

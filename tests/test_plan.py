@@ -2,23 +2,25 @@
 
 import pytest
 
-from jax_kda.plan import WorkspaceBuffer, plan_prefill
+from jax_kda.plan import CHUNK_RECORD_BYTES, WorkspaceBuffer, plan_prefill
 
 
-@pytest.mark.parametrize(("tokens", "heads", "seqs"), [(0, 2, 3), (33, 2, 3), (16384, 16, 8)])
-def test_fused_kernel_plan_has_one_launch_and_no_workspace(tokens, heads, seqs):
+@pytest.mark.parametrize(
+    ("tokens", "heads", "seqs", "slots"), [(0, 2, 3, 3), (33, 2, 3, 5), (16384, 16, 8, 1032)]
+)
+def test_plan_is_prep_then_expand_with_one_record_per_chunk_slot(tokens, heads, seqs, slots):
     plan = plan_prefill(tokens, heads, seqs)
-    assert (plan.segment_count, plan.launches, plan.workspace, plan.workspace_bytes) == (
-        1,
-        1,
-        (),
-        0,
-    )
+    assert (plan.segment_count, plan.launches) == (1, 2)
+    (records,) = plan.workspace
+    assert records.shape == (slots, heads, CHUNK_RECORD_BYTES // 16, 4)
+    assert plan.workspace_bytes == slots * heads * CHUNK_RECORD_BYTES
 
 
-def test_many_short_sequences_need_no_per_segment_workspace():
+def test_many_short_sequences_get_no_per_segment_workspace():
+    """The reviewed design sized 160 KB per (sequence, head, segment) even unsplit: 327 MB here."""
     plan = plan_prefill(64 * 128, 32, 64)
-    assert plan.workspace_bytes == 0
+    assert [b.name for b in plan.workspace] == ["chunk_records"]
+    assert plan.workspace_bytes == (64 * 128 // 16 + 64) * 32 * CHUNK_RECORD_BYTES
 
 
 def test_workspace_buffer_bytes():

@@ -20,6 +20,7 @@ from jax_kda import sm90
 from jax_kda.constants import HEAD_DIM, default_scale
 from jax_kda.ffi_call import cute_call, register
 from jax_kda.oracle import RMS_RATIO_BAR, production_inputs, recurrent_oracle, rms_ratio
+from jax_kda.plan import plan_prefill
 
 pytestmark = pytest.mark.gpu
 
@@ -37,20 +38,27 @@ CASES = {
 
 
 def _poisoned_kernel_call(x):
-    """The exported kernel with o and final_state pre-filled with NaN (aliased results)."""
+    """The exported kernel with o, final_state and the workspace pre-filled with NaN bit
+    patterns (aliased results), so that anything left unwritten shows."""
     register()
     tokens, heads, _ = x.q.shape
     seqs = x.cu_seqlens.shape[0] - 1
     results = [
         jax.ShapeDtypeStruct((tokens, heads, HEAD_DIM), jnp.bfloat16),
         jax.ShapeDtypeStruct((seqs, heads, HEAD_DIM, HEAD_DIM), jnp.float32),
+        *(
+            jax.ShapeDtypeStruct(b.shape, b.dtype)
+            for b in plan_prefill(tokens, heads, seqs).workspace
+        ),
     ]
     artifact = sm90.forward_artifact(heads, default_scale())
 
     @jax.jit
     def run(*inputs):
-        poison = [jnp.full(r.shape, jnp.nan, r.dtype) for r in results]
-        return cute_call(artifact, [*inputs, *poison], results, aliases={7: 0, 8: 1})
+        poison = [jnp.full(r.shape, jnp.nan, r.dtype) for r in results[:2]]
+        poison += [jnp.full(r.shape, -1, r.dtype) for r in results[2:]]  # all-ones bits: NaN
+        aliases = {7 + i: i for i in range(len(results))}
+        return cute_call(artifact, [*inputs, *poison], results, aliases=aliases)[:2]
 
     return run(*x)
 

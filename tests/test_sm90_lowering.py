@@ -48,7 +48,7 @@ def test_kernel_variant_exports_for_sm90a(heads):
     artifact = sm90.forward_artifact(heads, 128**-0.5)
     assert artifact.object_bytes[:4] == b"\x7fELF"
     assert f"kda_fwd_sm90_h{heads}_" in artifact.prefix
-    assert len(artifact.tensors) == 9  # 7 inputs, o, final_state
+    assert len(artifact.tensors) == 10  # 7 inputs, o, final_state, the chunk-record workspace
 
 
 def test_custom_scale_is_its_own_variant():

@@ -1,21 +1,24 @@
-"""KDA (Kimi Delta Attention) forward, exact, one fused sm_90a CuTe DSL kernel.
+"""KDA (Kimi Delta Attention) forward, exact, sm_90a CuTe DSL: PREP (parallel) + EXPAND (serial).
 
-Grid (VSPLIT, H, N); 128 threads (one warpgroup). Each CTA owns a slab of VS = 128 / VSPLIT
-rows of the transposed float32 state St = S^T ([V, K]) of one (head, sequence) and walks the
-sequence's 16-token chunks serially. The state lives in registers as a wgmma accumulator
-(m64n128, f32) and is fed back to wgmma as a bf16 register A operand (RS form).
-
-Per chunk (thread d = channel d in the prep part):
-  load q, k, v (bf16), g (f32), beta (f32) rows bos+16c .. (rows past the end: q=k=v=0, g=0,
-  beta=0, so the chunk is the identity on those rows); Gamma = cumsum g; E = exp(Gamma);
-  kw = k E; qg = scale q E; ub = beta k / E  (f32, in smem)
-  Akk = strictLower(kw ub^T), Z = tril(qg ub^T)        (f32 SIMT dots over K=128)
-  wt = T^-1 kw, ut = T^-1 v, T = I + Akk              (forward substitution, f32)
-  a = exp(Gamma_15), kg = ub a
-  Rt = ut^T - St wt^T            wgmma m64n16k16 x8, A = bf16(St) regs, B = -wt (smem, bf16)
-  Ot = St qg^T + Rt Z^T          wgmma m64n16k16 x8 (+1), A = bf16(St) / bf16(Rt) regs
-  St = St Diag(a) + Rt kg        wgmma m64n128k16 x1, A = bf16(Rt) regs, B = kg^T (smem)
-The math is emulated in float64 by emulate.py.
+PREP, grid (S + 1, H), 128 threads, S = T//16 + N chunk slots. Sequence s owns slots
+cu[s]//16 + s + c, c in [0, ceil(len_s / 16)); a CTA finds its sequence by binary search over
+the device cu_seqlens (gap slots exit). Thread d = channel d:
+  Gamma = cumsum g (rows past the end: q=k=v=g=beta=0), E = exp(Gamma),
+  kw = k E, qg = scale q E, ub = beta k / E, a = exp(Gamma_15), kg = ub a           (f32)
+  [Akk | Zf] = [kw; qg] ub^T on tensor cores, bf16x3 split (hi*hi + lo*hi + hi*lo,
+  K = 3*128, one m64n16 wgmma chain, f32 accumulate) -> ~f32-accurate 16x16 products
+  wt = T^-1 kw, ut = T^-1 v with T = I + strictLower(Akk)  (f32 forward substitution)
+and writes one 21504-byte record per (slot, head) into ws[S, H, 1344, 4] int32, laid out
+exactly as EXPAND's shared-memory stage (swizzled wgmma B tiles), so EXPAND copies raw bytes:
+  [0, 4096)      -wt   bf16 (16, 128)  K_SW128  (wgmma B, N = token, K = channel)
+  [4096, 8192)   qg    bf16 (16, 128)  K_SW128
+  [8192, 12288)  kg^T  bf16 (128, 16)  K_SW32   (N = channel, K = token)
+  [12288, 12800) Z     bf16 (16, 16)   K_SW32   (tril(qg ub^T))
+  [12800, 13312) a     f32  (128,)
+  [13312, 21504) ut^T  f32  (128 v, 16 tokens), row-major; V-slab b reads bytes 13312 + 4096 b
+EXPAND, grid (2, H, N + 1), 128 threads: each CTA owns 64 V rows of St (registers, wgmma RS
+form) and walks its sequence's slots with a STAGES-deep cp.async (16-byte LDGSTS) pipeline of
+17408-byte stages; per chunk: Rt = ut^T + St(-wt)^T; Ot = St qg^T + Rt Z^T; St = St Diag(a) + Rt kg.
 """
 
 from __future__ import annotations
@@ -27,13 +30,23 @@ import cutlass
 import cutlass.cute as cute
 import cutlass.cute.nvgpu.warpgroup as warpgroup
 import cutlass.utils.hopper_helpers as sm90_utils
-from cutlass import BFloat16, Float32
+from cutlass import BFloat16, Float32, Int32
+from cutlass.cute.nvgpu import cpasync
 from cutlass.memory import SmemAllocator
 
 from jax_kda.constants import CHUNK, HEAD_DIM
+from jax_kda.plan import CHUNK_RECORD_BYTES
 
 NTHREADS = 128
-F32_ROW = 132  # padded row stride of the f32 smem scratch (16B aligned, 4-bank shift per row)
+VS = 64  # V rows per EXPAND CTA
+REC_BYTES = CHUNK_RECORD_BYTES  # per (slot, head) record
+REC_VEC = REC_BYTES // 16  # 1344 16-byte vectors
+STAGE_BYTES = 17408  # what one V-slab needs of a record
+STAGE_VEC = STAGE_BYTES // 16  # 1088
+COMMON_VEC = 13312 // 16  # 832 vectors shared by both slabs
+UT_VEC = 4096 // 16  # 256 vectors of ut^T per slab
+OFF_WT, OFF_QG, OFF_KG, OFF_Z, OFF_A, OFF_UT = 0, 4096, 8192, 12288, 12800, 13312
+PROD_ROW = 17
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,15 +54,50 @@ class KdaConfig:
     num_heads: int
     scale: float = HEAD_DIM**-0.5
     head_dim: int = HEAD_DIM
-    v_split: int = 2  # CTAs per (head, sequence); each owns 128 / v_split state rows
+    stages: int = 4  # EXPAND cp.async pipeline depth (chunks in flight = stages - 1)
 
     def __post_init__(self):
         if self.head_dim != HEAD_DIM:
             raise ValueError(f"head_dim must be {HEAD_DIM}, got {self.head_dim}")
-        if self.v_split not in (2,):
-            raise ValueError(f"v_split must be 2 (64-row slabs), got {self.v_split}")
         if not (self.num_heads >= 1):
             raise ValueError(f"num_heads must be >= 1, got {self.num_heads}")
+        if not (2 <= self.stages <= 8):
+            raise ValueError(f"stages must be in [2, 8], got {self.stages}")
+
+
+def _b_layouts():
+    lay_nk128 = cute.tile_to_shape(
+        warpgroup.make_smem_layout_atom(warpgroup.SmemLayoutAtomKind.K_SW128, BFloat16),
+        (CHUNK, HEAD_DIM),
+        order=(0, 1),
+    )
+    lay_z = cute.tile_to_shape(
+        warpgroup.make_smem_layout_atom(warpgroup.SmemLayoutAtomKind.K_SW32, BFloat16),
+        (CHUNK, CHUNK),
+        order=(0, 1),
+    )
+    lay_kg = cute.tile_to_shape(
+        warpgroup.make_smem_layout_atom(warpgroup.SmemLayoutAtomKind.K_SW32, BFloat16),
+        (HEAD_DIM, CHUNK),
+        order=(0, 1),
+    )
+    return lay_nk128, lay_z, lay_kg
+
+
+def _view(raw_i32_ptr, byte_off: int, comp_layout, nstages: int = 0, stage_bytes: int = 0):
+    """bf16 (swizzled) view of a composed wgmma smem layout placed at raw + byte_off; with
+    nstages > 0 an extra trailing stage mode of stride stage_bytes."""
+    ptr = cute.recast_ptr(raw_i32_ptr + byte_off // 4, comp_layout.inner, dtype=BFloat16)
+    outer = comp_layout.outer
+    if nstages > 0:
+        outer = cute.append(outer, cute.make_layout(nstages, stride=stage_bytes // 2))
+    return cute.make_tensor(ptr, outer)
+
+
+def _v16(t):
+    """The same 4 x int32 vector with its 16-byte alignment made known to the compiler (every
+    record / stage vector is 16-byte aligned; dynamic indices hide that)."""
+    return cute.make_tensor(t.iterator.align(16), cute.make_layout(4))
 
 
 class KdaForwardSm90:
@@ -57,8 +105,7 @@ class KdaForwardSm90:
         self.cfg = config
         self.H = config.num_heads
         self.scale = float(config.scale)
-        self.vsplit = config.v_split
-        self.vs = HEAD_DIM // config.v_split  # 64 state rows per CTA = one wgmma M tile
+        self.stages = config.stages
 
     # ------------------------------------------------------------------ launcher
     @cute.jit
@@ -73,9 +120,21 @@ class KdaForwardSm90:
         initial_state: cute.Tensor,
         o: cute.Tensor,
         final_state: cute.Tensor,
+        ws_rec: cute.Tensor,
         stream: cuda.CUstream,
     ):
         n_seq = cu_seqlens.shape[0] - 1
+        n_slots = ws_rec.shape[0]
+        mma_prep = sm90_utils.make_trivial_tiled_mma(
+            BFloat16,
+            BFloat16,
+            cute.nvgpu.OperandMajorMode.K,
+            cute.nvgpu.OperandMajorMode.K,
+            Float32,
+            (1, 1, 1),
+            (64, CHUNK),
+            warpgroup.OperandSource.SMEM,
+        )
         mma_n16 = sm90_utils.make_trivial_tiled_mma(
             BFloat16,
             BFloat16,
@@ -83,7 +142,7 @@ class KdaForwardSm90:
             cute.nvgpu.OperandMajorMode.K,
             Float32,
             (1, 1, 1),
-            (self.vs, CHUNK),
+            (VS, CHUNK),
             warpgroup.OperandSource.RMEM,
         )
         mma_n128 = sm90_utils.make_trivial_tiled_mma(
@@ -93,35 +152,29 @@ class KdaForwardSm90:
             cute.nvgpu.OperandMajorMode.K,
             Float32,
             (1, 1, 1),
-            (self.vs, HEAD_DIM),
+            (VS, HEAD_DIM),
             warpgroup.OperandSource.RMEM,
         )
-        # the acc -> A-operand register reuse relies on identical C and A thread-value layouts
         assert str(mma_n16.tv_layout_A) == str(mma_n16.tv_layout_C), "wgmma C/A TV layouts differ"
-        self.kernel(
-            q, k, v, g, beta, cu_seqlens, initial_state, o, final_state, mma_n16, mma_n128
-        ).launch(
-            grid=[self.vsplit, self.H, n_seq],
-            block=[NTHREADS, 1, 1],
-            stream=stream,
+        # +1: never a 0-sized grid (N = 0 / T = 0); the extra CTAs find no chunk and exit
+        self.prep_kernel(q, k, v, g, beta, cu_seqlens, ws_rec, mma_prep).launch(
+            grid=[n_slots + 1, self.H, 1], block=[NTHREADS, 1, 1], stream=stream
         )
+        self.expand_kernel(
+            cu_seqlens, initial_state, o, final_state, ws_rec, mma_n16, mma_n128
+        ).launch(grid=[2, self.H, n_seq + 1], block=[NTHREADS, 1, 1], stream=stream)
 
-    # ------------------------------------------------------------------ helpers
     @staticmethod
     def _acc_to_a_operand(mma: cute.TiledMma, acc: cute.Tensor, m: int, kdim: int) -> cute.Tensor:
-        """bf16 copy of an m64nN f32 wgmma accumulator as the register A operand of an m64 x kdim
-        (kdim = N) wgmma. The wgmma C and A thread-value layouts coincide per k16 block (checked at
-        trace time on tv_layout_A/tv_layout_C: ((4,8,4),(2,2,2)):((128,1,16),(64,8,512))), and per
-        thread the accumulator's (2,2,N/8) values and the A fragment's ((2,2,2), 1, N/16) values
-        have the same linear register order, so a plain elementwise convert is the relayout."""
+        """bf16 copy of an m64nN f32 accumulator as the RS A operand (identical C/A TV layouts)."""
         frag = mma.make_fragment_A(mma.partition_shape_A((m, kdim)))
         frag_as_acc = cute.make_tensor(frag.iterator, acc.layout)
         frag_as_acc.store(acc.load().to(BFloat16))
         return frag
 
-    # ------------------------------------------------------------------ kernel
+    # ------------------------------------------------------------------ PREP
     @cute.kernel
-    def kernel(
+    def prep_kernel(
         self,
         mQ: cute.Tensor,
         mK: cute.Tensor,
@@ -129,87 +182,72 @@ class KdaForwardSm90:
         mG: cute.Tensor,
         mBeta: cute.Tensor,
         mCu: cute.Tensor,
-        mS0: cute.Tensor,
-        mO: cute.Tensor,
-        mSf: cute.Tensor,
-        mma_n16: cute.TiledMma,
-        mma_n128: cute.TiledMma,
+        mWs: cute.Tensor,
+        mma: cute.TiledMma,
     ):
         tid, _, _ = cute.arch.thread_idx()
-        vslab, h, n = cute.arch.block_idx()
-        VS = self.vs
+        slot, h, _ = cute.arch.block_idx()
         scale = self.scale
-        vbase = vslab * VS
-
-        bos = mCu[n]
-        eos = mCu[n + 1]
-        seqlen = eos - bos
-        nchunks = (seqlen + (CHUNK - 1)) // CHUNK
-
-        # ---------------- shared memory
-        smem = SmemAllocator()
-        f32_layout = cute.make_layout((CHUNK, HEAD_DIM), stride=(F32_ROW, 1))
-        s_kw = smem.allocate_tensor(Float32, f32_layout, 16)
-        s_qg = smem.allocate_tensor(Float32, f32_layout, 16)
-        s_ub = smem.allocate_tensor(Float32, f32_layout, 16)
-        s_ut = smem.allocate_tensor(Float32, f32_layout, 16)
-        s_akk = smem.allocate_tensor(
-            Float32, cute.make_layout((CHUNK, CHUNK), stride=(CHUNK + 1, 1)), 16
-        )
-        s_a = smem.allocate_tensor(Float32, cute.make_layout(HEAD_DIM), 16)
-
-        # wgmma B operands, [N, K] K-major, bf16, swizzled canonical layouts
-        lay_b_nk128 = cute.tile_to_shape(
-            warpgroup.make_smem_layout_atom(warpgroup.SmemLayoutAtomKind.K_SW128, BFloat16),
-            (CHUNK, HEAD_DIM),
-            order=(0, 1),
-        )
-        lay_b_z = cute.tile_to_shape(
-            warpgroup.make_smem_layout_atom(warpgroup.SmemLayoutAtomKind.K_SW32, BFloat16),
-            (CHUNK, CHUNK),
-            order=(0, 1),
-        )
-        lay_b_kg = cute.tile_to_shape(
-            warpgroup.make_smem_layout_atom(warpgroup.SmemLayoutAtomKind.K_SW32, BFloat16),
-            (HEAD_DIM, CHUNK),
-            order=(0, 1),
-        )
-        s_wt = smem.allocate_tensor(BFloat16, lay_b_nk128.outer, 1024, swizzle=lay_b_nk128.inner)
-        s_qgb = smem.allocate_tensor(BFloat16, lay_b_nk128.outer, 1024, swizzle=lay_b_nk128.inner)
-        s_z = smem.allocate_tensor(BFloat16, lay_b_z.outer, 1024, swizzle=lay_b_z.inner)
-        s_kgt = smem.allocate_tensor(BFloat16, lay_b_kg.outer, 1024, swizzle=lay_b_kg.inner)
-
-        # ---------------- MMA partitions
-        thr16 = mma_n16.get_slice(tid)
-        thr128 = mma_n128.get_slice(tid)
-        rB_wt = mma_n16.make_fragment_B(thr16.partition_B(s_wt))
-        rB_qg = mma_n16.make_fragment_B(thr16.partition_B(s_qgb))
-        rB_z = mma_n16.make_fragment_B(thr16.partition_B(s_z))
-        rB_kg = mma_n128.make_fragment_B(thr128.partition_B(s_kgt))
-
-        c16 = thr16.partition_C(cute.make_identity_tensor((VS, CHUNK)))
-        c128 = thr128.partition_C(cute.make_identity_tensor((VS, HEAD_DIM)))
-
-        acc_s = cute.make_rmem_tensor(mma_n128.partition_shape_C((VS, HEAD_DIM)), Float32)
-        acc_r = cute.make_rmem_tensor(mma_n16.partition_shape_C((VS, CHUNK)), Float32)
-        acc_o = cute.make_rmem_tensor(mma_n16.partition_shape_C((VS, CHUNK)), Float32)
-
-        # ---------------- initial state -> registers
-        for i in cutlass.range_constexpr(cute.size(acc_s)):
-            m, col = c128[i]
-            acc_s[i] = mS0[n, h, vbase + m, col]
-
-        # per-thread (channel d = tid) chunk registers
-        r_kw = cute.make_rmem_tensor((CHUNK,), Float32)
-        r_v = cute.make_rmem_tensor((CHUNK,), Float32)
-        r_ub = cute.make_rmem_tensor((CHUNK,), Float32)
-        r_wt = cute.make_rmem_tensor((CHUNK,), Float32)
-        r_ut = cute.make_rmem_tensor((CHUNK,), Float32)
+        n_seq = mCu.shape[0] - 1
         d = tid
 
-        for c in cutlass.range(nchunks, unroll=1):
-            cute.arch.sync_threads()  # previous chunk's smem consumers are done
-            # ---------- phase 1: gate cumsum and scaled operands, thread d = channel d
+        smem = SmemAllocator()
+        lay_a = cute.tile_to_shape(
+            warpgroup.make_smem_layout_atom(warpgroup.SmemLayoutAtomKind.K_SW128, BFloat16),
+            (64, 3 * HEAD_DIM),
+            order=(0, 1),
+        )
+        lay_b = cute.tile_to_shape(
+            warpgroup.make_smem_layout_atom(warpgroup.SmemLayoutAtomKind.K_SW128, BFloat16),
+            (CHUNK, 3 * HEAD_DIM),
+            order=(0, 1),
+        )
+        s_A = smem.allocate_tensor(BFloat16, lay_a.outer, 1024, swizzle=lay_a.inner)
+        s_B = smem.allocate_tensor(BFloat16, lay_b.outer, 1024, swizzle=lay_b.inner)
+        s_rec = smem.allocate_tensor(Int32, cute.make_layout((REC_VEC, 4), stride=(4, 1)), 1024)
+        s_prod = smem.allocate_tensor(
+            Float32, cute.make_layout((2 * CHUNK, CHUNK), stride=(PROD_ROW, 1)), 16
+        )
+        lay_nk128, lay_z, lay_kg = _b_layouts()
+        raw = s_rec.iterator
+        s_wt = _view(raw, OFF_WT, lay_nk128)
+        s_qg = _view(raw, OFF_QG, lay_nk128)
+        s_kg = _view(raw, OFF_KG, lay_kg)
+        s_z = _view(raw, OFF_Z, lay_z)
+        s_a = cute.make_tensor(
+            cute.recast_ptr(raw + OFF_A // 4, dtype=Float32), cute.make_layout(HEAD_DIM)
+        )
+        s_ut = cute.make_tensor(
+            cute.recast_ptr(raw + OFF_UT // 4, dtype=Float32),
+            cute.make_layout((HEAD_DIM, CHUNK), stride=(CHUNK, 1)),
+        )
+
+        # ---- which sequence owns this slot: largest s with cu[s]//16 + s <= slot
+        lo = Int32(0)
+        hi = n_seq
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            if mCu[mid] // CHUNK + mid <= slot:
+                lo = mid
+            else:
+                hi = mid
+        active = n_seq > 0
+        bos = Int32(0)
+        seqlen = Int32(0)
+        c = Int32(0)
+        if active:
+            bos = mCu[lo]
+            seqlen = mCu[lo + 1] - bos
+            c = slot - (bos // CHUNK + lo)
+            nch = (seqlen + (CHUNK - 1)) // CHUNK
+            active = c < nch
+        if active:
+            eos = bos + seqlen
+            r_kw = cute.make_rmem_tensor((CHUNK,), Float32)
+            r_v = cute.make_rmem_tensor((CHUNK,), Float32)
+            r_ub = cute.make_rmem_tensor((CHUNK,), Float32)
+            r_wt = cute.make_rmem_tensor((CHUNK,), Float32)
+            r_ut = cute.make_rmem_tensor((CHUNK,), Float32)
             gam = Float32(0.0)
             for i in cutlass.range_constexpr(CHUNK):
                 rr = c * CHUNK + i
@@ -231,107 +269,216 @@ class KdaForwardSm90:
                 r_kw[i] = kw
                 r_v[i] = vv
                 r_ub[i] = ub
-                s_kw[i, d] = kw
-                s_qg[i, d] = qg
-                s_ub[i, d] = ub
-                s_qgb[i, d] = qg.to(BFloat16)
+                kw_hi = kw.to(BFloat16)
+                kw_lo = (kw - Float32(kw_hi)).to(BFloat16)
+                qg_hi = qg.to(BFloat16)
+                qg_lo = (qg - Float32(qg_hi)).to(BFloat16)
+                ub_hi = ub.to(BFloat16)
+                ub_lo = (ub - Float32(ub_hi)).to(BFloat16)
+                # A rows [x_hi | x_lo | x_hi], B rows [u_hi | u_hi | u_lo]
+                s_A[i, d] = kw_hi
+                s_A[i, HEAD_DIM + d] = kw_lo
+                s_A[i, 2 * HEAD_DIM + d] = kw_hi
+                s_A[CHUNK + i, d] = qg_hi
+                s_A[CHUNK + i, HEAD_DIM + d] = qg_lo
+                s_A[CHUNK + i, 2 * HEAD_DIM + d] = qg_hi
+                s_B[i, d] = ub_hi
+                s_B[i, HEAD_DIM + d] = ub_hi
+                s_B[i, 2 * HEAD_DIM + d] = ub_lo
+                s_qg[i, d] = qg_hi
             a_d = cute.math.exp(gam)
             s_a[d] = a_d
             for i in cutlass.range_constexpr(CHUNK):
-                s_kgt[d, i] = (r_ub[i] * a_d).to(BFloat16)
+                s_kg[d, i] = (r_ub[i] * a_d).to(BFloat16)
+            cute.arch.fence_proxy("async.shared", space="cta")
             cute.arch.sync_threads()
 
-            # ---------- phase 2: 16x16 products (f32), thread -> row i, cols j0, j0+8
-            pi = tid // 8
-            pj0 = tid % 8
-            pj1 = pj0 + 8
-            dk0 = Float32(0.0)
-            dk1 = Float32(0.0)
-            dq0 = Float32(0.0)
-            dq1 = Float32(0.0)
-            for dd in cutlass.range(HEAD_DIM, unroll=8):
-                xk = s_kw[pi, dd]
-                xq = s_qg[pi, dd]
-                u0 = s_ub[pj0, dd]
-                u1 = s_ub[pj1, dd]
-                dk0 = dk0 + xk * u0
-                dk1 = dk1 + xk * u1
-                dq0 = dq0 + xq * u0
-                dq1 = dq1 + xq * u1
-            akk0 = Float32(0.0)
-            akk1 = Float32(0.0)
+            # ---- [kw; qg; *; *] (64 x 384) x [ub]^T (384 x 16) on tensor cores
+            thr = mma.get_slice(tid)
+            fA = mma.make_fragment_A(thr.partition_A(s_A))
+            fB = mma.make_fragment_B(thr.partition_B(s_B))
+            acc = cute.make_rmem_tensor(mma.partition_shape_C((64, CHUNK)), Float32)
+            cprod = thr.partition_C(cute.make_identity_tensor((64, CHUNK)))
+            cute.nvgpu.warpgroup.fence()
+            for kb in cutlass.range_constexpr(3 * HEAD_DIM // 16):
+                mma.set(warpgroup.Field.ACCUMULATE, kb != 0)
+                cute.gemm(mma, acc, fA[None, None, kb], fB[None, None, kb], acc)
+            cute.nvgpu.warpgroup.commit_group()
+            cute.nvgpu.warpgroup.wait_group(0)
+            for i in cutlass.range_constexpr(cute.size(acc)):
+                m, j = cprod[i]
+                if m < 2 * CHUNK:
+                    s_prod[m, j] = acc[i]
+            cute.arch.sync_threads()
+
+            # ---- Z = tril(qg ub^T), thread -> row zi, cols zj, zj + 8
+            zi = tid // 8
+            zj = tid % 8
             z0 = Float32(0.0)
             z1 = Float32(0.0)
-            if pj0 < pi:
-                akk0 = dk0
-            if pj1 < pi:
-                akk1 = dk1
-            if pj0 <= pi:
-                z0 = dq0
-            if pj1 <= pi:
-                z1 = dq1
-            s_akk[pi, pj0] = akk0
-            s_akk[pi, pj1] = akk1
-            s_z[pi, pj0] = z0.to(BFloat16)
-            s_z[pi, pj1] = z1.to(BFloat16)
-            cute.arch.sync_threads()
+            if zj <= zi:
+                z0 = s_prod[CHUNK + zi, zj]
+            if zj + 8 <= zi:
+                z1 = s_prod[CHUNK + zi, zj + 8]
+            s_z[zi, zj] = z0.to(BFloat16)
+            s_z[zi, zj + 8] = z1.to(BFloat16)
 
-            # ---------- phase 3: forward substitution, thread d = column d
+            # ---- forward substitution, thread d = column d (f32)
             for i in cutlass.range_constexpr(CHUNK):
                 w = r_kw[i]
                 u = r_v[i]
                 for j in cutlass.range_constexpr(i):
-                    aij = s_akk[i, j]
+                    aij = s_prod[i, j]
                     w = w - aij * r_wt[j]
                     u = u - aij * r_ut[j]
                 r_wt[i] = w
                 r_ut[i] = u
                 s_wt[i, d] = (-w).to(BFloat16)
-                s_ut[i, d] = u
-            # make generic-proxy smem writes visible to wgmma (async proxy)
-            cute.arch.fence_proxy("async.shared", space="cta")
+            for i in cutlass.range_constexpr(CHUNK):
+                s_ut[d, i] = r_ut[i]
             cute.arch.sync_threads()
 
-            # ---------- phase 4: state update on tensor cores
-            a_st = self._acc_to_a_operand(mma_n128, acc_s, VS, HEAD_DIM)  # bf16(St), K = 128
-            for i in cutlass.range_constexpr(cute.size(acc_r)):
-                m, j = c16[i]
-                acc_r[i] = s_ut[j, vbase + m]
-            cute.nvgpu.warpgroup.fence()
-            # Rt = ut^T + St (-wt)^T
-            mma_n16.set(warpgroup.Field.ACCUMULATE, True)
-            for kb in cutlass.range_constexpr(HEAD_DIM // 16):
-                cute.gemm(mma_n16, acc_r, a_st[None, None, kb], rB_wt[None, None, kb], acc_r)
-            # Ot = St qg^T
-            for kb in cutlass.range_constexpr(HEAD_DIM // 16):
-                mma_n16.set(warpgroup.Field.ACCUMULATE, kb != 0)
-                cute.gemm(mma_n16, acc_o, a_st[None, None, kb], rB_qg[None, None, kb], acc_o)
-            cute.nvgpu.warpgroup.commit_group()
-            cute.nvgpu.warpgroup.wait_group(0)
+            # ---- record -> workspace (16-byte vectors, coalesced)
+            g_rec = mWs[slot, h, None, None]
+            for it in cutlass.range_constexpr((REC_VEC + NTHREADS - 1) // NTHREADS):
+                idx = tid + it * NTHREADS
+                if idx < REC_VEC:
+                    _v16(g_rec[idx, None]).store(_v16(s_rec[idx, None]).load())
 
-            a_rt = self._acc_to_a_operand(mma_n128, acc_r, VS, CHUNK)  # bf16(Rt), K = 16
-            # St <- St Diag(a)
+    # ------------------------------------------------------------------ EXPAND
+    @cute.kernel
+    def expand_kernel(
+        self,
+        mCu: cute.Tensor,
+        mS0: cute.Tensor,
+        mO: cute.Tensor,
+        mSf: cute.Tensor,
+        mWs: cute.Tensor,
+        mma_n16: cute.TiledMma,
+        mma_n128: cute.TiledMma,
+    ):
+        tid, _, _ = cute.arch.thread_idx()
+        vslab, h, n = cute.arch.block_idx()
+        P = self.stages
+        n_seq = mCu.shape[0] - 1
+        vbase = vslab * VS
+
+        smem = SmemAllocator()
+        s_raw = smem.allocate_tensor(
+            Int32, cute.make_layout((STAGE_VEC, 4, P), stride=(4, 1, STAGE_BYTES // 4)), 1024
+        )
+        raw = s_raw.iterator
+        lay_nk128, lay_z, lay_kg = _b_layouts()
+        s_wt = _view(raw, OFF_WT, lay_nk128, P, STAGE_BYTES)
+        s_qg = _view(raw, OFF_QG, lay_nk128, P, STAGE_BYTES)
+        s_kg = _view(raw, OFF_KG, lay_kg, P, STAGE_BYTES)
+        s_z = _view(raw, OFF_Z, lay_z, P, STAGE_BYTES)
+        s_a = cute.make_tensor(
+            cute.recast_ptr(raw + OFF_A // 4, dtype=Float32),
+            cute.make_layout((HEAD_DIM, P), stride=(1, STAGE_BYTES // 4)),
+        )
+        s_ut = cute.make_tensor(
+            cute.recast_ptr(raw + OFF_UT // 4, dtype=Float32),
+            cute.make_layout((VS, CHUNK, P), stride=(CHUNK, 1, STAGE_BYTES // 4)),
+        )
+
+        thr16 = mma_n16.get_slice(tid)
+        thr128 = mma_n128.get_slice(tid)
+        rB_wt = mma_n16.make_fragment_B(thr16.partition_B(s_wt))
+        rB_qg = mma_n16.make_fragment_B(thr16.partition_B(s_qg))
+        rB_z = mma_n16.make_fragment_B(thr16.partition_B(s_z))
+        rB_kg = mma_n128.make_fragment_B(thr128.partition_B(s_kg))
+        c16 = thr16.partition_C(cute.make_identity_tensor((VS, CHUNK)))
+        c128 = thr128.partition_C(cute.make_identity_tensor((VS, HEAD_DIM)))
+
+        atom = cute.make_copy_atom(
+            cpasync.CopyG2SOp(cpasync.LoadCacheMode.GLOBAL), Int32, num_bits_per_copy=128
+        )  # cp.async.cg (L2 only)
+
+        if n < n_seq:
+            bos = mCu[n]
+            eos = mCu[n + 1]
+            seqlen = eos - bos
+            nchunks = (seqlen + (CHUNK - 1)) // CHUNK
+            slot0 = bos // CHUNK + n
+            acc_s = cute.make_rmem_tensor(mma_n128.partition_shape_C((VS, HEAD_DIM)), Float32)
+            acc_r = cute.make_rmem_tensor(mma_n16.partition_shape_C((VS, CHUNK)), Float32)
+            acc_o = cute.make_rmem_tensor(mma_n16.partition_shape_C((VS, CHUNK)), Float32)
             for i in cutlass.range_constexpr(cute.size(acc_s)):
                 m, col = c128[i]
-                acc_s[i] = acc_s[i] * s_a[col]
-            cute.nvgpu.warpgroup.fence()
-            # Ot += Rt Z^T
-            mma_n16.set(warpgroup.Field.ACCUMULATE, True)
-            cute.gemm(mma_n16, acc_o, a_rt[None, None, 0], rB_z[None, None, 0], acc_o)
-            # St += Rt kg
-            mma_n128.set(warpgroup.Field.ACCUMULATE, True)
-            cute.gemm(mma_n128, acc_s, a_rt[None, None, 0], rB_kg[None, None, 0], acc_s)
-            cute.nvgpu.warpgroup.commit_group()
-            cute.nvgpu.warpgroup.wait_group(0)
+                acc_s[i] = mS0[n, h, vbase + m, col]
 
-            # ---------- outputs of this chunk (rows of this sequence only)
-            for i in cutlass.range_constexpr(cute.size(acc_o)):
-                m, j = c16[i]
-                rr = c * CHUNK + j
-                if rr < seqlen:
-                    mO[bos + rr, h, vbase + m] = acc_o[i].to(BFloat16)
+            # prologue: chunks 0 .. P-2 in flight (one commit group per chunk, maybe empty)
+            for p in cutlass.range_constexpr(P - 1):
+                if p < nchunks:
+                    g_rec = mWs[slot0 + p, h, None, None]
+                    for it in cutlass.range_constexpr((STAGE_VEC + NTHREADS - 1) // NTHREADS):
+                        idx = tid + it * NTHREADS
+                        if idx < STAGE_VEC:
+                            src = idx
+                            if idx >= COMMON_VEC:
+                                src = idx + vslab * UT_VEC
+                            cute.copy(atom, _v16(g_rec[src, None]), _v16(s_raw[idx, None, p]))
+                cute.arch.cp_async_commit_group()
 
-        # ---------------- final state
-        for i in cutlass.range_constexpr(cute.size(acc_s)):
-            m, col = c128[i]
-            mSf[n, h, vbase + m, col] = acc_s[i]
+            for c in cutlass.range(nchunks, unroll=1):
+                stage = c % P
+                cute.arch.cp_async_wait_group(P - 2)  # this thread's part of chunk c landed
+                cute.arch.fence_proxy("async.shared", space="cta")
+                cute.arch.sync_threads()  # chunk c visible to all; chunk c-1's stage is free
+                nxt = c + (P - 1)
+                if nxt < nchunks:
+                    nstage = nxt % P
+                    g_rec = mWs[slot0 + nxt, h, None, None]
+                    for it in cutlass.range_constexpr((STAGE_VEC + NTHREADS - 1) // NTHREADS):
+                        idx = tid + it * NTHREADS
+                        if idx < STAGE_VEC:
+                            src = idx
+                            if idx >= COMMON_VEC:
+                                src = idx + vslab * UT_VEC
+                            cute.copy(atom, _v16(g_rec[src, None]), _v16(s_raw[idx, None, nstage]))
+                cute.arch.cp_async_commit_group()
+
+                a_st = self._acc_to_a_operand(mma_n128, acc_s, VS, HEAD_DIM)
+                for i in cutlass.range_constexpr(cute.size(acc_r)):
+                    m, j = c16[i]
+                    acc_r[i] = s_ut[m, j, stage]
+                cute.nvgpu.warpgroup.fence()
+                mma_n16.set(warpgroup.Field.ACCUMULATE, True)
+                for kb in cutlass.range_constexpr(HEAD_DIM // 16):
+                    cute.gemm(
+                        mma_n16, acc_r, a_st[None, None, kb], rB_wt[None, None, kb, stage], acc_r
+                    )
+                for kb in cutlass.range_constexpr(HEAD_DIM // 16):
+                    mma_n16.set(warpgroup.Field.ACCUMULATE, kb != 0)
+                    cute.gemm(
+                        mma_n16, acc_o, a_st[None, None, kb], rB_qg[None, None, kb, stage], acc_o
+                    )
+                cute.nvgpu.warpgroup.commit_group()
+                cute.nvgpu.warpgroup.wait_group(0)
+
+                a_rt = self._acc_to_a_operand(mma_n128, acc_r, VS, CHUNK)
+                for i in cutlass.range_constexpr(cute.size(acc_s)):
+                    m, col = c128[i]
+                    acc_s[i] = acc_s[i] * s_a[col, stage]
+                cute.nvgpu.warpgroup.fence()
+                mma_n16.set(warpgroup.Field.ACCUMULATE, True)
+                cute.gemm(mma_n16, acc_o, a_rt[None, None, 0], rB_z[None, None, 0, stage], acc_o)
+                mma_n128.set(warpgroup.Field.ACCUMULATE, True)
+                cute.gemm(mma_n128, acc_s, a_rt[None, None, 0], rB_kg[None, None, 0, stage], acc_s)
+                cute.nvgpu.warpgroup.commit_group()
+                cute.nvgpu.warpgroup.wait_group(0)
+
+                for i in cutlass.range_constexpr(cute.size(acc_o)):
+                    m, j = c16[i]
+                    rr = c * CHUNK + j
+                    if rr < seqlen:
+                        mO[bos + rr, h, vbase + m] = acc_o[i].to(BFloat16)
+
+            cute.arch.cp_async_wait_group(0)
+            for i in cutlass.range_constexpr(cute.size(acc_s)):
+                m, col = c128[i]
+                mSf[n, h, vbase + m, col] = acc_s[i]
+
+
+# ---------------------------------------------------------------------- compile helpers
