@@ -1,0 +1,51 @@
+"""jax_kda itself, on one backend: ``jax_kda.prefill`` in its packed (THD) form."""
+
+from __future__ import annotations
+
+import jax
+
+import jax_kda
+from benchmarks.native import Native, Unavailable
+from jax_kda.constants import default_scale
+from jax_kda.oracle import Inputs
+
+
+def bind(inputs: Inputs, *, backend: str) -> Native:
+    args = {
+        "q": jax.device_put(inputs.q),
+        "k": jax.device_put(inputs.k),
+        "v": jax.device_put(inputs.v),
+        "g": jax.device_put(inputs.g),
+        "beta": jax.device_put(inputs.beta),
+        "cu_seqlens": jax.device_put(inputs.cu_seqlens),
+    }
+    state = jax.device_put(inputs.initial_state)
+
+    def call(args, state):
+        return jax_kda.prefill(
+            args["q"],
+            args["k"],
+            args["v"],
+            args["g"],
+            args["beta"],
+            cu_seqlens=args["cu_seqlens"],
+            initial_state=state,
+            scale=default_scale(),
+            backend=backend,
+        )
+
+    try:
+        jax.eval_shape(call, args, state)
+    except jax_kda.BackendUnavailableError as err:
+        raise Unavailable(str(err)) from err
+    return Native(
+        framework="jax",
+        args=args,
+        initial_state=state,
+        call=call,
+        state_is_kv=False,
+        notes=(
+            "jax_kda.prefill(q, k, v, g, beta as [T, H, ...], cu_seqlens int32, "
+            f"initial_state [N,H,V,K], scale=128**-0.5, backend={backend!r})"
+        ),
+    )

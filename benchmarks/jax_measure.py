@@ -1,0 +1,119 @@
+"""Steps and measurements for implementations that run under JAX (jax_kda, jla).
+
+A step is ``step(args, state) -> (next_state, outputs)``: the forward step chains the final state
+into the next call's initial state; the training step runs forward and backward and chains the
+initial-state gradient. Chaining makes every call depend on the one before, so a loop of calls can
+neither be hoisted nor overlapped, and the outputs ride along so nothing is dead code.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import jax
+import numpy as np
+from jax import lax
+
+from benchmarks.inputs import Cotangents
+from benchmarks.native import Native
+from benchmarks.timing import Settings, Timings
+
+TOKEN_INPUTS = ("q", "k", "v", "g", "beta")
+
+
+def forward_step(native: Native):
+    def step(args, state):
+        o, final_state = native.call(args, state)
+        return final_state, (o,)
+
+    return step, native.args
+
+
+def train_step(native: Native, cotangents: Cotangents):
+    """Forward plus backward; outputs ``(o, dq, dk, dv, dg, dbeta)``, next state ``d_state``."""
+    args = {
+        **native.args,
+        "d_o": jax.device_put(cotangents.d_o.reshape(native.args["q"].shape)),
+        "d_final_state": jax.device_put(native.state_from_vk(cotangents.d_final_state)),
+    }
+
+    def step(args, state):
+        def forward(q, k, v, g, beta, state):
+            return native.call({**args, "q": q, "k": k, "v": v, "g": g, "beta": beta}, state)
+
+        primals = [args[name] for name in TOKEN_INPUTS]
+        (o, _), pullback = jax.vjp(forward, *primals, state)
+        *grads, d_state = pullback((args["d_o"], args["d_final_state"]))
+        return d_state, (o, *grads)
+
+    return step, args
+
+
+def _seconds(fn) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def measure(step, args, state, settings: Settings) -> tuple[Timings, tuple]:
+    """Time ``step``; returns the timings and the first call's ``(next_state, outputs)`` (numpy)."""
+    single = jax.jit(step)
+    start = time.perf_counter()
+    first = jax.block_until_ready(single(args, state))
+    first_call_s = time.perf_counter() - start
+
+    def one_call():
+        jax.block_until_ready(single(args, state))
+
+    for _ in range(settings.warmup_calls):
+        one_call()
+    per_call_s = statistics.median(_seconds(one_call) for _ in range(settings.per_call_samples))
+
+    def pipelined():
+        chained = state
+        for _ in range(settings.pipelined_calls):
+            chained, outputs = single(args, chained)
+        jax.block_until_ready((chained, outputs))
+
+    pipelined_s = _seconds(pipelined) / settings.pipelined_calls
+
+    loop_calls = settings.loop_calls(per_call_s)
+    gpu_s = _loop_seconds_per_call(step, args, state, first[1], loop_calls, settings.repeats)
+    peak_bytes = _call_bytes(single, args, state)
+    timings = Timings(
+        gpu_us=gpu_s * 1e6,
+        gpu_method=f"jitted lax.fori_loop of {loop_calls} chained calls",
+        gpu_calls=loop_calls,
+        per_call_us=per_call_s * 1e6,
+        pipelined_us=pipelined_s * 1e6,
+        first_call_ms=first_call_s * 1e3,
+        peak_bytes=peak_bytes,
+        peak_method="XLA memory_analysis of one call: arguments + outputs + temporaries - aliased",
+    )
+    return timings, jax.tree.map(np.asarray, first)
+
+
+def _loop_seconds_per_call(step, args, state, outputs, calls: int, repeats: int) -> float:
+    @jax.jit
+    def loop(args, state, outputs, count):
+        return lax.fori_loop(0, count, lambda _, carry: step(args, carry[0]), (state, outputs))
+
+    jax.block_until_ready(loop(args, state, outputs, 1))
+    samples = [
+        _seconds(lambda: jax.block_until_ready(loop(args, state, outputs, calls)))
+        for _ in range(repeats)
+    ]
+    return statistics.median(samples) / calls
+
+
+def _call_bytes(single, args, state) -> int | None:
+    analysis = single.lower(args, state).compile().memory_analysis()
+    if analysis is None:
+        return None
+    return int(
+        analysis.argument_size_in_bytes
+        + analysis.output_size_in_bytes
+        + analysis.temp_size_in_bytes
+        - analysis.alias_size_in_bytes
+    )

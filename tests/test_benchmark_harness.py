@@ -1,0 +1,133 @@
+"""CPU tests of the benchmark harness's pure parts: the HBM floor, the shape registry, --only,
+the results bookkeeping and the report built from a small made-up results JSON."""
+
+import math
+
+import pytest
+
+from benchmarks import results
+from benchmarks.adapters import IMPLEMENTATION_NAMES
+from benchmarks.hbm import hbm_floor_bytes, hbm_floor_us
+from benchmarks.report import markdown_summary, write_report
+from benchmarks.selection import parse_only, select
+from benchmarks.shapes import ALL_SHAPES, QUICK_SHAPE_NAMES, SPEC_SHAPES, shape_by_name
+
+
+def test_hbm_floor_counts_each_tensor_once():
+    # T=2, H=1, N=1: q, k, v 3*2*128*2, g 2*128*4, beta 2*4, o 2*128*2, states 2*128*128*4
+    assert hbm_floor_bytes(2, 1, 1) == 1536 + 1024 + 8 + 512 + 131072
+
+
+@pytest.mark.parametrize(
+    ("name", "floor_us"),
+    [("2048x12x1", 8.2), ("8192x12x4", 32.8), ("1024x4x1", 1.4), ("16384x16x8", 87.6)],
+)
+def test_hbm_floor_matches_spec_table(name, floor_us):
+    shape = shape_by_name(name)
+    floor = hbm_floor_us(shape.total_tokens, shape.heads, shape.num_sequences)
+    assert round(floor, 1) == floor_us
+
+
+def test_shape_registry():
+    assert len(SPEC_SHAPES) == 10
+    names = [s.name for s in ALL_SHAPES]
+    assert len(set(names)) == len(names)
+    assert shape_by_name("8192x12x4").lengths == (2048,) * 4
+    assert shape_by_name("33x2x3-ragged").lengths == (17, 0, 16)
+    assert shape_by_name("8192x64x6-ragged").lengths == (1300, 547, 2048, 963, 271, 3063)
+    assert shape_by_name("8192x32x64").lengths == (128,) * 64
+    assert {s.heads for s in ALL_SHAPES if s.group == "flashkda"} == {64, 96}
+    for name in QUICK_SHAPE_NAMES:
+        shape_by_name(name)
+    with pytest.raises(KeyError):
+        shape_by_name("1x1x1")
+
+
+def test_only_filters_shapes_and_implementations_independently():
+    shapes, impls = select(parse_only("xla"), ALL_SHAPES, IMPLEMENTATION_NAMES)
+    assert impls == ["jax_kda/xla"] and len(shapes) == len(ALL_SHAPES)
+    shapes, impls = select(parse_only("2048x12x1, cudnn spec"), ALL_SHAPES, IMPLEMENTATION_NAMES)
+    assert impls == ["cudnn/kda_hopper", "cudnn/kda_hopper_cuda"]
+    assert shapes == list(SPEC_SHAPES)
+    shapes, impls = select(parse_only("kda_hopper,8192x96x1"), ALL_SHAPES, IMPLEMENTATION_NAMES)
+    assert impls == ["cudnn/kda_hopper"] and [s.name for s in shapes] == ["8192x96x1"]
+    assert select([], ALL_SHAPES, IMPLEMENTATION_NAMES) == (
+        list(ALL_SHAPES),
+        list(IMPLEMENTATION_NAMES),
+    )
+    with pytest.raises(ValueError, match="nonsense"):
+        select(["nonsense"], ALL_SHAPES, IMPLEMENTATION_NAMES)
+
+
+def _row(shape, impl, gpu_us=None, reason=None):
+    s = shape_by_name(shape)
+    row = {
+        "shape": shape,
+        "implementation": impl,
+        "hbm_floor_us": hbm_floor_us(s.total_tokens, s.heads, s.num_sequences),
+    }
+    if gpu_us is None:
+        return {**row, "status": "unavailable", "reason": reason, "notes": "n"}
+    return {
+        **row,
+        "status": "ok",
+        "gpu_us": gpu_us,
+        "gpu_method": "loop",
+        "per_call_us": gpu_us + 10,
+        "pipelined_us": gpu_us + 1,
+        "first_call_ms": 100.0,
+        "peak_bytes": 2**20,
+        "peak_method": "analysis",
+        "rms_ratio": {"o": 5e-3, "final_state": 4e-3},
+        "accuracy_sample": "sequence 0 (tokens 0:2048, all of it), heads [0, 11]",
+        "notes": "call",
+    }
+
+
+@pytest.fixture
+def document():
+    spec = [s.name for s in SPEC_SHAPES]
+    rows = [_row(name, "jax_kda/xla", 100.0 * (i + 1)) for i, name in enumerate(spec)]
+    rows += [_row(name, "fla/chunk_kda", 200.0 * (i + 1)) for i, name in enumerate(spec[:5])]
+    rows += [_row("33x2x3-ragged", "jla/mosaic_gpu", reason="ragged: segment_ids only")]
+    return {"mode": "forward", "device": "Test GPU", "date": "2026-11-30", "seed": 7,
+            "settings": {}, "environment": {"jax": "0"}, "rows": rows}  # fmt: skip
+
+
+def test_geomeans_and_ratios(document):
+    value, covered = results.spec_geomean(document, "jax_kda/xla")
+    assert covered == 10
+    assert value == pytest.approx(100.0 * math.factorial(10) ** 0.1)
+    ratio, shared = results.spec_ratio(document, "fla/chunk_kda", "jax_kda/xla")
+    assert (ratio, shared) == (pytest.approx(2.0), 5)
+
+
+def test_resume_skips_only_finished_rows(document):
+    done = results.finished(document)
+    assert ("2048x12x1", "jax_kda/xla") in done
+    assert ("33x2x3-ragged", "jla/mosaic_gpu") not in done
+    results.upsert(document, _row("2048x12x1", "jax_kda/xla", 1.0))
+    assert len(document["rows"]) == 16
+    assert results.gpu_times(document, "jax_kda/xla")["2048x12x1"] == 1.0
+
+
+def test_device_slug_and_default_path():
+    assert results.device_slug("NVIDIA H200") == "h200"
+    assert results.default_path("2026-11-30", "NVIDIA H200", "forward").name == (
+        "2026-11-30-h200.json"
+    )
+    assert results.default_path("2026-11-30", "cpu", "train").name == "2026-11-30-cpu-train.json"
+
+
+def test_report_from_json(document, tmp_path):
+    summary = markdown_summary(document)
+    assert "| 2048x12x1 | 8.2 | 100.0 (12.2x) | 200.0 (24.4x) |  |" in summary
+    assert "(5/10)" in summary and "2.00 (5/10)" in summary
+    path = tmp_path / "2026-11-30-test.json"
+    results.save(path, document)
+    written = write_report(path)
+    md = path.with_suffix(".md").read_text()
+    assert "ragged: segment_ids only" in md and "33x2x3-ragged" in md
+    assert path.with_suffix(".md") in written
+    pytest.importorskip("matplotlib")
+    assert path.with_suffix(".png").stat().st_size > 0
