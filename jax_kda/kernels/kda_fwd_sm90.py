@@ -84,6 +84,21 @@ def _b_layouts():
     return lay_nk128, lay_z, lay_kg
 
 
+def _bf16_tiled_mma(tile_mn, a_source):
+    """One-warpgroup wgmma, bf16 K-major operands, float32 accumulator; A from shared memory or
+    registers."""
+    return sm90_utils.make_trivial_tiled_mma(
+        BFloat16,
+        BFloat16,
+        cute.nvgpu.OperandMajorMode.K,
+        cute.nvgpu.OperandMajorMode.K,
+        Float32,
+        (1, 1, 1),
+        tile_mn,
+        a_source,
+    )
+
+
 def _view(raw_i32_ptr, byte_off: int, comp_layout, nstages: int = 0, stage_bytes: int = 0):
     """bf16 (swizzled) view of a composed wgmma smem layout placed at raw + byte_off; with
     nstages > 0 an extra trailing stage mode of stride stage_bytes."""
@@ -125,36 +140,9 @@ class KdaForwardSm90:
     ):
         n_seq = cu_seqlens.shape[0] - 1
         n_slots = ws_rec.shape[0]
-        mma_prep = sm90_utils.make_trivial_tiled_mma(
-            BFloat16,
-            BFloat16,
-            cute.nvgpu.OperandMajorMode.K,
-            cute.nvgpu.OperandMajorMode.K,
-            Float32,
-            (1, 1, 1),
-            (64, CHUNK),
-            warpgroup.OperandSource.SMEM,
-        )
-        mma_n16 = sm90_utils.make_trivial_tiled_mma(
-            BFloat16,
-            BFloat16,
-            cute.nvgpu.OperandMajorMode.K,
-            cute.nvgpu.OperandMajorMode.K,
-            Float32,
-            (1, 1, 1),
-            (VS, CHUNK),
-            warpgroup.OperandSource.RMEM,
-        )
-        mma_n128 = sm90_utils.make_trivial_tiled_mma(
-            BFloat16,
-            BFloat16,
-            cute.nvgpu.OperandMajorMode.K,
-            cute.nvgpu.OperandMajorMode.K,
-            Float32,
-            (1, 1, 1),
-            (VS, HEAD_DIM),
-            warpgroup.OperandSource.RMEM,
-        )
+        mma_prep = _bf16_tiled_mma((64, CHUNK), warpgroup.OperandSource.SMEM)
+        mma_n16 = _bf16_tiled_mma((VS, CHUNK), warpgroup.OperandSource.RMEM)
+        mma_n128 = _bf16_tiled_mma((VS, HEAD_DIM), warpgroup.OperandSource.RMEM)
         assert str(mma_n16.tv_layout_A) == str(mma_n16.tv_layout_C), "wgmma C/A TV layouts differ"
         # +1: never a 0-sized grid (N = 0 / T = 0); the extra CTAs find no chunk and exit
         self.prep_kernel(q, k, v, g, beta, cu_seqlens, ws_rec, mma_prep).launch(
