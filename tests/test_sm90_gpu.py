@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from spec_cases import LONG_LENGTH, MANY_SEQUENCES, PACKED_LENGTHS, SINGLE_LENGTHS
 
 import jax_kda
 from jax_kda import sm90
@@ -26,14 +27,10 @@ pytestmark = pytest.mark.gpu
 
 SEED = time.time_ns() % 2**31
 CASES = {
-    **{f"single-{n}": ([n], 2) for n in (1, 15, 16, 17, 31, 63, 64, 65, 121, 251, 257)},
-    "ragged-17-0-16": ([17, 0, 16], 2),
-    "one-empty": ([0], 2),
-    "all-empty": ([0, 0, 0], 2),
-    "short-many": ([7] * 24 + [1] * 8, 4),
-    "flashkda-mixed": ([1300, 547, 2048, 963, 271, 3063], 4),
-    "long-16384": ([16384], 2),
-    "n64-h32": (list(np.random.default_rng(SEED).integers(0, 300, 64)), 32),
+    **{f"single-{n}": ([n], 2) for n in SINGLE_LENGTHS},
+    **{name: (lengths, 2 if len(lengths) <= 3 else 4) for name, lengths in PACKED_LENGTHS.items()},
+    "long-16384": ([LONG_LENGTH], 2),
+    "n64-h32": (list(np.random.default_rng(SEED).integers(0, 300, MANY_SEQUENCES)), 32),
 }
 
 

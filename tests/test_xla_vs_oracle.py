@@ -4,20 +4,19 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from spec_cases import MANY_SEQUENCES, PACKED_LENGTHS, SINGLE_LENGTHS
 
 import jax_kda
 from jax_kda.oracle import RMS_RATIO_BAR, production_inputs, recurrent_oracle, rms_ratio
 
-# SPEC's length sets, with head counts cut to fit a 2-core CPU.
-SINGLE_LENGTHS = [1, 15, 16, 17, 31, 63, 64, 65, 121, 251, 257]
+# SPEC's length sets, with head counts and the long and many-sequence sizes cut to fit a 2-core
+# CPU (the GPU tests run them in full).
 RAGGED_CASES = {
-    "ragged-17-0-16": ([17, 0, 16], 2),
-    "one-empty": ([0], 2),
-    "all-empty": ([0, 0, 0], 2),
-    "short-many": ([7] * 24 + [1] * 8, 2),
-    "flashkda-mixed": ([1300, 547, 2048, 963, 271, 3063], 1),
+    **{
+        name: (lengths, 1 if sum(lengths) > 4096 else 2) for name, lengths in PACKED_LENGTHS.items()
+    },
     "empty-edges": ([0, 33, 0, 16, 0], 2),
-    "many-sequences": ([5, 16, 17, 40] * 16, 2),
+    "many-sequences": ([5, 16, 17, 40] * (MANY_SEQUENCES // 4), 2),
 }
 
 
