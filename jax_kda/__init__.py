@@ -6,6 +6,16 @@ chunked implementation everywhere else; see its docstring for the contract.
 
 from jax_kda.api import BACKENDS, BackendUnavailableError, prefill
 from jax_kda.constants import CHUNK, HEAD_DIM
+from jax_kda.plan import PrefillPlan, WorkspaceBuffer, plan_prefill
 
-__all__ = ["BACKENDS", "CHUNK", "HEAD_DIM", "BackendUnavailableError", "prefill"]
+__all__ = [
+    "BACKENDS",
+    "CHUNK",
+    "HEAD_DIM",
+    "BackendUnavailableError",
+    "PrefillPlan",
+    "WorkspaceBuffer",
+    "plan_prefill",
+    "prefill",
+]
 __version__ = "0.1.0"
