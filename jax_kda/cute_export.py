@@ -5,7 +5,8 @@ may be symbolic (`cute.sym_int32()`), exported with `export_to_c`, and stored as
 the ELF object (host launcher + embedded cubin), the generated C header, the exported symbol
 prefix and, per tensor argument, the slice of the C ABI the FFI handler must fill in.
 
-The C ABI of an exported function (read from the generated header, see README.md):
+The C ABI of an exported function (read from the generated header; `_check_header` checks every
+export against it):
     args[i] = &struct{ void *data; intS dynamic_shapes[k]; intW dynamic_strides[m]; }  per tensor
     args[n] = &stream       (a cudaStream_t value)
     args[n+1] = &ret        (int32 written by the launcher: the CUDA error code, 0 on success)
@@ -178,7 +179,14 @@ def export(launcher: Callable, fake_args: dict[str, Any], *, prefix: str, config
     names = list(fake_args)
     tensors = tuple(TensorAbi.of_fake(n, t) for n, t in fake_args.items())
     abi = {n: dataclasses.asdict(t) for n, t in zip(names, tensors, strict=True)}
-    key = artifact_key(launcher, {"config": config, "prefix": prefix, "tensors": abi})
+    # Static extents (symbolic ones as None) are compiled in, so they are part of the key too.
+    extents = {
+        n: [d if isinstance(d, int) else None for d in f.shape] for n, f in fake_args.items()
+    }
+    key = artifact_key(
+        launcher,
+        {"config": config, "prefix": prefix, "tensors": abi, "extents": extents},
+    )
     entry = cache_dir() / f"{prefix}-{key[:24]}"
     if (entry / "meta.json").exists():
         return Artifact(
