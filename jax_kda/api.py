@@ -83,16 +83,18 @@ def prefill(
     if initial_state is None:
         initial_state = jnp.zeros((num_sequences, num_heads, HEAD_DIM, HEAD_DIM), jnp.float32)
 
-    call = _Call(scale=scale, backend=_resolve_backend(backend, q), batched=batched)
+    total_tokens = q.shape[0] * q.shape[1] if batched else q.shape[0]
+    chosen = _resolve_backend(backend, q.dtype, total_tokens, num_heads, num_sequences)
+    call = _Call(scale=scale, backend=chosen, batched=batched)
     o, final_state = _prefill(call, q, k, v, g, beta, cu_seqlens, initial_state)
     return o, (final_state if output_final_state else None)
 
 
-def _resolve_backend(backend: str, q) -> str:
+def _resolve_backend(backend: str, dtype, total_tokens, num_heads, num_sequences) -> str:
     """'auto' takes the sm90 kernels when they can serve the call; 'sm90' insists on them."""
     if backend == "xla":
         return "xla"
-    reason = sm90.unavailable_reason(q.dtype)
+    reason = sm90.unavailable_reason(dtype, total_tokens, num_heads, num_sequences)
     if reason is None:
         return "sm90"
     if backend == "auto":

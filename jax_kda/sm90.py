@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import math
 import os
 
 import jax
@@ -26,10 +27,26 @@ def has_hopper() -> bool:
     return device.platform == "gpu" and getattr(device, "compute_capability", "") == "9.0"
 
 
-def unavailable_reason(q_dtype) -> str | None:
-    """Why the sm90 kernels cannot serve a call with this q dtype here, or None if they can."""
+INDEX_LIMIT = 2**31
+"""The kernels are compiled with 32-bit sizes: no tensor of a call may hold this many elements."""
+
+
+def unavailable_reason(q_dtype, total_tokens, num_heads, num_sequences) -> str | None:
+    """Why the sm90 kernels cannot serve this call here, or None if they can."""
     if jnp.dtype(q_dtype) != jnp.bfloat16:
         return f"the sm90 kernels take bfloat16 q, k, v; got {jnp.dtype(q_dtype)}"
+    plan = plan_prefill(total_tokens, num_heads, num_sequences)
+    sizes = {
+        "q": total_tokens * num_heads * HEAD_DIM,
+        "initial_state": num_sequences * num_heads * HEAD_DIM * HEAD_DIM,
+        **{b.name: math.prod(b.shape) for b in plan.workspace},
+    }
+    too_big = {name: size for name, size in sizes.items() if size >= INDEX_LIMIT}
+    if too_big:
+        return (
+            f"T={total_tokens}, H={num_heads}, N={num_sequences} needs {too_big} elements, "
+            f"beyond the kernels' 32-bit indexing (< {INDEX_LIMIT}); split the call"
+        )
     if not (has_hopper() or os.environ.get(ASSUME_SM90_ENV) == "1"):
         device = jax.devices()[0]
         return (

@@ -88,6 +88,22 @@ def test_auto_picks_sm90_for_bf16_and_xla_for_float32():
         _lower(_prefill(backend="sm90"), *x32)
 
 
+def test_calls_beyond_32_bit_indexing_go_to_xla_or_are_refused():
+    tokens, heads = 1 << 19, 64  # 2^32 elements in q; only shapes, no data
+    shapes = [
+        jax.ShapeDtypeStruct((tokens, heads, 128), jnp.bfloat16),
+        jax.ShapeDtypeStruct((tokens, heads, 128), jnp.bfloat16),
+        jax.ShapeDtypeStruct((tokens, heads, 128), jnp.bfloat16),
+        jax.ShapeDtypeStruct((tokens, heads, 128), jnp.float32),
+        jax.ShapeDtypeStruct((tokens, heads), jnp.float32),
+        jax.ShapeDtypeStruct((2,), jnp.int32),
+        jax.ShapeDtypeStruct((1, heads, 128, 128), jnp.float32),
+    ]
+    with pytest.raises(jax_kda.BackendUnavailableError, match=r"beyond the kernels' 32-bit"):
+        jax.jit(_prefill(backend="sm90")).trace(*shapes)
+    assert TARGET not in str(jax.jit(_prefill()).trace(*shapes).jaxpr)
+
+
 def test_lowers_inside_scan_fori_loop_grad_and_batched():
     x = production_inputs([24, 8], 2, seed=4)
     step = _prefill(backend="sm90")
