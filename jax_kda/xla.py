@@ -57,6 +57,23 @@ def _to_chunks(x: jax.Array, rows: jax.Array, num_slots: int) -> jax.Array:
     return jnp.moveaxis(grid, 1, 2)
 
 
+def _unit_lower_solve(lower: jax.Array, rhs: jax.Array) -> jax.Array:
+    """Solve (I + lower) X = rhs by forward substitution; lower [..., 16, 16] strictly lower.
+
+    Plain XLA ops instead of lax.linalg.triangular_solve: on CPU that lowers to jaxlib's LAPACK
+    trsm custom call, which splits large batches over XLA's intra-op thread pool and blocks a pool
+    thread waiting for them; two such calls running concurrently (forward and backward) can take
+    every pool thread and deadlock (seen with jax 0.10.2 on a 2-core host).
+    """
+    x = rhs
+    for i in range(1, CHUNK):
+        # Rows j < i of x are final; lower[..., i, j] is 0 for j >= i.
+        x = x.at[..., i, :].add(
+            -jnp.einsum("...j,...jd->...d", lower[..., i, :], x, precision=_HIGHEST)
+        )
+    return x
+
+
 def _chunk_operands(q, k, v, g, beta, scale):
     """State-independent per-chunk operands, all chunks in parallel.
 
@@ -76,11 +93,8 @@ def _chunk_operands(q, k, v, g, beta, scale):
     qk = jnp.sum(q[:, :, :, None, :] * k[:, :, None, :, :] * decay, axis=-1)
     lower = jnp.where(lower_strict, beta[..., :, None] * kk, 0.0)
     attn = jnp.where(lower_incl, scale * qk, 0.0)
-    system = lower + jnp.eye(CHUNK, dtype=lower.dtype)
     rhs = jnp.concatenate([beta[..., None] * k * jnp.exp(gamma), beta[..., None] * v], axis=-1)
-    solved = lax.linalg.triangular_solve(
-        system, rhs, left_side=True, lower=True, unit_diagonal=True
-    )
+    solved = _unit_lower_solve(lower, rhs)
     w, u = jnp.split(solved, 2, axis=-1)
     qg = scale * q * jnp.exp(gamma)
     kd = k * jnp.exp(gamma_last - gamma)

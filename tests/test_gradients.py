@@ -1,5 +1,9 @@
 """Gradients of prefill (custom_vjp through the XLA path) against float64 autodiff of the oracle."""
 
+import subprocess
+import sys
+import textwrap
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -70,3 +74,34 @@ def test_grad_under_jit_with_bf16_inputs_is_finite():
         assert d.shape == a.shape and d.dtype == a.dtype, name
         assert np.all(np.isfinite(np.asarray(d, np.float32))), name
         assert np.any(np.asarray(d, np.float32) != 0), name
+
+
+def test_training_step_has_no_lapack_call_and_repeats_without_deadlock():
+    """jaxlib 0.10.2's CPU LAPACK trsm splits large batches over XLA's thread pool and can
+    deadlock when the forward's and the backward's solves run at once; the XLA path solves its
+    triangles with plain ops. Run in a subprocess so that a hang fails instead of stalling."""
+    script = textwrap.dedent(
+        """
+        import jax, jax.numpy as jnp, jax_kda
+        from jax_kda.oracle import production_inputs
+        x = production_inputs([1024], 4, seed=0)
+
+        def step(q, k, v, g, b, s):
+            def f(q, k, v, g, b, s):
+                return jax_kda.prefill(q, k, v, g, b, cu_seqlens=x.cu_seqlens, initial_state=s)
+            (o, final), pull = jax.vjp(f, q, k, v, g, b, s)
+            return o, pull((jnp.ones_like(o), jnp.ones_like(final)))
+
+        args = (*x[:5], x.initial_state)
+        step = jax.jit(step)
+        print("lapack" in step.lower(*args).compile().as_text())
+        for _ in range(8):
+            jax.block_until_ready(step(*args))
+        print("done")
+        """
+    )
+    run = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120
+    )
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert run.stdout.split() == ["False", "done"]
