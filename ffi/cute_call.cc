@@ -10,7 +10,7 @@
 //   struct { void *data; intS dynamic_shapes[k]; intW dynamic_strides[m]; }
 //   args = { &struct_0, ..., &struct_{n-1}, &stream, &ret }
 // Only the dims/strides flagged dynamic are stored, in mode order; strides are row-major,
-// derived from XLA's dims. No host synchronisation, no allocation: command-buffer safe.
+// derived from XLA's dims. No host synchronisation, no device allocation: command-buffer safe.
 
 #include <dlfcn.h>
 

@@ -10,6 +10,7 @@ import jax
 import numpy as np
 
 import jax_kda
+from jax_kda.constants import GATE_LOWER_BOUND_MIN
 from jax_kda.oracle import RMS_RATIO_BAR, production_inputs, recurrent_oracle, rms_ratio
 
 
@@ -32,7 +33,15 @@ def main(argv=None) -> int:
     device_args = [jax.device_put(a) for a in x]
     fn = jax.jit(
         lambda q, k, v, g, b, cu, s: jax_kda.prefill(
-            q, k, v, g, b, cu_seqlens=cu, initial_state=s, backend=args.backend
+            q,
+            k,
+            v,
+            g,
+            b,
+            cu_seqlens=cu,
+            initial_state=s,
+            gate_lower_bound=GATE_LOWER_BOUND_MIN,  # production_inputs' gate: -5 * sigmoid(.)
+            backend=args.backend,
         )
     )
 

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_kda import sm90, xla
-from jax_kda.constants import HEAD_DIM, default_scale
+from jax_kda.constants import GATE_LOWER_BOUND_MIN, HEAD_DIM, default_scale
 
 BACKENDS = ("auto", "xla", "sm90")
 _QKV_DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32)
@@ -41,6 +41,7 @@ def prefill(
     initial_state=None,
     scale=None,
     output_final_state=True,
+    gate_lower_bound=None,
     backend="auto",
 ):
     """Kimi Delta Attention prefill (forward pass), jittable and differentiable.
@@ -57,6 +58,10 @@ def prefill(
     initial_state: [N, H, 128, 128] float32, stored transposed ([V, K]); None means zeros.
     scale: finite Python float; None means 128 ** -0.5.
     output_final_state: when False, the second result is None.
+    gate_lower_bound: None, or a float in [-5, 0) that the caller guarantees every g is at least
+      (the safe gate lb * sigmoid(.) with lb = -5 satisfies -5). The sm90 kernels need it: they
+      factorise the in-chunk decay, which overflows float32 below about -5.5 per step, and the
+      values of g cannot be checked without a host sync. The XLA path is exact for any g <= 0.
     backend: "auto" (the sm90 kernels on Hopper when the call fits them, else "xla"), "sm90" or
       "xla". An explicit backend that cannot serve the call raises BackendUnavailableError.
 
@@ -70,6 +75,7 @@ def prefill(
         raise ValueError(f"backend: got {backend!r}, expected one of {BACKENDS}")
     if not isinstance(output_final_state, bool):
         raise TypeError(f"output_final_state: got {output_final_state!r}, expected a bool")
+    _validate_gate_lower_bound(gate_lower_bound)
 
     num_heads = q.shape[-2]
     if batched:
@@ -84,17 +90,27 @@ def prefill(
         initial_state = jnp.zeros((num_sequences, num_heads, HEAD_DIM, HEAD_DIM), jnp.float32)
 
     total_tokens = q.shape[0] * q.shape[1] if batched else q.shape[0]
-    chosen = _resolve_backend(backend, q.dtype, total_tokens, num_heads, num_sequences)
+    chosen = _resolve_backend(
+        backend, q.dtype, total_tokens, num_heads, num_sequences, gate_lower_bound
+    )
     call = _Call(scale=scale, backend=chosen, batched=batched)
     o, final_state = _prefill(call, q, k, v, g, beta, cu_seqlens, initial_state)
     return o, (final_state if output_final_state else None)
 
 
-def _resolve_backend(backend: str, dtype, total_tokens, num_heads, num_sequences) -> str:
+def _resolve_backend(
+    backend: str, dtype, total_tokens, num_heads, num_sequences, gate_lower_bound
+) -> str:
     """'auto' takes the sm90 kernels when they can serve the call; 'sm90' insists on them."""
     if backend == "xla":
         return "xla"
-    reason = sm90.unavailable_reason(dtype, total_tokens, num_heads, num_sequences)
+    if gate_lower_bound is None:
+        reason = (
+            "pass gate_lower_bound (>= -5): the kernels factorise the in-chunk decay, which "
+            "overflows float32 for gates below about -5.5 per step"
+        )
+    else:
+        reason = sm90.unavailable_reason(dtype, total_tokens, num_heads, num_sequences)
     if reason is None:
         return "sm90"
     if backend == "auto":
@@ -176,6 +192,8 @@ def _validate(q, k, v, g, beta, cu_seqlens, initial_state) -> bool:
     layout = "[B, T, H, 128]" if batched else "[T, H, 128]"
     if q.shape[-1] != HEAD_DIM:
         raise ValueError(f"q: got head dim {q.shape[-1]} ({_describe(q)}), expected {HEAD_DIM}")
+    if q.shape[-2] == 0:
+        raise ValueError(f"q: got {_describe(q)}, expected at least one head (H >= 1)")
     if q.dtype not in _QKV_DTYPES:
         raise TypeError(f"q: got dtype {q.dtype}, expected bfloat16 (or float16, float32)")
     for name, x in (("k", k), ("v", v), ("g", g)):
@@ -194,6 +212,11 @@ def _validate(q, k, v, g, beta, cu_seqlens, initial_state) -> bool:
         raise TypeError(f"beta: got dtype {beta.dtype}, expected float32")
 
     heads = q.shape[-2]
+    if batched and q.shape[0] == 0:
+        raise ValueError(
+            f"q: got {_describe(q)}, expected at least one row (B >= 1); an empty packed batch "
+            "is q of shape [0, H, 128] with cu_seqlens of N + 1 zeros"
+        )
     if cu_seqlens is not None:
         _require_array("cu_seqlens", cu_seqlens)
         if batched:
@@ -221,6 +244,17 @@ def _validate(q, k, v, g, beta, cu_seqlens, initial_state) -> bool:
         if initial_state.dtype != jnp.float32:
             raise TypeError(f"initial_state: got dtype {initial_state.dtype}, expected float32")
     return batched
+
+
+def _validate_gate_lower_bound(bound) -> None:
+    if bound is None:
+        return
+    if isinstance(bound, bool) or not isinstance(bound, (int, float, np.floating, np.integer)):
+        raise TypeError(f"gate_lower_bound: got {type(bound).__name__}, expected a Python float")
+    if not GATE_LOWER_BOUND_MIN <= float(bound) < 0:
+        raise ValueError(
+            f"gate_lower_bound: got {bound}, expected a number in [{GATE_LOWER_BOUND_MIN}, 0)"
+        )
 
 
 def _validate_scale(scale) -> float:

@@ -8,7 +8,8 @@ CHUNK = 16
 under e^80, inside float32's range, which is what lets the kernels factorise the decay."""
 
 GATE_LOWER_BOUND_MIN = -5.0
-"""The most negative lower bound the safe gate accepts (16 * 5 = 80 < 88.7, float32's exp limit)."""
+"""The most negative per-step gate the sm90 kernels serve (prefill's gate_lower_bound): over a
+16-token chunk exp(-Gamma) <= e^80, inside float32's range (e^88.7)."""
 
 
 def default_scale(head_dim: int = HEAD_DIM) -> float:

@@ -37,6 +37,11 @@ def cute_runtime_dir() -> Path:
 
 def build_library() -> Path:
     """Path of the built handler library, compiling it if this configuration is new."""
+    if not SOURCE.exists():
+        raise FileNotFoundError(
+            f"{SOURCE} is missing: the sm90 backend builds its FFI handler from the source "
+            "checkout; install jax_kda from a clone with `pip install -e .`"
+        )
     lib_dir = cute_runtime_dir()
     include_dirs = [Path(jax.ffi.include_dir()), lib_dir.parent / "include"]
     digest = hashlib.sha256()

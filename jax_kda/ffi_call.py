@@ -83,6 +83,7 @@ def cute_call(
         TARGET,
         list(results),
         has_side_effect=False,
+        vmap_method="sequential",  # under jax.vmap: one call per batch element
         input_output_aliases=aliases,
         input_layouts=[None] * len(inputs),  # None = row-major
         output_layouts=[None] * len(results),

@@ -21,9 +21,17 @@ ASSUME_SM90_ENV = "JAX_KDA_ASSUME_SM90"
 """Set to 1 to lower the sm90 path without a Hopper GPU present (cross-lowering, export, CI)."""
 
 
+def _default_device():
+    """The device jit places work on: jax.default_device's when set, else the first device."""
+    device = jax.config.jax_default_device
+    if isinstance(device, str):  # a platform name
+        device = jax.devices(device)[0]
+    return device if device is not None else jax.devices()[0]
+
+
 def has_hopper() -> bool:
     """True when JAX's default device is an NVIDIA Hopper (compute capability 9.0) GPU."""
-    device = jax.devices()[0]
+    device = _default_device()
     return device.platform == "gpu" and getattr(device, "compute_capability", "") == "9.0"
 
 
@@ -35,6 +43,12 @@ def unavailable_reason(q_dtype, total_tokens, num_heads, num_sequences) -> str |
     """Why the sm90 kernels cannot serve this call here, or None if they can."""
     if jnp.dtype(q_dtype) != jnp.bfloat16:
         return f"the sm90 kernels take bfloat16 q, k, v; got {jnp.dtype(q_dtype)}"
+    if not (has_hopper() or os.environ.get(ASSUME_SM90_ENV) == "1"):
+        device = _default_device()
+        return (
+            f"JAX's default device is {device.device_kind} ({device.platform}), not a Hopper "
+            f"(sm90) GPU; set {ASSUME_SM90_ENV}=1 to lower for Hopper from this machine anyway"
+        )
     plan = plan_prefill(total_tokens, num_heads, num_sequences)
     sizes = {
         "q": total_tokens * num_heads * HEAD_DIM,
@@ -47,16 +61,17 @@ def unavailable_reason(q_dtype, total_tokens, num_heads, num_sequences) -> str |
             f"T={total_tokens}, H={num_heads}, N={num_sequences} needs {too_big} elements, "
             f"beyond the kernels' 32-bit indexing (< {INDEX_LIMIT}); split the call"
         )
-    if not (has_hopper() or os.environ.get(ASSUME_SM90_ENV) == "1"):
-        device = jax.devices()[0]
-        return (
-            f"JAX's default device is {device.device_kind} ({device.platform}), not a Hopper "
-            f"(sm90) GPU; set {ASSUME_SM90_ENV}=1 to lower for Hopper from this machine anyway"
-        )
     try:
         import cutlass  # noqa: F401
     except ImportError as error:
         return f"nvidia-cutlass-dsl cannot be imported: {error}"
+    if has_hopper():
+        from jax_kda.ffi_call import register
+
+        try:
+            register()
+        except (OSError, RuntimeError) as error:
+            return f"the FFI handler (ffi/cute_call.cc) could not be built or loaded: {error}"
     return None
 
 
@@ -98,13 +113,11 @@ def forward_artifact(num_heads: int, scale: float):
 
 def forward(q, k, v, g, beta, cu_seqlens, initial_state, scale):
     """KDA forward on the sm90 kernels; same contract as xla.forward (q, k, v bfloat16)."""
-    from jax_kda.ffi_call import cute_call, register
+    from jax_kda.ffi_call import cute_call
 
     total_tokens, num_heads, _ = q.shape
     num_sequences = cu_seqlens.shape[0] - 1
     plan = plan_prefill(total_tokens, num_heads, num_sequences)
-    if has_hopper():
-        register()
     results = [
         jax.ShapeDtypeStruct((total_tokens, num_heads, HEAD_DIM), jnp.bfloat16),
         jax.ShapeDtypeStruct((num_sequences, num_heads, HEAD_DIM, HEAD_DIM), jnp.float32),

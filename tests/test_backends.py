@@ -4,6 +4,7 @@ import jax
 import pytest
 
 import jax_kda
+from jax_kda import sm90
 from jax_kda.oracle import RMS_RATIO_BAR, production_inputs, recurrent_oracle, rms_ratio
 
 
@@ -15,9 +16,24 @@ def test_auto_serves_the_call_here():
     assert rms_ratio(final, ref_final) <= RMS_RATIO_BAR
 
 
-def test_explicit_sm90_raises_with_reason():
+@pytest.fixture
+def _no_hopper(monkeypatch):
+    monkeypatch.setattr(sm90, "has_hopper", lambda: False)
+    monkeypatch.delenv(sm90.ASSUME_SM90_ENV, raising=False)
+
+
+@pytest.mark.usefixtures("_no_hopper")
+def test_explicit_sm90_without_hopper_raises_with_reason():
     x = production_inputs([16], 1, seed=0)
     with pytest.raises(
         jax_kda.BackendUnavailableError, match=r"backend=.sm90. cannot serve.*not a Hopper"
     ):
+        jax_kda.prefill(*x[:5], backend="sm90", gate_lower_bound=-5.0)
+
+
+def test_explicit_sm90_without_a_gate_bound_raises_with_reason():
+    """The kernels factorise the in-chunk decay; g below about -5.5 would overflow them, and g
+    cannot be inspected without a host sync, so the caller must state the bound."""
+    x = production_inputs([16], 1, seed=0)
+    with pytest.raises(jax_kda.BackendUnavailableError, match=r"pass gate_lower_bound \(>= -5\)"):
         jax_kda.prefill(*x[:5], backend="sm90")

@@ -16,13 +16,6 @@ def test_plan_is_prep_then_expand_with_one_record_per_chunk_slot(tokens, heads, 
     assert plan.workspace_bytes == slots * heads * CHUNK_RECORD_BYTES
 
 
-def test_many_short_sequences_get_no_per_segment_workspace():
-    """The reviewed design sized 160 KB per (sequence, head, segment) even unsplit: 327 MB here."""
-    plan = plan_prefill(64 * 128, 32, 64)
-    assert [b.name for b in plan.workspace] == ["chunk_records"]
-    assert plan.workspace_bytes == (64 * 128 // 16 + 64) * 32 * CHUNK_RECORD_BYTES
-
-
 def test_workspace_buffer_bytes():
     assert WorkspaceBuffer("x", (3, 4, 128), "bfloat16").bytes == 3 * 4 * 128 * 2
     assert WorkspaceBuffer("y", (5, 16), "float32").bytes == 5 * 16 * 4

@@ -18,6 +18,7 @@ from spec_cases import LONG_LENGTH, MANY_SEQUENCES, PACKED_LENGTHS, SINGLE_LENGT
 
 import jax_kda
 from jax_kda import sm90
+from jax_kda.constants import GATE_LOWER_BOUND_MIN as LB
 from jax_kda.constants import HEAD_DIM, default_scale
 from jax_kda.ffi_call import cute_call, register
 from jax_kda.oracle import RMS_RATIO_BAR, production_inputs, recurrent_oracle, rms_ratio
@@ -63,7 +64,7 @@ def _poisoned_kernel_call(x):
 def _prefill(backend):
     return jax.jit(
         lambda q, k, v, g, b, cu, s: jax_kda.prefill(
-            q, k, v, g, b, cu_seqlens=cu, initial_state=s, backend=backend
+            q, k, v, g, b, cu_seqlens=cu, initial_state=s, backend=backend, gate_lower_bound=LB
         )
     )
 
@@ -95,6 +96,11 @@ def test_prefill_sm90_equals_oracle_through_the_public_api():
     assert rms_ratio(final, ref_final) <= RMS_RATIO_BAR
     auto_o, _ = _prefill("auto")(*x)
     np.testing.assert_array_equal(np.asarray(auto_o), np.asarray(o))
+    # Without a stated gate bound the kernels cannot be trusted with g: "auto" takes XLA.
+    unbounded = jax.jit(
+        lambda q, k, v, g, b, cu, s: jax_kda.prefill(q, k, v, g, b, cu_seqlens=cu, initial_state=s)
+    )(*x)[0]
+    np.testing.assert_array_equal(np.asarray(unbounded), np.asarray(_prefill("xla")(*x)[0]))
 
 
 def test_non_contiguous_inputs_under_jit():
@@ -108,13 +114,33 @@ def test_non_contiguous_inputs_under_jit():
     @jax.jit
     def from_transposed(q, k, v, g, beta, cu, state):
         q, k, v, g = (a.swapaxes(0, 1) for a in (q, k, v, g))
-        return jax_kda.prefill(q, k, v, g, beta, cu_seqlens=cu, initial_state=state, backend="sm90")
+        return jax_kda.prefill(
+            q,
+            k,
+            v,
+            g,
+            beta,
+            cu_seqlens=cu,
+            initial_state=state,
+            backend="sm90",
+            gate_lower_bound=LB,
+        )
 
     @jax.jit
     def from_padded(q, k, v, g, beta, cu, state):
         q, k, v, g = (a[3:-5, :2, :HEAD_DIM] for a in (q, k, v, g))
         beta, state = beta[3:-5, :2], state[:, :, :HEAD_DIM, :HEAD_DIM]
-        return jax_kda.prefill(q, k, v, g, beta, cu_seqlens=cu, initial_state=state, backend="sm90")
+        return jax_kda.prefill(
+            q,
+            k,
+            v,
+            g,
+            beta,
+            cu_seqlens=cu,
+            initial_state=state,
+            backend="sm90",
+            gate_lower_bound=LB,
+        )
 
     runs = {
         "transposed": from_transposed(*transposed, x.beta, x.cu_seqlens, x.initial_state),
@@ -129,9 +155,9 @@ def test_batched_form_equals_packed_form():
     x = production_inputs([64] * 3, 2, seed=SEED + 2)
     o_thd, f_thd = _prefill("sm90")(*x)
     rows = [a.reshape(3, 64, *a.shape[1:]) for a in x[:5]]
-    o_b, f_b = jax.jit(lambda *a: jax_kda.prefill(*a[:5], initial_state=a[5], backend="sm90"))(
-        *rows, x.initial_state
-    )
+    o_b, f_b = jax.jit(
+        lambda *a: jax_kda.prefill(*a[:5], initial_state=a[5], backend="sm90", gate_lower_bound=LB)
+    )(*rows, x.initial_state)
     np.testing.assert_array_equal(np.asarray(o_b).reshape(o_thd.shape), np.asarray(o_thd))
     np.testing.assert_array_equal(np.asarray(f_b), np.asarray(f_thd))
 
@@ -171,6 +197,7 @@ def test_grad_through_sm90_forward():
                 cu_seqlens=x.cu_seqlens,
                 initial_state=state,
                 backend=backend,
+                gate_lower_bound=LB,
             )
             return jnp.sum(o.astype(jnp.float32) ** 2) + jnp.sum(final**2)
 
@@ -192,7 +219,7 @@ def test_command_buffers_give_equal_results(tmp_path):
         from jax_kda.oracle import production_inputs
         x = production_inputs([200, 0, 77], 4, seed={SEED})
         f = jax.jit(lambda *a: jax_kda.prefill(*a[:5], cu_seqlens=a[5], initial_state=a[6],
-                                               backend="sm90"))
+                                               backend="sm90", gate_lower_bound=-5.0))
         o, final = f(*x)
         o, final = f(*x)
         np.savez(sys.argv[1], o=np.asarray(o, np.float32), final=np.asarray(final))

@@ -17,8 +17,6 @@ from jax_kda.ffi_call import TARGET
 from jax_kda.oracle import production_inputs
 from jax_kda.plan import plan_prefill
 
-pytest.importorskip("cutlass")
-
 # Heads from SPEC's shapes and the small/many-sequence cases; every one is a separate variant.
 VARIANT_HEADS = [1, 2, 4, 32]
 
@@ -33,6 +31,8 @@ def _lower(fn, *args):
 
 
 def _prefill(**options):
+    options.setdefault("gate_lower_bound", -5.0)
+
     def fn(q, k, v, g, beta, cu, state):
         return jax_kda.prefill(q, k, v, g, beta, cu_seqlens=cu, initial_state=state, **options)
 
@@ -82,10 +82,26 @@ def test_new_tokens_or_sequences_do_not_compile_again():
 def test_auto_picks_sm90_for_bf16_and_xla_for_float32():
     x = production_inputs([20], 2, seed=3)
     assert TARGET in _lower(_prefill(), *x)
+    assert TARGET not in _lower(_prefill(gate_lower_bound=None), *x)
+    with pytest.raises(jax_kda.BackendUnavailableError, match="pass gate_lower_bound"):
+        _lower(_prefill(backend="sm90", gate_lower_bound=None), *x)
     x32 = production_inputs([20], 2, seed=3, dtype=jnp.float32)
     assert TARGET not in _lower(_prefill(), *x32)
     with pytest.raises(jax_kda.BackendUnavailableError, match="take bfloat16 q, k, v; got float32"):
         _lower(_prefill(backend="sm90"), *x32)
+
+
+def test_vmap_lowers_to_one_call_per_batch_element():
+    x = production_inputs([30, 2], 2, seed=5)
+    stacked = [jnp.stack([a, a]) for a in (*x[:5], x.initial_state)]
+
+    def batched(q, k, v, g, beta, state):
+        return jax.vmap(lambda *a: _prefill(backend="sm90")(*a[:5], x.cu_seqlens, a[5]))(
+            q, k, v, g, beta, state
+        )
+
+    text = _lower(batched, *stacked)
+    assert TARGET in text and "stablehlo.while" in text
 
 
 def test_calls_beyond_32_bit_indexing_go_to_xla_or_are_refused():
@@ -130,7 +146,9 @@ def test_lowers_inside_scan_fori_loop_grad_and_batched():
     rows = [a.reshape(2, 16, *a.shape[1:]) for a in x[:5]]
 
     def batched(q, k, v, g, beta, state):
-        return jax_kda.prefill(q, k, v, g, beta, initial_state=state, backend="sm90")
+        return jax_kda.prefill(
+            q, k, v, g, beta, initial_state=state, backend="sm90", gate_lower_bound=-5.0
+        )
 
     state = x.initial_state
     assert TARGET in _lower(batched, *rows, state)

@@ -72,6 +72,14 @@ BAD = {
     ),
     "q-not-array": (dict(q=[1.0, 2.0]), TypeError, r"q: got list"),
     "final-flag": (dict(output_final_state="yes"), TypeError, r"output_final_state: got 'yes'"),
+    "lb-too-low": (
+        dict(gate_lower_bound=-8.0),
+        ValueError,
+        r"gate_lower_bound: got -8.0.*\[-5.0, 0\)",
+    ),
+    "lb-zero": (dict(gate_lower_bound=0.0), ValueError, r"gate_lower_bound: got 0.0"),
+    "lb-type": (dict(gate_lower_bound="-5"), TypeError, r"gate_lower_bound: got str"),
+    "no-heads": (dict(q=X.q[:, :0]), ValueError, r"q: got shape \(20, 0, 128\).*H >= 1"),
 }
 
 
@@ -88,6 +96,12 @@ def test_batched_form_rejects_cu_seqlens():
         jax_kda.prefill(
             q, q, q, X.g.reshape(q.shape), X.beta.reshape(2, 10, H), cu_seqlens=X.cu_seqlens
         )
+
+
+def test_batched_form_needs_a_row():
+    q = X.q[:0].reshape(0, 10, H, 128)
+    with pytest.raises(ValueError, match=r"q: got shape \(0, 10, 2, 128\).*B >= 1"):
+        jax_kda.prefill(q, q, q, X.g[:0].reshape(q.shape), X.beta[:0].reshape(0, 10, H))
 
 
 def test_batched_state_shape_is_per_row():

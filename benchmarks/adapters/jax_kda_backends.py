@@ -6,7 +6,7 @@ import jax
 
 import jax_kda
 from benchmarks.native import Native, Unavailable
-from jax_kda.constants import default_scale
+from jax_kda.constants import GATE_LOWER_BOUND_MIN, default_scale
 from jax_kda.oracle import Inputs
 
 
@@ -31,6 +31,7 @@ def bind(inputs: Inputs, *, backend: str) -> Native:
             cu_seqlens=args["cu_seqlens"],
             initial_state=state,
             scale=default_scale(),
+            gate_lower_bound=GATE_LOWER_BOUND_MIN,  # production_inputs' gate: lb = -5
             backend=backend,
         )
 
@@ -46,6 +47,6 @@ def bind(inputs: Inputs, *, backend: str) -> Native:
         state_is_kv=False,
         notes=(
             "jax_kda.prefill(q, k, v, g, beta as [T, H, ...], cu_seqlens int32, "
-            f"initial_state [N,H,V,K], scale=128**-0.5, backend={backend!r})"
+            f"initial_state [N,H,V,K], scale=128**-0.5, gate_lower_bound=-5, backend={backend!r})"
         ),
     )
