@@ -53,12 +53,9 @@ PROD_ROW = 17
 class KdaConfig:
     num_heads: int
     scale: float = HEAD_DIM**-0.5
-    head_dim: int = HEAD_DIM
     stages: int = 4  # EXPAND cp.async pipeline depth (chunks in flight = stages - 1)
 
     def __post_init__(self):
-        if self.head_dim != HEAD_DIM:
-            raise ValueError(f"head_dim must be {HEAD_DIM}, got {self.head_dim}")
         if not (self.num_heads >= 1):
             raise ValueError(f"num_heads must be >= 1, got {self.num_heads}")
         if not (2 <= self.stages <= 8):
@@ -115,9 +112,21 @@ def _v16(t):
     return cute.make_tensor(t.iterator.align(16), cute.make_layout(4))
 
 
+@cute.jit
+def _load_stage(atom, g_rec, s_raw, stage, vslab, tid):
+    """Issue this thread's cp.async copies of one chunk record into shared-memory stage `stage`:
+    the parts both V-slabs use, then this slab's half of ut^T."""
+    for it in cutlass.range_constexpr((STAGE_VEC + NTHREADS - 1) // NTHREADS):
+        idx = tid + it * NTHREADS
+        if idx < STAGE_VEC:
+            src = idx
+            if idx >= COMMON_VEC:
+                src = idx + vslab * UT_VEC
+            cute.copy(atom, _v16(g_rec[src, None]), _v16(s_raw[idx, None, stage]))
+
+
 class KdaForwardSm90:
     def __init__(self, config: KdaConfig):
-        self.cfg = config
         self.H = config.num_heads
         self.scale = float(config.scale)
         self.stages = config.stages
@@ -399,14 +408,7 @@ class KdaForwardSm90:
             # prologue: chunks 0 .. P-2 in flight (one commit group per chunk, maybe empty)
             for p in cutlass.range_constexpr(P - 1):
                 if p < nchunks:
-                    g_rec = mWs[slot0 + p, h, None, None]
-                    for it in cutlass.range_constexpr((STAGE_VEC + NTHREADS - 1) // NTHREADS):
-                        idx = tid + it * NTHREADS
-                        if idx < STAGE_VEC:
-                            src = idx
-                            if idx >= COMMON_VEC:
-                                src = idx + vslab * UT_VEC
-                            cute.copy(atom, _v16(g_rec[src, None]), _v16(s_raw[idx, None, p]))
+                    _load_stage(atom, mWs[slot0 + p, h, None, None], s_raw, p, vslab, tid)
                 cute.arch.cp_async_commit_group()
 
             for c in cutlass.range(nchunks, unroll=1):
@@ -418,13 +420,7 @@ class KdaForwardSm90:
                 if nxt < nchunks:
                     nstage = nxt % P
                     g_rec = mWs[slot0 + nxt, h, None, None]
-                    for it in cutlass.range_constexpr((STAGE_VEC + NTHREADS - 1) // NTHREADS):
-                        idx = tid + it * NTHREADS
-                        if idx < STAGE_VEC:
-                            src = idx
-                            if idx >= COMMON_VEC:
-                                src = idx + vslab * UT_VEC
-                            cute.copy(atom, _v16(g_rec[src, None]), _v16(s_raw[idx, None, nstage]))
+                    _load_stage(atom, g_rec, s_raw, nstage, vslab, tid)
                 cute.arch.cp_async_commit_group()
 
                 a_st = self._acc_to_a_operand(mma_n128, acc_s, VS, HEAD_DIM)
