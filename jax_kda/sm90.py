@@ -111,18 +111,23 @@ def forward_artifact(num_heads: int, scale: float):
     )
 
 
+def result_shapes(total_tokens, num_heads, num_sequences) -> list[jax.ShapeDtypeStruct]:
+    """The custom call's results: o [T, H, 128] bf16, final_state [N, H, 128, 128] f32, then the
+    plan's workspace buffers."""
+    plan = plan_prefill(total_tokens, num_heads, num_sequences)
+    return [
+        jax.ShapeDtypeStruct((total_tokens, num_heads, HEAD_DIM), jnp.bfloat16),
+        jax.ShapeDtypeStruct((num_sequences, num_heads, HEAD_DIM, HEAD_DIM), jnp.float32),
+        *(jax.ShapeDtypeStruct(b.shape, b.dtype) for b in plan.workspace),
+    ]
+
+
 def forward(q, k, v, g, beta, cu_seqlens, initial_state, scale):
     """KDA forward on the sm90 kernels; same contract as xla.forward (q, k, v bfloat16)."""
     from jax_kda.ffi_call import cute_call
 
     total_tokens, num_heads, _ = q.shape
-    num_sequences = cu_seqlens.shape[0] - 1
-    plan = plan_prefill(total_tokens, num_heads, num_sequences)
-    results = [
-        jax.ShapeDtypeStruct((total_tokens, num_heads, HEAD_DIM), jnp.bfloat16),
-        jax.ShapeDtypeStruct((num_sequences, num_heads, HEAD_DIM, HEAD_DIM), jnp.float32),
-        *(jax.ShapeDtypeStruct(b.shape, b.dtype) for b in plan.workspace),
-    ]
+    results = result_shapes(total_tokens, num_heads, cu_seqlens.shape[0] - 1)
     inputs = [q, k, v, g, beta, jnp.asarray(cu_seqlens, jnp.int32), initial_state]
     o, final_state, *_workspace = cute_call(forward_artifact(num_heads, scale), inputs, results)
     return o, final_state

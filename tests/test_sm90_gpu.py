@@ -22,7 +22,6 @@ from jax_kda.constants import GATE_LOWER_BOUND_MIN as LB
 from jax_kda.constants import HEAD_DIM, default_scale
 from jax_kda.ffi_call import cute_call, register
 from jax_kda.oracle import RMS_RATIO_BAR, production_inputs, recurrent_oracle, rms_ratio
-from jax_kda.plan import plan_prefill
 
 pytestmark = pytest.mark.gpu
 
@@ -40,15 +39,7 @@ def _poisoned_kernel_call(x):
     patterns (aliased results), so that anything left unwritten shows."""
     register()
     tokens, heads, _ = x.q.shape
-    seqs = x.cu_seqlens.shape[0] - 1
-    results = [
-        jax.ShapeDtypeStruct((tokens, heads, HEAD_DIM), jnp.bfloat16),
-        jax.ShapeDtypeStruct((seqs, heads, HEAD_DIM, HEAD_DIM), jnp.float32),
-        *(
-            jax.ShapeDtypeStruct(b.shape, b.dtype)
-            for b in plan_prefill(tokens, heads, seqs).workspace
-        ),
-    ]
+    results = sm90.result_shapes(tokens, heads, x.cu_seqlens.shape[0] - 1)
     artifact = sm90.forward_artifact(heads, default_scale())
 
     @jax.jit
