@@ -102,36 +102,18 @@ def test_non_contiguous_inputs_under_jit():
     beta_padded = jnp.pad(jnp.asarray(x.beta), ((3, 5), (0, 1)))
     state_padded = jnp.pad(jnp.asarray(x.initial_state), ((0, 0), (0, 0), (0, 8), (0, 8)))
 
+    sm90_call = _prefill("sm90")
+
     @jax.jit
     def from_transposed(q, k, v, g, beta, cu, state):
         q, k, v, g = (a.swapaxes(0, 1) for a in (q, k, v, g))
-        return jax_kda.prefill(
-            q,
-            k,
-            v,
-            g,
-            beta,
-            cu_seqlens=cu,
-            initial_state=state,
-            backend="sm90",
-            gate_lower_bound=LB,
-        )
+        return sm90_call(q, k, v, g, beta, cu, state)
 
     @jax.jit
     def from_padded(q, k, v, g, beta, cu, state):
         q, k, v, g = (a[3:-5, :2, :HEAD_DIM] for a in (q, k, v, g))
         beta, state = beta[3:-5, :2], state[:, :, :HEAD_DIM, :HEAD_DIM]
-        return jax_kda.prefill(
-            q,
-            k,
-            v,
-            g,
-            beta,
-            cu_seqlens=cu,
-            initial_state=state,
-            backend="sm90",
-            gate_lower_bound=LB,
-        )
+        return sm90_call(q, k, v, g, beta, cu, state)
 
     runs = {
         "transposed": from_transposed(*transposed, x.beta, x.cu_seqlens, x.initial_state),
