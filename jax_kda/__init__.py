@@ -6,6 +6,7 @@ chunked implementation everywhere else; see its docstring for the contract.
 
 from jax_kda.api import BACKENDS, BackendUnavailableError, prefill
 from jax_kda.constants import CHUNK, HEAD_DIM
+from jax_kda.gate import l2_normalize, safe_gate
 from jax_kda.plan import PrefillPlan, WorkspaceBuffer, plan_prefill
 
 __all__ = [
@@ -15,7 +16,9 @@ __all__ = [
     "BackendUnavailableError",
     "PrefillPlan",
     "WorkspaceBuffer",
+    "l2_normalize",
     "plan_prefill",
     "prefill",
+    "safe_gate",
 ]
 __version__ = "0.1.0"

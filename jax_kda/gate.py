@@ -1,0 +1,52 @@
+"""Input preparation in plain JAX: the safe gate and the q/k L2 normalisation KDA models apply
+before the recurrence (SPEC's optional fusions, here as separate jittable functions)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from jax_kda.constants import GATE_LOWER_BOUND_MIN, HEAD_DIM
+
+L2_EPS = 1e-6
+
+
+def safe_gate(a, a_log=None, dt_bias=None, *, lower_bound=GATE_LOWER_BOUND_MIN):
+    """Kimi K3's lower-bounded ("safe") gate: lb * sigmoid(exp(a_log[h]) * (a + dt_bias[h])).
+
+    Args:
+      a: [..., H, 128], the gate projection, any float dtype (computed in float32).
+      a_log: [H] or None (amplitude 1). dt_bias: [H, 128] or None (no bias).
+      lower_bound: lb, a Python float in [-5, 0).
+    Returns:
+      g: a's shape, float32, every value in [lb, 0): pass gate_lower_bound=lb to prefill.
+    """
+    if isinstance(lower_bound, bool) or not isinstance(lower_bound, (int, float)):
+        raise TypeError(f"lower_bound: got {type(lower_bound).__name__}, expected a Python float")
+    if not GATE_LOWER_BOUND_MIN <= lower_bound < 0:
+        raise ValueError(
+            f"lower_bound: got {lower_bound}, expected a number in [{GATE_LOWER_BOUND_MIN}, 0)"
+        )
+    if a.ndim < 2 or a.shape[-1] != HEAD_DIM:
+        raise ValueError(f"a: got shape {tuple(a.shape)}, expected [..., H, {HEAD_DIM}]")
+    heads = a.shape[-2]
+    x = a.astype(jnp.float32)
+    if dt_bias is not None:
+        if tuple(dt_bias.shape) != (heads, HEAD_DIM):
+            raise ValueError(
+                f"dt_bias: got shape {tuple(dt_bias.shape)}, expected ({heads}, {HEAD_DIM})"
+            )
+        x = x + dt_bias.astype(jnp.float32)
+    if a_log is not None:
+        if tuple(a_log.shape) != (heads,):
+            raise ValueError(f"a_log: got shape {tuple(a_log.shape)}, expected ({heads},)")
+        x = x * jnp.exp(a_log.astype(jnp.float32))[:, None]
+    return lower_bound * jax.nn.sigmoid(x)
+
+
+def l2_normalize(x):
+    """x * rsqrt(sum(x^2) + 1e-6) over the last axis, in float32, returned in x's dtype."""
+    x32 = x.astype(jnp.float32)
+    return (x32 * jax.lax.rsqrt(jnp.sum(x32 * x32, axis=-1, keepdims=True) + L2_EPS)).astype(
+        x.dtype
+    )
