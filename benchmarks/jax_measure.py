@@ -17,7 +17,7 @@ from jax import lax
 
 from benchmarks.inputs import Cotangents
 from benchmarks.native import Native
-from benchmarks.timing import Settings, Timings
+from benchmarks.timing import Settings, Timings, host_seconds, wall_seconds
 
 TOKEN_INPUTS = ("q", "k", "v", "g", "beta")
 
@@ -50,12 +50,6 @@ def train_step(native: Native, cotangents: Cotangents):
     return step, args
 
 
-def _seconds(fn) -> float:
-    start = time.perf_counter()
-    fn()
-    return time.perf_counter() - start
-
-
 def measure(step, args, state, settings: Settings) -> tuple[Timings, tuple]:
     """Time ``step``; returns the timings and the first call's ``(next_state, outputs)`` (numpy)."""
     single = jax.jit(step)
@@ -66,17 +60,13 @@ def measure(step, args, state, settings: Settings) -> tuple[Timings, tuple]:
     def one_call():
         jax.block_until_ready(single(args, state))
 
-    for _ in range(settings.warmup_calls):
-        one_call()
-    per_call_s = statistics.median(_seconds(one_call) for _ in range(settings.per_call_samples))
-
     def pipelined():
         chained = state
         for _ in range(settings.pipelined_calls):
             chained, outputs = single(args, chained)
         jax.block_until_ready((chained, outputs))
 
-    pipelined_s = _seconds(pipelined) / settings.pipelined_calls
+    per_call_s, pipelined_s = host_seconds(one_call, pipelined, settings)
 
     loop_calls = settings.loop_calls(per_call_s)
     gpu_s = _loop_seconds_per_call(step, args, state, first[1], loop_calls, settings.repeats)
@@ -101,7 +91,7 @@ def _loop_seconds_per_call(step, args, state, outputs, calls: int, repeats: int)
 
     jax.block_until_ready(loop(args, state, outputs, 1))
     samples = [
-        _seconds(lambda: jax.block_until_ready(loop(args, state, outputs, calls)))
+        wall_seconds(lambda: jax.block_until_ready(loop(args, state, outputs, calls)))
         for _ in range(repeats)
     ]
     return statistics.median(samples) / calls

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import math
+import statistics
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 
@@ -65,3 +68,22 @@ class Timings:
     first_call_ms: float
     peak_bytes: int | None
     peak_method: str
+
+
+def wall_seconds(fn: Callable[[], object]) -> float:
+    """Host wall-clock seconds of one call of ``fn``."""
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def host_seconds(
+    one_call: Callable[[], object], pipelined: Callable[[], object], settings: Settings
+) -> tuple[float, float]:
+    """(per call, pipelined per call) in seconds: ``one_call`` waits for its result and is timed
+    as a median after warm-up; ``pipelined`` issues ``settings.pipelined_calls`` chained calls and
+    waits once."""
+    for _ in range(settings.warmup_calls):
+        one_call()
+    per_call = statistics.median(wall_seconds(one_call) for _ in range(settings.per_call_samples))
+    return per_call, wall_seconds(pipelined) / settings.pipelined_calls

@@ -15,7 +15,7 @@ import time
 from benchmarks.adapters.torch_tensors import import_torch_cuda, to_cuda, to_numpy
 from benchmarks.inputs import Cotangents
 from benchmarks.native import Native
-from benchmarks.timing import Settings, Timings
+from benchmarks.timing import Settings, Timings, host_seconds
 
 TOKEN_INPUTS = ("q", "k", "v", "g", "beta")
 GRAPH_CALLS = 10
@@ -73,17 +73,13 @@ def measure(step, args, state, settings: Settings) -> tuple[Timings, tuple]:
     first_numpy = (to_numpy(first[0]), tuple(to_numpy(x) for x in first[1]))
     del first
 
-    for _ in range(settings.warmup_calls):
-        one_call()
-    per_call_s = statistics.median(_seconds(one_call) for _ in range(settings.per_call_samples))
-
     def pipelined():
         chained = state
         for _ in range(settings.pipelined_calls):
             chained, _ = step(args, chained)
         sync()
 
-    pipelined_s = _seconds(pipelined) / settings.pipelined_calls
+    per_call_s, pipelined_s = host_seconds(one_call, pipelined, settings)
 
     sync()
     torch.cuda.reset_peak_memory_stats()
@@ -109,12 +105,6 @@ def measure(step, args, state, settings: Settings) -> tuple[Timings, tuple]:
         peak_method="torch.cuda.max_memory_allocated over one call (inputs included)",
     )
     return timings, first_numpy
-
-
-def _seconds(fn) -> float:
-    start = time.perf_counter()
-    fn()
-    return time.perf_counter() - start
 
 
 def _event_seconds(torch, launch, repeats: int) -> float:
