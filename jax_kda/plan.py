@@ -11,11 +11,20 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from jax_kda.constants import CHUNK
+from jax_kda.constants import CHUNK, HEAD_DIM
 
 CHUNK_RECORD_BYTES = 21504
 """Bytes PREP writes per (chunk slot, head) for EXPAND: -wt, qg, kg^T (bf16 swizzled wgmma tiles,
 4 KiB each), Z (bf16 16x16), a = exp(gamma) (f32 [128]) and ut^T (f32 [128, 16])."""
+
+MIN_SEGMENT_CHUNKS = 8
+"""A segment shorter than this costs more in BUILD and COMBINE than its parallelism saves."""
+
+MAX_SEGMENTS = 16
+"""COMBINE walks the segments serially; more than this would make it the critical path."""
+
+CHAIN_CTAS = 2
+"""CTAs per (sequence, head) on the chain: each owns 64 of the state's 128 rows."""
 
 
 @dataclass(frozen=True)
@@ -47,14 +56,31 @@ class PrefillPlan:
         return sum(buffer.bytes for buffer in self.workspace)
 
 
-def plan_prefill(total_tokens: int, num_heads: int, num_sequences: int) -> PrefillPlan:
-    """The sm90 plan for T tokens, H heads and N sequences.
+def segment_count(
+    total_tokens: int, num_heads: int, num_sequences: int, sm_count: int | None
+) -> int:
+    """Segments per sequence: enough to fill the SMs when N * H chains leave them idle, none
+    shorter than MIN_SEGMENT_CHUNKS chunks (by the average length T / N), at most MAX_SEGMENTS.
+    sm_count None (unknown device) means no split."""
+    if sm_count is None:
+        return 1
+    by_sms = sm_count // (CHAIN_CTAS * num_heads * num_sequences)
+    by_length = math.ceil(total_tokens / num_sequences / CHUNK) // MIN_SEGMENT_CHUNKS
+    return max(1, min(by_sms, by_length, MAX_SEGMENTS))
 
-    Two launches: PREP, parallel over (chunk slot, head), writes one record per slot into the
-    workspace; EXPAND, per (V-slab, head, sequence), runs the serial chain over those records with
-    the state in registers. There are T // 16 + N chunk slots (gap-safe varlen mapping, see
-    xla.py). Sequences are not split into segments yet (segment_count is 1 whatever the shapes),
-    so no per-segment buffer exists.
+
+def plan_prefill(
+    total_tokens: int, num_heads: int, num_sequences: int, sm_count: int | None = None
+) -> PrefillPlan:
+    """The sm90 plan for T tokens, H heads and N sequences on a device with sm_count SMs.
+
+    PREP, parallel over (chunk slot, head), writes one record per slot (T // 16 + N slots, the
+    gap-safe varlen mapping of xla.py); EXPAND, per (64-row slab, head, sequence, segment), runs
+    the serial chain over those records with the state in registers. When the sequences are split
+    into segments, BUILD first walks each segment but the last from the identity and from zero
+    (the segment's operators Mt, Ct: St_end = St_start Mt + Ct) and COMBINE chains them into every
+    segment's start state. The per-segment buffers exist only then; otherwise they are one
+    minimal [1, 1, 1, 128, 128] slot that nothing reads.
     """
     for name, value, low in (
         ("total_tokens", total_tokens, 0),
@@ -63,17 +89,23 @@ def plan_prefill(total_tokens: int, num_heads: int, num_sequences: int) -> Prefi
     ):
         if not isinstance(value, int) or value < low:
             raise ValueError(f"{name}: got {value!r}, expected an int >= {low}")
+    segments = segment_count(total_tokens, num_heads, num_sequences, sm_count)
+    square = (HEAD_DIM, HEAD_DIM)
+    if segments > 1:
+        states = (segments, num_sequences, num_heads, *square)
+        operators = (2 * (segments - 1), num_sequences, num_heads, *square)
+    else:
+        states = operators = (1, 1, 1, *square)
+    records = (total_tokens // CHUNK + num_sequences, num_heads, CHUNK_RECORD_BYTES // 16, 4)
     return PrefillPlan(
         total_tokens=total_tokens,
         num_heads=num_heads,
         num_sequences=num_sequences,
-        segment_count=1,
-        launches=2,
+        segment_count=segments,
+        launches=4 if segments > 1 else 2,
         workspace=(
-            WorkspaceBuffer(
-                "chunk_records",
-                (total_tokens // CHUNK + num_sequences, num_heads, CHUNK_RECORD_BYTES // 16, 4),
-                "int32",
-            ),
+            WorkspaceBuffer("chunk_records", records, "int32"),
+            WorkspaceBuffer("segment_states", states, "float32"),
+            WorkspaceBuffer("segment_operators", operators, "float32"),
         ),
     )

@@ -17,6 +17,9 @@ import jax.numpy as jnp
 from jax_kda.constants import HEAD_DIM
 from jax_kda.plan import plan_prefill
 
+SM_COUNT_ENV = "JAX_KDA_SM_COUNT"
+"""Without a GPU present, the SM count to plan segments for (e.g. 132 for an H100 SXM or H200)."""
+
 ASSUME_SM90_ENV = "JAX_KDA_ASSUME_SM90"
 """Set to 1 to lower the sm90 path without a Hopper GPU present (cross-lowering, export, CI)."""
 
@@ -35,6 +38,25 @@ def has_hopper() -> bool:
     return device.platform == "gpu" and getattr(device, "compute_capability", "") == "9.0"
 
 
+def device_sm_count() -> int | None:
+    """SMs of JAX's default GPU, read from the device; $JAX_KDA_SM_COUNT when none is present;
+    None when neither is known (the plan then splits no sequence)."""
+    if has_hopper():
+        device = _default_device()
+        count = getattr(device, "core_count", None)
+        if count:
+            return int(count)
+        from cuda.bindings import runtime
+
+        attribute = runtime.cudaDeviceAttr.cudaDevAttrMultiProcessorCount
+        error, count = runtime.cudaDeviceGetAttribute(attribute, device.local_hardware_id)
+        if error != runtime.cudaError_t.cudaSuccess:
+            raise RuntimeError(f"reading the SM count of {device}: {error}")
+        return int(count)
+    value = os.environ.get(SM_COUNT_ENV)
+    return int(value) if value else None
+
+
 INDEX_LIMIT = 2**31
 """The kernels are compiled with 32-bit sizes: no tensor of a call may hold this many elements."""
 
@@ -49,7 +71,7 @@ def unavailable_reason(q_dtype, total_tokens, num_heads, num_sequences) -> str |
             f"JAX's default device is {device.device_kind} ({device.platform}), not a Hopper "
             f"(sm90) GPU; set {ASSUME_SM90_ENV}=1 to lower for Hopper from this machine anyway"
         )
-    plan = plan_prefill(total_tokens, num_heads, num_sequences)
+    plan = plan_prefill(total_tokens, num_heads, num_sequences, device_sm_count())
     sizes = {
         "q": total_tokens * num_heads * HEAD_DIM,
         "initial_state": num_sequences * num_heads * HEAD_DIM * HEAD_DIM,
@@ -87,7 +109,8 @@ def forward_artifact(num_heads: int, scale: float):
     config = KdaConfig(num_heads=num_heads, scale=scale)
     tokens, seqs, seqs_plus_one = cute.sym_int32(), cute.sym_int32(), cute.sym_int32()
     slots = cute.sym_int32()
-    (records,) = plan_prefill(0, num_heads, 1).workspace
+    records = plan_prefill(0, num_heads, 1).workspace[0]
+    square = (HEAD_DIM, HEAD_DIM)
     token_shape = (tokens, num_heads, HEAD_DIM)
     state_shape = (seqs, num_heads, HEAD_DIM, HEAD_DIM)
     fakes = {
@@ -101,6 +124,10 @@ def forward_artifact(num_heads: int, scale: float):
         "o": row_major_fake(BFloat16, token_shape),
         "final_state": row_major_fake(Float32, state_shape),
         "ws_rec": row_major_fake(Int32, (slots, *records.shape[1:])),
+        # [segments, N, H, 128, 128] when a sequence is split, else one minimal slot: every
+        # outer dim is symbolic so both sizes run the same compiled code.
+        "seg_states": row_major_fake(Float32, (*(cute.sym_int32() for _ in range(3)), *square)),
+        "seg_ops": row_major_fake(Float32, (*(cute.sym_int32() for _ in range(3)), *square)),
     }
     scale_tag = hashlib.sha256(repr(scale).encode()).hexdigest()[:8]
     return export(
@@ -114,7 +141,7 @@ def forward_artifact(num_heads: int, scale: float):
 def result_shapes(total_tokens, num_heads, num_sequences) -> list[jax.ShapeDtypeStruct]:
     """The custom call's results: o [T, H, 128] bf16, final_state [N, H, 128, 128] f32, then the
     plan's workspace buffers."""
-    plan = plan_prefill(total_tokens, num_heads, num_sequences)
+    plan = plan_prefill(total_tokens, num_heads, num_sequences, device_sm_count())
     return [
         jax.ShapeDtypeStruct((total_tokens, num_heads, HEAD_DIM), jnp.bfloat16),
         jax.ShapeDtypeStruct((num_sequences, num_heads, HEAD_DIM, HEAD_DIM), jnp.float32),

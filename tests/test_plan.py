@@ -2,18 +2,53 @@
 
 import pytest
 
-from jax_kda.plan import CHUNK_RECORD_BYTES, WorkspaceBuffer, plan_prefill
+from jax_kda.plan import (
+    CHUNK_RECORD_BYTES,
+    MAX_SEGMENTS,
+    WorkspaceBuffer,
+    plan_prefill,
+    segment_count,
+)
+
+SLOT = 128 * 128 * 4  # one [128, 128] float32 state or operator
 
 
 @pytest.mark.parametrize(
-    ("tokens", "heads", "seqs", "slots"), [(0, 2, 3, 3), (33, 2, 3, 5), (16384, 16, 8, 1032)]
+    ("tokens", "heads", "seqs", "sms", "segments"),
+    [
+        (2048, 12, 1, 132, 5),  # 24 chains on 132 SMs: split
+        (1024, 4, 1, 132, 8),  # 64 chunks: no segment under 8 chunks
+        (16384, 16, 8, 132, 1),  # 256 chains already fill the SMs
+        (8192, 32, 64, 132, 1),  # many short sequences
+        (33, 2, 3, 132, 1),  # small packed work: two launches, no split
+        (2048, 12, 1, 114, 4),  # the SM count of the device, not a constant
+        (2048, 12, 1, None, 1),  # unknown device: no split
+        (1 << 20, 1, 1, 132, MAX_SEGMENTS),
+    ],
 )
-def test_plan_is_prep_then_expand_with_one_record_per_chunk_slot(tokens, heads, seqs, slots):
-    plan = plan_prefill(tokens, heads, seqs)
+def test_segment_count(tokens, heads, seqs, sms, segments):
+    assert segment_count(tokens, heads, seqs, sms) == segments
+
+
+def test_unsplit_plan_has_two_launches_and_one_minimal_segment_slot():
+    """The reviewed design sized its three per-segment buffers N*H*nseg even when nseg == 1,
+    327 MB at N = 64, H = 32; ours are one minimal slot."""
+    plan = plan_prefill(8192, 32, 64, sm_count=132)
     assert (plan.segment_count, plan.launches) == (1, 2)
-    (records,) = plan.workspace
-    assert records.shape == (slots, heads, CHUNK_RECORD_BYTES // 16, 4)
-    assert plan.workspace_bytes == slots * heads * CHUNK_RECORD_BYTES
+    records, states, operators = plan.workspace
+    assert records.shape == (8192 // 16 + 64, 32, CHUNK_RECORD_BYTES // 16, 4)
+    assert states.shape == operators.shape == (1, 1, 1, 128, 128)
+    assert plan.workspace_bytes == records.bytes + 2 * SLOT
+
+
+def test_split_plan_sizes_per_segment_buffers_by_shape():
+    plan = plan_prefill(2048, 12, 1, sm_count=132)
+    assert (plan.segment_count, plan.launches) == (5, 4)
+    records, states, operators = plan.workspace
+    assert records.shape == (2048 // 16 + 1, 12, CHUNK_RECORD_BYTES // 16, 4)
+    assert states.shape == (5, 1, 12, 128, 128)
+    assert operators.shape == (8, 1, 12, 128, 128)  # Mt and Ct of every segment but the last
+    assert plan.workspace_bytes == records.bytes + (5 + 8) * 12 * SLOT
 
 
 def test_workspace_buffer_bytes():

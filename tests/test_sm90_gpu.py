@@ -22,6 +22,7 @@ from jax_kda.constants import GATE_LOWER_BOUND_MIN as LB
 from jax_kda.constants import HEAD_DIM, default_scale
 from jax_kda.ffi_call import cute_call, register
 from jax_kda.oracle import RMS_RATIO_BAR, production_inputs, recurrent_oracle, rms_ratio
+from jax_kda.plan import plan_prefill
 
 pytestmark = pytest.mark.gpu
 
@@ -31,6 +32,7 @@ CASES = {
     **{name: (lengths, 2 if len(lengths) <= 3 else 4) for name, lengths in PACKED_LENGTHS.items()},
     "long-16384": ([LONG_LENGTH], 2),
     "n64-h32": (list(np.random.default_rng(SEED).integers(0, 300, MANY_SEQUENCES)), 32),
+    "segments-with-empties": ([2000, 1, 0], 1),
 }
 
 
@@ -39,17 +41,21 @@ def _poisoned_kernel_call(x):
     patterns (aliased results), so that anything left unwritten shows."""
     register()
     tokens, heads, _ = x.q.shape
-    results = sm90.result_shapes(tokens, heads, x.cu_seqlens.shape[0] - 1)
+    seqs = x.cu_seqlens.shape[0] - 1
+    results = sm90.result_shapes(tokens, heads, seqs)
+    segments = plan_prefill(tokens, heads, seqs, sm90.device_sm_count()).segment_count
     artifact = sm90.forward_artifact(heads, default_scale())
 
     @jax.jit
     def run(*inputs):
-        poison = [jnp.full(r.shape, jnp.nan, r.dtype) for r in results[:2]]
-        poison += [jnp.full(r.shape, -1, r.dtype) for r in results[2:]]  # all-ones bits: NaN
+        # All-ones bits in the integer records read back as NaN in every field.
+        poison = [
+            jnp.full(r.shape, -1 if r.dtype == jnp.int32 else jnp.nan, r.dtype) for r in results
+        ]
         aliases = {7 + i: i for i in range(len(results))}
         return cute_call(artifact, [*inputs, *poison], results, aliases=aliases)[:2]
 
-    return run(*x)
+    return run(*x), segments
 
 
 def _prefill(backend):
@@ -64,13 +70,15 @@ def _prefill(backend):
 def test_kernel_matches_float64_oracle(case):
     lengths, heads = CASES[case]
     x = production_inputs(lengths, heads, seed=SEED + len(case))
-    o, final = _poisoned_kernel_call(x)
+    (o, final), segments = _poisoned_kernel_call(x)
     ref_o, ref_final = recurrent_oracle(*x)
     err_o = rms_ratio(o, ref_o) if o.size else 0.0
     err_final = rms_ratio(final, ref_final)
     xla_o, _ = _prefill("xla")(*x)
     err_xla = rms_ratio(o, xla_o) if o.size else 0.0
-    print(f"{case}: o {err_o:.2e} final {err_final:.2e} vs xla {err_xla:.2e}")
+    print(
+        f"{case}: {segments} segment(s), o {err_o:.2e} final {err_final:.2e} vs xla {err_xla:.2e}"
+    )
     assert not np.isnan(np.asarray(o, np.float32)).any() and not np.isnan(final).any()
     assert err_o <= RMS_RATIO_BAR and err_final <= RMS_RATIO_BAR
     assert err_xla <= RMS_RATIO_BAR

@@ -21,9 +21,13 @@ from jax_kda.plan import plan_prefill
 VARIANT_HEADS = [1, 2, 4, 32]
 
 
+SM_COUNT = 132  # an H200's, for the plan; CI has no GPU to read it from
+
+
 @pytest.fixture(autouse=True)
 def _lower_for_hopper(monkeypatch):
     monkeypatch.setenv(sm90.ASSUME_SM90_ENV, "1")
+    monkeypatch.setenv(sm90.SM_COUNT_ENV, str(SM_COUNT))
 
 
 def _lower(fn, *args):
@@ -48,7 +52,7 @@ def test_kernel_variant_exports_for_sm90a(heads):
     artifact = sm90.forward_artifact(heads, 128**-0.5)
     assert artifact.object_bytes[:4] == b"\x7fELF"
     assert f"kda_fwd_sm90_h{heads}_" in artifact.prefix
-    assert len(artifact.tensors) == 10  # 7 inputs, o, final_state, the chunk-record workspace
+    assert len(artifact.tensors) == 12  # 7 inputs, o, final_state, 3 workspace buffers
 
 
 def test_custom_scale_is_its_own_variant():
@@ -57,23 +61,26 @@ def test_custom_scale_is_its_own_variant():
     assert a.prefix != b.prefix and a.key != b.key
 
 
-def test_prefill_lowers_to_one_custom_call_with_the_planned_results():
-    x = production_inputs([17, 0, 16], 2, seed=0)
+@pytest.mark.parametrize(
+    ("lengths", "heads", "segments"), [([17, 0, 16], 2, 1), ([2048], 12, 5), ([2000, 1, 0], 1, 5)]
+)
+def test_prefill_lowers_to_one_custom_call_with_the_planned_results(lengths, heads, segments):
+    x = production_inputs(lengths, heads, seed=0)
     calls = _custom_calls(_lower(_prefill(backend="sm90"), *x))
     assert [name for name, _ in calls] == [TARGET]
-    plan = plan_prefill(33, 2, 3)
-    expected = ["tensor<33x2x128xbf16>", "tensor<3x2x128x128xf32>"]
-    expected += [f"tensor<{'x'.join(map(str, b.shape))}x" for b in plan.workspace]
-    results = calls[0][1]
-    for result in expected:
-        assert result in results
-    assert results.count("tensor<") == 2 + len(plan.workspace)
+    tokens, seqs = sum(lengths), len(lengths)
+    plan = plan_prefill(tokens, heads, seqs, SM_COUNT)
+    assert plan.segment_count == segments
+    dtypes = {"int32": "i32", "float32": "f32"}
+    expected = [f"tensor<{tokens}x{heads}x128xbf16>", f"tensor<{seqs}x{heads}x128x128xf32>"]
+    expected += [f"tensor<{'x'.join(map(str, b.shape))}x{dtypes[b.dtype]}>" for b in plan.workspace]
+    assert calls[0][1] == f"({', '.join(expected)})"
 
 
 def test_new_tokens_or_sequences_do_not_compile_again():
     _lower(_prefill(backend="sm90"), *production_inputs([40, 9], 2, seed=1))
     before = cute_export.COMPILE_COUNT
-    for lengths in ([5], [100, 0, 3, 60], [0, 0]):
+    for lengths in ([5], [100, 0, 3, 60], [0, 0], [3000]):  # the last one is split
         x = production_inputs(lengths, 2, seed=2)
         assert TARGET in _lower(_prefill(backend="sm90"), *x)
     assert cute_export.COMPILE_COUNT == before

@@ -47,6 +47,7 @@ COMMON_VEC = 13312 // 16  # 832 vectors shared by both slabs
 UT_VEC = 4096 // 16  # 256 vectors of ut^T per slab
 OFF_WT, OFF_QG, OFF_KG, OFF_Z, OFF_A, OFF_UT = 0, 4096, 8192, 12288, 12800, 13312
 PROD_ROW = 17
+COMBINE_ROWS = 16  # state rows per COMBINE CTA
 
 
 @dataclasses.dataclass(frozen=True)
@@ -145,10 +146,13 @@ class KdaForwardSm90:
         o: cute.Tensor,
         final_state: cute.Tensor,
         ws_rec: cute.Tensor,
+        seg_states: cute.Tensor,
+        seg_ops: cute.Tensor,
         stream: cuda.CUstream,
     ):
         n_seq = cu_seqlens.shape[0] - 1
         n_slots = ws_rec.shape[0]
+        nseg = seg_states.shape[0]  # segments per sequence; 1: no BUILD / COMBINE
         mma_prep = _bf16_tiled_mma((64, CHUNK), warpgroup.OperandSource.SMEM)
         mma_n16 = _bf16_tiled_mma((VS, CHUNK), warpgroup.OperandSource.RMEM)
         mma_n128 = _bf16_tiled_mma((VS, HEAD_DIM), warpgroup.OperandSource.RMEM)
@@ -157,9 +161,38 @@ class KdaForwardSm90:
         self.prep_kernel(q, k, v, g, beta, cu_seqlens, ws_rec, mma_prep).launch(
             grid=[n_slots + 1, self.H, 1], block=[NTHREADS, 1, 1], stream=stream
         )
-        self.expand_kernel(
-            cu_seqlens, initial_state, o, final_state, ws_rec, mma_n16, mma_n128
-        ).launch(grid=[2, self.H, n_seq + 1], block=[NTHREADS, 1, 1], stream=stream)
+        if nseg > 1:
+            self.chain_kernel(
+                cu_seqlens,
+                initial_state,
+                seg_states,
+                seg_ops,
+                o,
+                final_state,
+                ws_rec,
+                mma_n16,
+                mma_n128,
+                True,
+            ).launch(
+                grid=[2, self.H, n_seq * (nseg - 1) * 2], block=[NTHREADS, 1, 1], stream=stream
+            )
+            self.combine_kernel(initial_state, seg_states, seg_ops).launch(
+                grid=[HEAD_DIM // COMBINE_ROWS, self.H, n_seq],
+                block=[NTHREADS, 1, 1],
+                stream=stream,
+            )
+        self.chain_kernel(
+            cu_seqlens,
+            initial_state,
+            seg_states,
+            seg_ops,
+            o,
+            final_state,
+            ws_rec,
+            mma_n16,
+            mma_n128,
+            False,
+        ).launch(grid=[2, self.H, n_seq * nseg + 1], block=[NTHREADS, 1, 1], stream=stream)
 
     @staticmethod
     def _acc_to_a_operand(mma: cute.TiledMma, acc: cute.Tensor, m: int, kdim: int) -> cute.Tensor:
@@ -344,21 +377,42 @@ class KdaForwardSm90:
 
     # ------------------------------------------------------------------ EXPAND
     @cute.kernel
-    def expand_kernel(
+    def chain_kernel(
         self,
         mCu: cute.Tensor,
         mS0: cute.Tensor,
+        mSegStates: cute.Tensor,
+        mSegOps: cute.Tensor,
         mO: cute.Tensor,
         mSf: cute.Tensor,
         mWs: cute.Tensor,
         mma_n16: cute.TiledMma,
         mma_n128: cute.TiledMma,
+        build: cutlass.Constexpr,
     ):
+        """The serial chain over one segment's chunks, 64 rows of a [128, 128] operand per CTA.
+
+        EXPAND (build=False), block z = n * nseg + p: the state St of segment p of sequence n,
+        seeded from the segment's start state (the initial state when nseg == 1); writes o for
+        the segment's tokens and, for the last segment, the final state.
+        BUILD (build=True), block z = (n * (nseg - 1) + p) * 2 + which: the segment operators of
+        St_end = St_start Mt + Ct, walking the same chunks from X = I without ut (which = 0, Mt)
+        or from X = 0 with ut (which = 1, Ct), written to mSegOps[which * (nseg - 1) + p, n, h].
+        """
         tid, _, _ = cute.arch.thread_idx()
-        vslab, h, n = cute.arch.block_idx()
+        vslab, h, z = cute.arch.block_idx()
         P = self.stages
         n_seq = mCu.shape[0] - 1
+        nseg = mSegStates.shape[0]
         vbase = vslab * VS
+        if cutlass.const_expr(build):
+            n = z // (2 * (nseg - 1))
+            p = (z // 2) % (nseg - 1)
+            which = z % 2
+        else:
+            n = z // nseg
+            p = z % nseg
+            which = 1
 
         smem = SmemAllocator()
         s_raw = smem.allocate_tensor(
@@ -397,27 +451,39 @@ class KdaForwardSm90:
             eos = mCu[n + 1]
             seqlen = eos - bos
             nchunks = (seqlen + (CHUNK - 1)) // CHUNK
-            slot0 = bos // CHUNK + n
+            seg_chunks = (nchunks + nseg - 1) // nseg
+            first = cutlass.min(p * seg_chunks, nchunks)
+            count = cutlass.min(first + seg_chunks, nchunks) - first
+            slot0 = bos // CHUNK + n + first
             acc_s = cute.make_rmem_tensor(mma_n128.partition_shape_C((VS, HEAD_DIM)), Float32)
             acc_r = cute.make_rmem_tensor(mma_n16.partition_shape_C((VS, CHUNK)), Float32)
             acc_o = cute.make_rmem_tensor(mma_n16.partition_shape_C((VS, CHUNK)), Float32)
             for i in cutlass.range_constexpr(cute.size(acc_s)):
                 m, col = c128[i]
-                acc_s[i] = mS0[n, h, vbase + m, col]
+                if cutlass.const_expr(build):
+                    acc_s[i] = Float32(0.0)
+                    if which == 0:
+                        if vbase + m == col:
+                            acc_s[i] = Float32(1.0)
+                else:
+                    if nseg > 1:
+                        acc_s[i] = mSegStates[p, n, h, vbase + m, col]
+                    else:
+                        acc_s[i] = mS0[n, h, vbase + m, col]
 
             # prologue: chunks 0 .. P-2 in flight (one commit group per chunk, maybe empty)
-            for p in cutlass.range_constexpr(P - 1):
-                if p < nchunks:
-                    _load_stage(atom, mWs[slot0 + p, h, None, None], s_raw, p, vslab, tid)
+            for j in cutlass.range_constexpr(P - 1):
+                if j < count:
+                    _load_stage(atom, mWs[slot0 + j, h, None, None], s_raw, j, vslab, tid)
                 cute.arch.cp_async_commit_group()
 
-            for c in cutlass.range(nchunks, unroll=1):
-                stage = c % P
-                cute.arch.cp_async_wait_group(P - 2)  # this thread's part of chunk c landed
+            for j in cutlass.range(count, unroll=1):
+                stage = j % P
+                cute.arch.cp_async_wait_group(P - 2)  # this thread's part of chunk j landed
                 cute.arch.fence_proxy("async.shared", space="cta")
-                cute.arch.sync_threads()  # chunk c visible to all; chunk c-1's stage is free
-                nxt = c + (P - 1)
-                if nxt < nchunks:
+                cute.arch.sync_threads()  # chunk j visible to all; chunk j-1's stage is free
+                nxt = j + (P - 1)
+                if nxt < count:
                     nstage = nxt % P
                     g_rec = mWs[slot0 + nxt, h, None, None]
                     _load_stage(atom, g_rec, s_raw, nstage, vslab, tid)
@@ -425,19 +491,26 @@ class KdaForwardSm90:
 
                 a_st = self._acc_to_a_operand(mma_n128, acc_s, VS, HEAD_DIM)
                 for i in cutlass.range_constexpr(cute.size(acc_r)):
-                    m, j = c16[i]
-                    acc_r[i] = s_ut[m, j, stage]
+                    m, jj = c16[i]
+                    acc_r[i] = Float32(0.0)
+                    if which == 1:
+                        acc_r[i] = s_ut[m, jj, stage]
                 cute.nvgpu.warpgroup.fence()
                 mma_n16.set(warpgroup.Field.ACCUMULATE, True)
                 for kb in cutlass.range_constexpr(HEAD_DIM // 16):
                     cute.gemm(
                         mma_n16, acc_r, a_st[None, None, kb], rB_wt[None, None, kb, stage], acc_r
                     )
-                for kb in cutlass.range_constexpr(HEAD_DIM // 16):
-                    mma_n16.set(warpgroup.Field.ACCUMULATE, kb != 0)
-                    cute.gemm(
-                        mma_n16, acc_o, a_st[None, None, kb], rB_qg[None, None, kb, stage], acc_o
-                    )
+                if cutlass.const_expr(not build):
+                    for kb in cutlass.range_constexpr(HEAD_DIM // 16):
+                        mma_n16.set(warpgroup.Field.ACCUMULATE, kb != 0)
+                        cute.gemm(
+                            mma_n16,
+                            acc_o,
+                            a_st[None, None, kb],
+                            rB_qg[None, None, kb, stage],
+                            acc_o,
+                        )
                 cute.nvgpu.warpgroup.commit_group()
                 cute.nvgpu.warpgroup.wait_group(0)
 
@@ -446,23 +519,65 @@ class KdaForwardSm90:
                     m, col = c128[i]
                     acc_s[i] = acc_s[i] * s_a[col, stage]
                 cute.nvgpu.warpgroup.fence()
-                mma_n16.set(warpgroup.Field.ACCUMULATE, True)
-                cute.gemm(mma_n16, acc_o, a_rt[None, None, 0], rB_z[None, None, 0, stage], acc_o)
+                if cutlass.const_expr(not build):
+                    mma_n16.set(warpgroup.Field.ACCUMULATE, True)
+                    cute.gemm(
+                        mma_n16, acc_o, a_rt[None, None, 0], rB_z[None, None, 0, stage], acc_o
+                    )
                 mma_n128.set(warpgroup.Field.ACCUMULATE, True)
                 cute.gemm(mma_n128, acc_s, a_rt[None, None, 0], rB_kg[None, None, 0, stage], acc_s)
                 cute.nvgpu.warpgroup.commit_group()
                 cute.nvgpu.warpgroup.wait_group(0)
 
-                for i in cutlass.range_constexpr(cute.size(acc_o)):
-                    m, j = c16[i]
-                    rr = c * CHUNK + j
-                    if rr < seqlen:
-                        mO[bos + rr, h, vbase + m] = acc_o[i].to(BFloat16)
+                if cutlass.const_expr(not build):
+                    for i in cutlass.range_constexpr(cute.size(acc_o)):
+                        m, jj = c16[i]
+                        rr = (first + j) * CHUNK + jj
+                        if rr < seqlen:
+                            mO[bos + rr, h, vbase + m] = acc_o[i].to(BFloat16)
 
             cute.arch.cp_async_wait_group(0)
-            for i in cutlass.range_constexpr(cute.size(acc_s)):
-                m, col = c128[i]
-                mSf[n, h, vbase + m, col] = acc_s[i]
+            if cutlass.const_expr(build):
+                for i in cutlass.range_constexpr(cute.size(acc_s)):
+                    m, col = c128[i]
+                    mSegOps[which * (nseg - 1) + p, n, h, vbase + m, col] = acc_s[i]
+            else:
+                if p == nseg - 1:
+                    for i in cutlass.range_constexpr(cute.size(acc_s)):
+                        m, col = c128[i]
+                        mSf[n, h, vbase + m, col] = acc_s[i]
 
+    # ------------------------------------------------------------------ COMBINE
+    @cute.kernel
+    def combine_kernel(self, mS0: cute.Tensor, mSegStates: cute.Tensor, mSegOps: cute.Tensor):
+        """Start states of every segment, exactly in float32: S_{p+1} = S_p Mt_p + Ct_p.
 
-# ---------------------------------------------------------------------- compile helpers
+        Block (slab, h, n) owns COMBINE_ROWS rows of the [V, K] state; thread c owns column c.
+        """
+        tid, _, _ = cute.arch.thread_idx()
+        slab, h, n = cute.arch.block_idx()
+        nseg = mSegStates.shape[0]
+        rbase = slab * COMBINE_ROWS
+        col = tid
+        smem = SmemAllocator()
+        s_state = smem.allocate_tensor(
+            Float32, cute.make_layout((COMBINE_ROWS, HEAD_DIM), stride=(HEAD_DIM, 1)), 16
+        )
+        acc = cute.make_rmem_tensor((COMBINE_ROWS,), Float32)
+        for r in cutlass.range_constexpr(COMBINE_ROWS):
+            x = mS0[n, h, rbase + r, col]
+            s_state[r, col] = x
+            mSegStates[0, n, h, rbase + r, col] = x
+        cute.arch.sync_threads()
+        for p in cutlass.range(nseg - 1, unroll=1):
+            for r in cutlass.range_constexpr(COMBINE_ROWS):
+                acc[r] = mSegOps[(nseg - 1) + p, n, h, rbase + r, col]
+            for kk in cutlass.range(HEAD_DIM, unroll=8):
+                m = mSegOps[p, n, h, kk, col]
+                for r in cutlass.range_constexpr(COMBINE_ROWS):
+                    acc[r] = acc[r] + s_state[r, kk] * m
+            cute.arch.sync_threads()  # every thread has read the old state
+            for r in cutlass.range_constexpr(COMBINE_ROWS):
+                s_state[r, col] = acc[r]
+                mSegStates[p + 1, n, h, rbase + r, col] = acc[r]
+            cute.arch.sync_threads()
