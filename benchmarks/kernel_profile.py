@@ -1,0 +1,132 @@
+"""GPU kernel times of one jitted call, read from JAX's profiler (CUPTI), not from wall clocks.
+
+``kernel_times(fn, *args)`` runs ``fn`` a few times under ``jax.profiler.trace`` and returns, per
+kernel name, the mean duration per call, plus the mean span per call (first kernel start to last
+kernel end on the device). The span is what the GPU spends on one call when nothing else queues
+behind it; the sum of the kernel durations is the busy time within it.
+
+``python -m benchmarks.kernel_profile`` prints that breakdown for jax_kda's sm90 backend on a few
+shapes (a diagnostic for kernel work; the results tables come from ``benchmarks.run``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import glob
+import statistics
+import tempfile
+from dataclasses import dataclass
+
+import jax
+
+
+@dataclass(frozen=True)
+class KernelTimes:
+    span_us: float
+    """Median over calls of (last kernel end - first kernel start)."""
+    kernels_us: dict[str, float]
+    """Mean duration per call of each kernel name (summed over its launches in one call)."""
+    launches: int
+    """Kernel launches per call."""
+
+
+def _gpu_events(path: str):
+    from jax.profiler import ProfileData
+
+    data = ProfileData.from_file(path)
+    for plane in data.planes:
+        if not plane.name.startswith("/device:GPU"):
+            continue
+        for line in plane.lines:
+            # Stream lines hold the kernels; skip the per-plane summary lines XLA adds.
+            if not line.name.startswith("Stream"):
+                continue
+            for event in line.events:
+                yield event.name, event.start_ns, event.duration_ns
+
+
+def kernel_times(fn, *args, calls: int = 5) -> KernelTimes:
+    """Profile ``calls`` separate, synchronised calls of ``fn(*args)`` (compiled first)."""
+    jax.block_until_ready(fn(*args))
+    directory = tempfile.mkdtemp(prefix="kda-profile-")
+    with jax.profiler.trace(directory):
+        for _ in range(calls):
+            jax.block_until_ready(fn(*args))
+    paths = glob.glob(f"{directory}/**/*.xplane.pb", recursive=True)
+    if not paths:
+        raise RuntimeError(f"the profiler wrote no trace under {directory}")
+    events = sorted(_gpu_events(paths[0]), key=lambda e: e[1])
+    if not events:
+        from jax.profiler import ProfileData
+
+        lines = [
+            f"{p.name}: {[line.name for line in p.lines]}"
+            for p in ProfileData.from_file(paths[0]).planes
+        ]
+        raise RuntimeError(f"the trace has no GPU stream events (no GPU or no CUPTI?): {lines}")
+    # Calls are synchronised one by one, so a gap longer than any kernel separates them.
+    groups, current, last_end = [], [], None
+    for name, start, duration in events:
+        if current and start - last_end > 50_000:  # 50 us of idle device: the next call
+            groups.append(current)
+            current = []
+        current.append((name, start, duration))
+        last_end = start + duration if last_end is None else max(last_end, start + duration)
+    groups.append(current)
+    spans = [(max(s + d for _, s, d in g) - g[0][1]) / 1e3 for g in groups]
+    totals = collections.defaultdict(float)
+    for group in groups:
+        for name, _, duration in group:
+            totals[name] += duration / 1e3
+    return KernelTimes(
+        span_us=statistics.median(spans),
+        kernels_us={name: total / len(groups) for name, total in totals.items()},
+        launches=round(sum(len(g) for g in groups) / len(groups)),
+    )
+
+
+def _main():
+    import jax.numpy as jnp
+
+    import jax_kda
+    from jax_kda import sm90
+    from jax_kda.oracle import production_inputs
+
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument(
+        "--cases",
+        default="2048x12:2048;1024x4:1024;33x2:17,0,16;8192x64:8192;16384x16:2048*8",
+        help="name:lengths;... with lengths comma-separated, a*b meaning b sequences of a",
+    )
+    parser.add_argument("--segments", choices=("device", "one"), default="device")
+    options = parser.parse_args()
+    if options.segments == "one":
+        sm90.device_sm_count = lambda: None  # diagnostic: plan without splitting sequences
+
+    for case in options.cases.split(";"):
+        name, spec = case.split(":")
+        heads = int(name.split("x")[1])
+        lengths = []
+        for part in spec.split(","):
+            length, _, repeat = part.partition("*")
+            lengths += [int(length)] * int(repeat or 1)
+        x = production_inputs(lengths, heads, seed=0)
+        args = [jnp.asarray(a) for a in x]
+
+        @jax.jit
+        def call(q, k, v, g, beta, cu, state):
+            return jax_kda.prefill(
+                q, k, v, g, beta, cu_seqlens=cu, initial_state=state,
+                output_final_state=True, gate_lower_bound=-5.0, backend="sm90",
+            )  # fmt: skip
+
+        times = kernel_times(call, *args)
+        shown = f"{lengths[:4]}{'...' if len(lengths) > 4 else ''}"
+        print(f"{name} {shown}: span {times.span_us:.1f} us, {times.launches} launches")
+        for kernel, us in sorted(times.kernels_us.items(), key=lambda kv: -kv[1]):
+            print(f"    {us:9.1f} us  {kernel[:110]}")
+
+
+if __name__ == "__main__":
+    _main()
