@@ -5,8 +5,8 @@ cu[s]//16 + s + c, c in [0, ceil(len_s / 16)); a CTA finds its sequence by binar
 the device cu_seqlens (gap slots exit). Thread d = channel d:
   Gamma = cumsum g (rows past the end: q=k=v=g=beta=0), E = exp(Gamma),
   kw = k E, qg = scale q E, ub = beta k / E, a = exp(Gamma_15), kg = ub a           (f32)
-  [Akk | Zf] = [kw; qg] ub^T on tensor cores, bf16x3 split (hi*hi + lo*hi + hi*lo,
-  K = 3*128, one m64n16 wgmma chain, f32 accumulate) -> ~f32-accurate 16x16 products
+  [Akk | Zf] = [kw; qg] ub^T on tensor cores, bf16x3 split (hi*hi + lo*hi + hi*lo: three
+  K = 128 m64n16 wgmma products over [x_hi | x_lo], f32 accumulate) -> ~f32-accurate products
   wt = T^-1 kw, ut = T^-1 v with T = I + strictLower(Akk)  (f32 forward substitution)
 and writes one 21504-byte record per (slot, head) into ws[S, H, 1344, 4] int32, laid out
 exactly as EXPAND's shared-memory stage (swizzled wgmma B tiles), so EXPAND copies raw bytes:
@@ -47,7 +47,7 @@ COMMON_VEC = 13312 // 16  # 832 vectors shared by both slabs
 UT_VEC = 4096 // 16  # 256 vectors of ut^T per slab
 OFF_WT, OFF_QG, OFF_KG, OFF_Z, OFF_A, OFF_UT = 0, 4096, 8192, 12288, 12800, 13312
 PROD_ROW = 17
-COMBINE_ROWS = 16  # state rows per COMBINE CTA
+COMBINE_ROWS = 8  # state rows per COMBINE CTA
 
 
 @dataclasses.dataclass(frozen=True)
@@ -224,12 +224,12 @@ class KdaForwardSm90:
         smem = SmemAllocator()
         lay_a = cute.tile_to_shape(
             warpgroup.make_smem_layout_atom(warpgroup.SmemLayoutAtomKind.K_SW128, BFloat16),
-            (64, 3 * HEAD_DIM),
+            (64, 2 * HEAD_DIM),
             order=(0, 1),
         )
         lay_b = cute.tile_to_shape(
             warpgroup.make_smem_layout_atom(warpgroup.SmemLayoutAtomKind.K_SW128, BFloat16),
-            (CHUNK, 3 * HEAD_DIM),
+            (CHUNK, 2 * HEAD_DIM),
             order=(0, 1),
         )
         s_A = smem.allocate_tensor(BFloat16, lay_a.outer, 1024, swizzle=lay_a.inner)
@@ -278,7 +278,11 @@ class KdaForwardSm90:
             r_ub = cute.make_rmem_tensor((CHUNK,), Float32)
             r_wt = cute.make_rmem_tensor((CHUNK,), Float32)
             r_ut = cute.make_rmem_tensor((CHUNK,), Float32)
-            gam = Float32(0.0)
+            r_q = cute.make_rmem_tensor((CHUNK,), Float32)
+            r_g = cute.make_rmem_tensor((CHUNK,), Float32)
+            r_b = cute.make_rmem_tensor((CHUNK,), Float32)
+            # Every load of the chunk first, so that all 80 are in flight at once (issued
+            # inside the dependent loop below they would each wait a full memory latency).
             for i in cutlass.range_constexpr(CHUNK):
                 rr = c * CHUNK + i
                 row = bos + rr
@@ -286,18 +290,23 @@ class KdaForwardSm90:
                 if rr >= seqlen:
                     row = eos - 1
                     mk = Float32(0.0)
-                gv = mG[row, h, d] * mk
-                kv = Float32(mK[row, h, d]) * mk
-                qv = Float32(mQ[row, h, d]) * mk
-                vv = Float32(mV[row, h, d]) * mk
-                bv = mBeta[row, h] * mk
+                r_g[i] = mG[row, h, d] * mk
+                r_kw[i] = Float32(mK[row, h, d]) * mk
+                r_q[i] = Float32(mQ[row, h, d]) * mk
+                r_v[i] = Float32(mV[row, h, d]) * mk
+                r_b[i] = mBeta[row, h] * mk
+            gam = Float32(0.0)
+            for i in cutlass.range_constexpr(CHUNK):
+                gv = r_g[i]
+                kv = r_kw[i]
+                qv = r_q[i]
+                bv = r_b[i]
                 gam = gam + gv
                 e = cute.math.exp(gam)
                 kw = kv * e
                 qg = (scale * qv) * e
                 ub = (bv * kv) / e
                 r_kw[i] = kw
-                r_v[i] = vv
                 r_ub[i] = ub
                 kw_hi = kw.to(BFloat16)
                 kw_lo = (kw - Float32(kw_hi)).to(BFloat16)
@@ -305,16 +314,13 @@ class KdaForwardSm90:
                 qg_lo = (qg - Float32(qg_hi)).to(BFloat16)
                 ub_hi = ub.to(BFloat16)
                 ub_lo = (ub - Float32(ub_hi)).to(BFloat16)
-                # A rows [x_hi | x_lo | x_hi], B rows [u_hi | u_hi | u_lo]
+                # A rows [x_hi | x_lo], B rows [u_hi | u_lo]
                 s_A[i, d] = kw_hi
                 s_A[i, HEAD_DIM + d] = kw_lo
-                s_A[i, 2 * HEAD_DIM + d] = kw_hi
                 s_A[CHUNK + i, d] = qg_hi
                 s_A[CHUNK + i, HEAD_DIM + d] = qg_lo
-                s_A[CHUNK + i, 2 * HEAD_DIM + d] = qg_hi
                 s_B[i, d] = ub_hi
-                s_B[i, HEAD_DIM + d] = ub_hi
-                s_B[i, 2 * HEAD_DIM + d] = ub_lo
+                s_B[i, HEAD_DIM + d] = ub_lo
                 s_qg[i, d] = qg_hi
             a_d = cute.math.exp(gam)
             s_a[d] = a_d
@@ -323,16 +329,21 @@ class KdaForwardSm90:
             cute.arch.fence_proxy("async.shared", space="cta")
             cute.arch.sync_threads()
 
-            # ---- [kw; qg; *; *] (64 x 384) x [ub]^T (384 x 16) on tensor cores
+            # ---- [kw; qg; *; *] (64 x 128) x ub^T (128 x 16) on tensor cores, as
+            # hi hi^T + lo hi^T + hi lo^T: three K = 128 products over the hi / lo halves
             thr = mma.get_slice(tid)
             fA = mma.make_fragment_A(thr.partition_A(s_A))
             fB = mma.make_fragment_B(thr.partition_B(s_B))
             acc = cute.make_rmem_tensor(mma.partition_shape_C((64, CHUNK)), Float32)
             cprod = thr.partition_C(cute.make_identity_tensor((64, CHUNK)))
             cute.nvgpu.warpgroup.fence()
-            for kb in cutlass.range_constexpr(3 * HEAD_DIM // 16):
+            klo = HEAD_DIM // 16  # first k-block of the lo half
+            for kb in cutlass.range_constexpr(HEAD_DIM // 16):
                 mma.set(warpgroup.Field.ACCUMULATE, kb != 0)
                 cute.gemm(mma, acc, fA[None, None, kb], fB[None, None, kb], acc)
+                mma.set(warpgroup.Field.ACCUMULATE, True)
+                cute.gemm(mma, acc, fA[None, None, klo + kb], fB[None, None, kb], acc)
+                cute.gemm(mma, acc, fA[None, None, kb], fB[None, None, klo + kb], acc)
             cute.nvgpu.warpgroup.commit_group()
             cute.nvgpu.warpgroup.wait_group(0)
             for i in cutlass.range_constexpr(cute.size(acc)):
@@ -569,13 +580,17 @@ class KdaForwardSm90:
             s_state[r, col] = x
             mSegStates[0, n, h, rbase + r, col] = x
         cute.arch.sync_threads()
+        column = cute.make_rmem_tensor((HEAD_DIM,), Float32)
         for p in cutlass.range(nseg - 1, unroll=1):
+            # This thread's column of Mt_p and its rows of Ct_p, every load issued before the
+            # first use (one memory latency per segment, not one per k).
+            for kk in cutlass.range_constexpr(HEAD_DIM):
+                column[kk] = mSegOps[p, n, h, kk, col]
             for r in cutlass.range_constexpr(COMBINE_ROWS):
                 acc[r] = mSegOps[(nseg - 1) + p, n, h, rbase + r, col]
-            for kk in cutlass.range(HEAD_DIM, unroll=8):
-                m = mSegOps[p, n, h, kk, col]
+            for kk in cutlass.range_constexpr(HEAD_DIM):
                 for r in cutlass.range_constexpr(COMBINE_ROWS):
-                    acc[r] = acc[r] + s_state[r, kk] * m
+                    acc[r] = acc[r] + s_state[r, kk] * column[kk]
             cute.arch.sync_threads()  # every thread has read the old state
             for r in cutlass.range_constexpr(COMBINE_ROWS):
                 s_state[r, col] = acc[r]
