@@ -113,6 +113,11 @@ def _v16(t):
     return cute.make_tensor(t.iterator.align(16), cute.make_layout(4))
 
 
+def _f4(ptr):
+    """Four float32 at a 16-byte aligned address, as one vector."""
+    return cute.make_tensor(ptr.align(16), cute.make_layout(4))
+
+
 @cute.jit
 def _load_stage(atom, g_rec, s_raw, stage, vslab, tid):
     """Issue this thread's cp.async copies of one chunk record into shared-memory stage `stage`:
@@ -581,6 +586,7 @@ class KdaForwardSm90:
             mSegStates[0, n, h, rbase + r, col] = x
         cute.arch.sync_threads()
         column = cute.make_rmem_tensor((HEAD_DIM,), Float32)
+        quad = cute.make_rmem_tensor((4,), Float32)
         for p in cutlass.range(nseg - 1, unroll=1):
             # This thread's column of Mt_p and its rows of Ct_p, every load issued before the
             # first use (one memory latency per segment, not one per k).
@@ -588,9 +594,12 @@ class KdaForwardSm90:
                 column[kk] = mSegOps[p, n, h, kk, col]
             for r in cutlass.range_constexpr(COMBINE_ROWS):
                 acc[r] = mSegOps[(nseg - 1) + p, n, h, rbase + r, col]
-            for kk in cutlass.range_constexpr(HEAD_DIM):
+            # State rows read 4 k at a time (one 16-byte broadcast load for the whole warp).
+            for k4 in cutlass.range_constexpr(HEAD_DIM // 4):
                 for r in cutlass.range_constexpr(COMBINE_ROWS):
-                    acc[r] = acc[r] + s_state[r, kk] * column[kk]
+                    quad.store(_f4(s_state.iterator + r * HEAD_DIM + 4 * k4).load())
+                    for e in cutlass.range_constexpr(4):
+                        acc[r] = acc[r] + quad[e] * column[4 * k4 + e]
             cute.arch.sync_threads()  # every thread has read the old state
             for r in cutlass.range_constexpr(COMBINE_ROWS):
                 s_state[r, col] = acc[r]
