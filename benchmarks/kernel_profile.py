@@ -49,26 +49,32 @@ def _gpu_events(path: str):
 def kernel_times(fn, *args, calls: int = 5) -> KernelTimes:
     """Profile ``calls`` separate, synchronised calls of ``fn(*args)`` (compiled first)."""
     jax.block_until_ready(fn(*args))
-    directory = tempfile.mkdtemp(prefix="kda-profile-")
-    with jax.profiler.trace(directory):
-        for _ in range(calls):
-            jax.block_until_ready(fn(*args))
-    paths = glob.glob(f"{directory}/**/*.xplane.pb", recursive=True)
-    if not paths:
-        raise RuntimeError(f"the profiler wrote no trace under {directory}")
-    events = sorted(_gpu_events(paths[0]), key=lambda e: e[1])
-    if not events:
-        from jax.profiler import ProfileData
+    with tempfile.TemporaryDirectory(prefix="kda-profile-") as directory:
+        with jax.profiler.trace(directory):
+            for _ in range(calls):
+                jax.block_until_ready(fn(*args))
+        paths = glob.glob(f"{directory}/**/*.xplane.pb", recursive=True)
+        if not paths:
+            raise RuntimeError(f"the profiler wrote no trace under {directory}")
+        events = list(_gpu_events(paths[0]))
+        if not events:
+            from jax.profiler import ProfileData
 
-        lines = [
-            f"{p.name}: {[line.name for line in p.lines]}"
-            for p in ProfileData.from_file(paths[0]).planes
-        ]
-        raise RuntimeError(f"the trace has no GPU stream events (no GPU or no CUPTI?): {lines}")
-    # Calls are synchronised one by one, so a gap longer than any kernel separates them.
+            planes = ProfileData.from_file(paths[0]).planes
+            lines = [f"{p.name}: {[line.name for line in p.lines]}" for p in planes]
+            raise RuntimeError(f"the trace has no GPU stream events (no GPU or no CUPTI?): {lines}")
+    return summarise(events)
+
+
+CALL_GAP_NS = 50_000
+"""Idle device time that separates one synchronised call from the next."""
+
+
+def summarise(events) -> KernelTimes:
+    """``events``: ``(name, start_ns, duration_ns)`` of the kernels of calls run one at a time."""
     groups, current, last_end = [], [], None
-    for name, start, duration in events:
-        if current and start - last_end > 50_000:  # 50 us of idle device: the next call
+    for name, start, duration in sorted(events, key=lambda e: e[1]):
+        if current and start - last_end > CALL_GAP_NS:
             groups.append(current)
             current = []
         current.append((name, start, duration))

@@ -1,4 +1,5 @@
-"""KDA (Kimi Delta Attention) forward, exact, sm_90a CuTe DSL: PREP (parallel) + EXPAND (serial).
+"""KDA (Kimi Delta Attention) forward, exact, sm_90a CuTe DSL: PREP (parallel), then EXPAND (the
+serial chain), with BUILD and COMBINE between them when sequences are split into segments.
 
 PREP, grid (S + 1, H), 128 threads, S = T//16 + N chunk slots. Sequence s owns slots
 cu[s]//16 + s + c, c in [0, ceil(len_s / 16)); a CTA finds its sequence by binary search over
@@ -19,6 +20,11 @@ exactly as EXPAND's shared-memory stage (swizzled wgmma B tiles), so EXPAND copi
 EXPAND, grid (2, H, N + 1), 128 threads: each CTA owns 64 V rows of St (registers, wgmma RS
 form) and walks its sequence's slots with a STAGES-deep cp.async (16-byte LDGSTS) pipeline of
 17408-byte stages; per chunk: Rt = ut^T + St(-wt)^T; Ot = St qg^T + Rt Z^T; St = St Diag(a) + Rt kg.
+Segmented (nseg = seg_states.shape[0] > 1, see plan.segment_count): EXPAND's grid is
+(2, H, N * nseg + 1), segment p of a sequence walking chunks [p L, (p + 1) L), L = ceil(chunks /
+nseg), from its start state. BUILD runs the same chain (no o) over segments 0 .. nseg-2 from
+St = I without ut and from St = 0 with ut, giving the segment's affine map St_end = St_start Mt +
+Ct; COMBINE (f32, SIMT) chains those maps from the initial state into every start state.
 """
 
 from __future__ import annotations

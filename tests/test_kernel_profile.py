@@ -1,0 +1,45 @@
+"""benchmarks.kernel_profile: grouping profiler events into calls (no GPU needed)."""
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from benchmarks.kernel_profile import CALL_GAP_NS, kernel_times, summarise
+
+
+def _call(start, kernels):
+    """Events of one call: back-to-back kernels (name, duration_ns) from start, 1 us apart."""
+    events, t = [], start
+    for name, duration in kernels:
+        events.append((name, t, duration))
+        t += duration + 1_000
+    return events
+
+
+def test_calls_split_at_idle_gaps_and_kernels_average_per_call():
+    first = _call(0, [("prep", 10_000), ("chain", 20_000)])
+    second = _call(10 * CALL_GAP_NS, [("prep", 12_000), ("chain", 30_000)])
+    third = _call(20 * CALL_GAP_NS, [("prep", 14_000), ("chain", 40_000)])
+    times = summarise(list(reversed(first + second + third)))  # order must not matter
+    assert times.launches == 2
+    assert times.kernels_us == pytest.approx({"prep": 12.0, "chain": 30.0})
+    assert times.span_us == pytest.approx(12.0 + 1.0 + 30.0)  # the median call
+
+
+def test_repeated_kernel_names_within_a_call_add_up():
+    events = _call(0, [("chain", 5_000), ("combine", 2_000), ("chain", 7_000)])
+    times = summarise(events)
+    assert times.launches == 3
+    assert times.kernels_us == pytest.approx({"chain": 12.0, "combine": 2.0})
+    assert times.span_us == pytest.approx(16.0)
+
+
+def test_overlapping_kernels_span_to_the_last_end():
+    times = summarise([("a", 0, 50_000), ("b", 1_000, 2_000)])
+    assert times.span_us == pytest.approx(50.0)
+
+
+@pytest.mark.skipif(jax.default_backend() == "gpu", reason="checks the no-GPU error")
+def test_no_gpu_events_is_an_error_that_says_so():
+    with pytest.raises(RuntimeError, match="no GPU stream events"):
+        kernel_times(jax.jit(lambda x: x * 2), jnp.ones(4), calls=1)
