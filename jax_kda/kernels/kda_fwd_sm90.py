@@ -172,38 +172,23 @@ class KdaForwardSm90:
         self.prep_kernel(q, k, v, g, beta, cu_seqlens, ws_rec, mma_prep).launch(
             grid=[n_slots + 1, self.H, 1], block=[NTHREADS, 1, 1], stream=stream
         )
+
+        chain_args = (cu_seqlens, initial_state, seg_states, seg_ops, o, final_state, ws_rec)
+        chain_args += (mma_n16, mma_n128)
         if nseg > 1:
-            self.chain_kernel(
-                cu_seqlens,
-                initial_state,
-                seg_states,
-                seg_ops,
-                o,
-                final_state,
-                ws_rec,
-                mma_n16,
-                mma_n128,
-                True,
-            ).launch(
-                grid=[2, self.H, n_seq * (nseg - 1) * 2], block=[NTHREADS, 1, 1], stream=stream
-            )
+            # BUILD: Mt and Ct of every segment but the last
+            self._launch_chain(chain_args, True, n_seq * (nseg - 1) * 2, stream)
             self.combine_kernel(initial_state, seg_states, seg_ops).launch(
                 grid=[HEAD_DIM // COMBINE_ROWS, self.H, n_seq],
                 block=[NTHREADS, 1, 1],
                 stream=stream,
             )
-        self.chain_kernel(
-            cu_seqlens,
-            initial_state,
-            seg_states,
-            seg_ops,
-            o,
-            final_state,
-            ws_rec,
-            mma_n16,
-            mma_n128,
-            False,
-        ).launch(grid=[2, self.H, n_seq * nseg + 1], block=[NTHREADS, 1, 1], stream=stream)
+        self._launch_chain(chain_args, False, n_seq * nseg + 1, stream)  # EXPAND (+1: never 0)
+
+    def _launch_chain(self, args, build: bool, ctas_per_slab_and_head, stream):
+        self.chain_kernel(*args, build).launch(
+            grid=[2, self.H, ctas_per_slab_and_head], block=[NTHREADS, 1, 1], stream=stream
+        )
 
     @staticmethod
     def _acc_to_a_operand(mma: cute.TiledMma, acc: cute.Tensor, m: int, kdim: int) -> cute.Tensor:
