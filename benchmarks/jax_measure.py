@@ -72,8 +72,9 @@ def measure(step, args, state, settings: Settings) -> tuple[Timings, tuple]:
 
     per_call_s, pipelined_s = host_seconds(one_call, pipelined, settings)
 
-    per_iteration = min(UNROLLED_CALLS, settings.loop_calls(per_call_s))
-    iterations = math.ceil(settings.loop_calls(per_call_s) / per_iteration)
+    loop_calls = settings.loop_calls(per_call_s)
+    per_iteration = min(UNROLLED_CALLS, loop_calls)
+    iterations = math.ceil(loop_calls / per_iteration)
     gpu_s = _loop_seconds_per_call(
         step, args, state, first[1], iterations, per_iteration, settings.repeats
     )

@@ -1,12 +1,13 @@
 """GPU kernel times of one jitted call, read from JAX's profiler (CUPTI), not from wall clocks.
 
 ``kernel_times(fn, *args)`` runs ``fn`` a few times under ``jax.profiler.trace`` and returns, per
-kernel name, the mean duration per call, plus the mean span per call (first kernel start to last
-kernel end on the device). The span is what the GPU spends on one call when nothing else queues
+kernel name, the mean duration per call, plus the median span per call (first kernel start to
+last kernel end on the device). The span is what the GPU spends on one call when nothing else queues
 behind it; the sum of the kernel durations is the busy time within it.
 
-``python -m benchmarks.kernel_profile`` prints that breakdown for jax_kda's sm90 backend on a few
-shapes (a diagnostic for kernel work; the results tables come from ``benchmarks.run``).
+``python -m benchmarks.kernel_profile [--only TERMS]`` prints that breakdown for jax_kda's sm90
+backend on the harness's shapes (a diagnostic for kernel work; the results tables come from
+``benchmarks.run``).
 """
 
 from __future__ import annotations
@@ -63,15 +64,18 @@ def kernel_times(fn, *args, calls: int = 5) -> KernelTimes:
             planes = ProfileData.from_file(paths[0]).planes
             lines = [f"{p.name}: {[line.name for line in p.lines]}" for p in planes]
             raise RuntimeError(f"the trace has no GPU stream events (no GPU or no CUPTI?): {lines}")
-    return summarise(events)
+    return summarise(events, calls)
 
 
 CALL_GAP_NS = 50_000
 """Idle device time that separates one synchronised call from the next."""
 
 
-def summarise(events) -> KernelTimes:
-    """``events``: ``(name, start_ns, duration_ns)`` of the kernels of calls run one at a time."""
+def summarise(events, calls: int) -> KernelTimes:
+    """``events``: ``(name, start_ns, duration_ns)`` of the kernels of ``calls`` calls run one at
+    a time. Calls are told apart by idle device time between them; when that does not find
+    ``calls`` of them (a call with a long idle gap inside, or calls run back to back), this is
+    an error rather than a wrong average."""
     groups, current, last_end = [], [], None
     for name, start, duration in sorted(events, key=lambda e: e[1]):
         if current and start - last_end > CALL_GAP_NS:
@@ -80,6 +84,11 @@ def summarise(events) -> KernelTimes:
         current.append((name, start, duration))
         last_end = start + duration if last_end is None else max(last_end, start + duration)
     groups.append(current)
+    if len(groups) != calls:
+        raise RuntimeError(
+            f"found {len(groups)} calls in the trace, expected {calls}: the device idled "
+            f"{'inside a call' if len(groups) > calls else 'too little between calls'}"
+        )
     spans = [(max(s + d for _, s, d in g) - g[0][1]) / 1e3 for g in groups]
     totals = collections.defaultdict(float)
     for group in groups:
@@ -96,40 +105,39 @@ def _main():
     import jax.numpy as jnp
 
     import jax_kda
+    from benchmarks.selection import parse_only, select
+    from benchmarks.shapes import ALL_SHAPES
     from jax_kda import sm90
     from jax_kda.oracle import production_inputs
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument(
-        "--cases",
-        default="2048x12:2048;1024x4:1024;33x2:17,0,16;8192x64:8192;16384x16:2048*8",
-        help="name:lengths;... with lengths comma-separated, a*b meaning b sequences of a",
+        "--only",
+        default="2048x12x1,1024x4x1,4096x12x1,33x2x3-ragged,8192x64x1",
+        help="shapes or shape groups, as benchmarks.run's --only",
     )
-    parser.add_argument("--segments", choices=("device", "one"), default="device")
+    parser.add_argument(
+        "--segments",
+        choices=("device", "one"),
+        default="device",
+        help="one: plan as if the SM count were unknown, so no sequence is split",
+    )
     options = parser.parse_args()
     if options.segments == "one":
-        sm90.device_sm_count = lambda: None  # diagnostic: plan without splitting sequences
+        sm90.device_sm_count = lambda: None  # this process only: a diagnostic
+    shapes, _ = select(parse_only(options.only), ALL_SHAPES, [])
 
-    for case in options.cases.split(";"):
-        name, spec = case.split(":")
-        heads = int(name.split("x")[1])
-        lengths = []
-        for part in spec.split(","):
-            length, _, repeat = part.partition("*")
-            lengths += [int(length)] * int(repeat or 1)
-        x = production_inputs(lengths, heads, seed=0)
-        args = [jnp.asarray(a) for a in x]
+    @jax.jit
+    def call(q, k, v, g, beta, cu, state):
+        return jax_kda.prefill(
+            q, k, v, g, beta, cu_seqlens=cu, initial_state=state,
+            output_final_state=True, gate_lower_bound=-5.0, backend="sm90",
+        )  # fmt: skip
 
-        @jax.jit
-        def call(q, k, v, g, beta, cu, state):
-            return jax_kda.prefill(
-                q, k, v, g, beta, cu_seqlens=cu, initial_state=state,
-                output_final_state=True, gate_lower_bound=-5.0, backend="sm90",
-            )  # fmt: skip
-
-        times = kernel_times(call, *args)
-        shown = f"{lengths[:4]}{'...' if len(lengths) > 4 else ''}"
-        print(f"{name} {shown}: span {times.span_us:.1f} us, {times.launches} launches")
+    for shape in shapes:
+        x = production_inputs(list(shape.lengths), shape.heads, seed=0)
+        times = kernel_times(call, *[jnp.asarray(a) for a in x])
+        print(f"{shape.name}: span {times.span_us:.1f} us, {times.launches} launches")
         for kernel, us in sorted(times.kernels_us.items(), key=lambda kv: -kv[1]):
             print(f"    {us:9.1f} us  {kernel[:110]}")
 

@@ -18,7 +18,9 @@ CHUNK_RECORD_BYTES = 21504
 4 KiB each), Z (bf16 16x16), a = exp(gamma) (f32 [128]) and ut^T (f32 [128, 16])."""
 
 MIN_SEGMENT_CHUNKS = 8
-"""A segment shorter than this costs more in BUILD and COMBINE than its parallelism saves."""
+"""No segment shorter than this (by the average sequence length). Too short a floor on the H200:
+COMBINE costs about 6 us a segment and a chain step about 0.65 us, so at 1024x4x1 the 8-way split
+(70 us) is slower than none (51 us; benchmarks.kernel_profile)."""
 
 MAX_SEGMENTS = 16
 """COMBINE walks the segments serially; more than this would make it the critical path."""

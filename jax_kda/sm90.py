@@ -54,7 +54,11 @@ def device_sm_count() -> int | None:
             raise RuntimeError(f"reading the SM count of {device}: {error}")
         return int(count)
     value = os.environ.get(SM_COUNT_ENV)
-    return int(value) if value else None
+    if not value:
+        return None
+    if not value.isdigit() or int(value) < 1:
+        raise ValueError(f"${SM_COUNT_ENV}: got {value!r}, expected a positive integer (SMs)")
+    return int(value)
 
 
 INDEX_LIMIT = 2**31

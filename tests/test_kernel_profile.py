@@ -20,7 +20,7 @@ def test_calls_split_at_idle_gaps_and_kernels_average_per_call():
     first = _call(0, [("prep", 10_000), ("chain", 20_000)])
     second = _call(10 * CALL_GAP_NS, [("prep", 12_000), ("chain", 30_000)])
     third = _call(20 * CALL_GAP_NS, [("prep", 14_000), ("chain", 40_000)])
-    times = summarise(list(reversed(first + second + third)))  # order must not matter
+    times = summarise(list(reversed(first + second + third)), 3)  # order must not matter
     assert times.launches == 2
     assert times.kernels_us == pytest.approx({"prep": 12.0, "chain": 30.0})
     assert times.span_us == pytest.approx(12.0 + 1.0 + 30.0)  # the median call
@@ -28,15 +28,23 @@ def test_calls_split_at_idle_gaps_and_kernels_average_per_call():
 
 def test_repeated_kernel_names_within_a_call_add_up():
     events = _call(0, [("chain", 5_000), ("combine", 2_000), ("chain", 7_000)])
-    times = summarise(events)
+    times = summarise(events, 1)
     assert times.launches == 3
     assert times.kernels_us == pytest.approx({"chain": 12.0, "combine": 2.0})
     assert times.span_us == pytest.approx(16.0)
 
 
 def test_overlapping_kernels_span_to_the_last_end():
-    times = summarise([("a", 0, 50_000), ("b", 1_000, 2_000)])
+    times = summarise([("a", 0, 50_000), ("b", 1_000, 2_000)], 1)
     assert times.span_us == pytest.approx(50.0)
+
+
+def test_a_call_count_the_gaps_do_not_show_is_an_error():
+    back_to_back = _call(0, [("prep", 10_000)]) + _call(12_000, [("prep", 10_000)])
+    with pytest.raises(RuntimeError, match="found 1 calls in the trace, expected 2"):
+        summarise(back_to_back, 2)
+    with pytest.raises(RuntimeError, match="idled inside a call"):
+        summarise(_call(0, [("a", 1_000)]) + _call(10 * CALL_GAP_NS, [("a", 1_000)]), 1)
 
 
 @pytest.mark.skipif(jax.default_backend() == "gpu", reason="checks the no-GPU error")

@@ -181,3 +181,10 @@ def test_a_new_process_loads_the_kernel_from_disk_without_compiling(tmp_path):
     (cold, cold_s), (warm, warm_s) = (run.stdout.split() for run in runs)
     print(f"kernel ready: cold process {cold_s} s ({cold} compile), warm {warm_s} s ({warm})")
     assert (cold, warm) == ("1", "0")
+
+
+@pytest.mark.parametrize("value", ["abc", "0", "-4", "1.5"])
+def test_malformed_sm_count_variable_is_named(monkeypatch, value):
+    monkeypatch.setenv(sm90.SM_COUNT_ENV, value)
+    with pytest.raises(ValueError, match=rf"\$JAX_KDA_SM_COUNT: got '{re.escape(value)}'"):
+        sm90.device_sm_count()

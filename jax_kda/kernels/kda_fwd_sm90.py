@@ -113,14 +113,9 @@ def _view(raw_i32_ptr, byte_off: int, comp_layout, nstages: int = 0, stage_bytes
     return cute.make_tensor(ptr, outer)
 
 
-def _v16(t):
-    """The same 4 x int32 vector with its 16-byte alignment made known to the compiler (every
-    record / stage vector is 16-byte aligned; dynamic indices hide that)."""
-    return cute.make_tensor(t.iterator.align(16), cute.make_layout(4))
-
-
-def _f4(ptr):
-    """Four float32 at a 16-byte aligned address, as one vector."""
+def _vec4(ptr):
+    """Four 4-byte elements at ptr as one 16-byte vector, its alignment made known to the
+    compiler (every record, stage and state vector is 16-byte aligned; dynamic indices hide it)."""
     return cute.make_tensor(ptr.align(16), cute.make_layout(4))
 
 
@@ -134,7 +129,9 @@ def _load_stage(atom, g_rec, s_raw, stage, vslab, tid):
             src = idx
             if idx >= COMMON_VEC:
                 src = idx + vslab * UT_VEC
-            cute.copy(atom, _v16(g_rec[src, None]), _v16(s_raw[idx, None, stage]))
+            cute.copy(
+                atom, _vec4(g_rec[src, None].iterator), _vec4(s_raw[idx, None, stage].iterator)
+            )
 
 
 class KdaForwardSm90:
@@ -380,7 +377,7 @@ class KdaForwardSm90:
             for it in cutlass.range_constexpr((REC_VEC + NTHREADS - 1) // NTHREADS):
                 idx = tid + it * NTHREADS
                 if idx < REC_VEC:
-                    _v16(g_rec[idx, None]).store(_v16(s_rec[idx, None]).load())
+                    _vec4(g_rec[idx, None].iterator).store(_vec4(s_rec[idx, None].iterator).load())
 
     # ------------------------------------------------------------------ EXPAND
     @cute.kernel
@@ -588,7 +585,7 @@ class KdaForwardSm90:
             # State rows read 4 k at a time (one 16-byte broadcast load for the whole warp).
             for k4 in cutlass.range_constexpr(HEAD_DIM // 4):
                 for r in cutlass.range_constexpr(COMBINE_ROWS):
-                    quad.store(_f4(s_state.iterator + r * HEAD_DIM + 4 * k4).load())
+                    quad.store(_vec4(s_state.iterator + r * HEAD_DIM + 4 * k4).load())
                     for e in cutlass.range_constexpr(4):
                         acc[r] = acc[r] + quad[e] * column[4 * k4 + e]
             cute.arch.sync_threads()  # every thread has read the old state
