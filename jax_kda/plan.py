@@ -17,10 +17,13 @@ CHUNK_RECORD_BYTES = 21504
 """Bytes PREP writes per (chunk slot, head) for EXPAND: -wt, qg, kg^T (bf16 swizzled wgmma tiles,
 4 KiB each), Z (bf16 16x16), a = exp(gamma) (f32 [128]) and ut^T (f32 [128, 16])."""
 
-MIN_SEGMENT_CHUNKS = 8
-"""No segment shorter than this (by the average sequence length). Too short a floor on the H200:
-COMBINE costs about 6 us a segment and a chain step about 0.65 us, so at 1024x4x1 the 8-way split
-(70 us) is slower than none (51 us; benchmarks.kernel_profile)."""
+COMBINE_STEP_CHUNKS = 10
+"""COMBINE's time per segment boundary in chain steps (one 16-token chunk of BUILD or EXPAND):
+about 6.3 us against 0.65 us on the H200 (benchmarks.kernel_profile at 1024x4x1, 2048x12x1 and
+4096x12x1)."""
+
+SPLIT_OVERHEAD_CHUNKS = 6
+"""The split's two extra launches, in chain steps (same measurements)."""
 
 MAX_SEGMENTS = 16
 """COMBINE walks the segments serially; more than this would make it the critical path."""
@@ -58,21 +61,38 @@ class PrefillPlan:
         return sum(buffer.bytes for buffer in self.workspace)
 
 
+def chain_cost(chunks: int, segments: int) -> float:
+    """Modelled time of the serial part for a sequence of `chunks` chunks cut into `segments`, in
+    chain steps: unsplit, one EXPAND step a chunk; split, BUILD then EXPAND over the longest
+    segment, COMBINE's steps and the extra launches. At 1024x4x1, 2048x12x1 and 4096x12x1 it is
+    within 10% of the profiled kernels (x 0.65 us)."""
+    if segments == 1:
+        return chunks
+    longest = math.ceil(chunks / segments)
+    return 2 * longest + COMBINE_STEP_CHUNKS * (segments - 1) + SPLIT_OVERHEAD_CHUNKS
+
+
 def segment_count(
     total_tokens: int, num_heads: int, num_sequences: int, sm_count: int | None
 ) -> int:
-    """Segments per sequence: enough to fill the SMs when N * H chains leave them idle, none
-    shorter than MIN_SEGMENT_CHUNKS chunks (by the average length T / N), at most MAX_SEGMENTS.
-    sm_count None (unknown device) means no split."""
-    if sm_count is None:
+    """Segments per sequence: the count, up to what fills the SMs left idle by the N * H chains
+    and MAX_SEGMENTS, that chain_cost puts lowest for the average sequence (T / N tokens); the
+    fewer segments on a tie. sm_count None (unknown device) means no split."""
+    if sm_count is None or num_sequences < 1 or num_heads < 1:
         return 1
     by_sms = sm_count // (CHAIN_CTAS * num_heads * num_sequences)
-    by_length = math.ceil(total_tokens / num_sequences / CHUNK) // MIN_SEGMENT_CHUNKS
-    return max(1, min(by_sms, by_length, MAX_SEGMENTS))
+    chunks = math.ceil(total_tokens / num_sequences / CHUNK)
+    candidates = range(1, max(1, min(by_sms, MAX_SEGMENTS)) + 1)
+    return min(candidates, key=lambda segments: (chain_cost(chunks, segments), segments))
 
 
 def plan_prefill(
-    total_tokens: int, num_heads: int, num_sequences: int, sm_count: int | None = None
+    total_tokens: int,
+    num_heads: int,
+    num_sequences: int,
+    sm_count: int | None = None,
+    *,
+    segments: int | None = None,
 ) -> PrefillPlan:
     """The sm90 plan for T tokens, H heads and N sequences on a device with sm_count SMs.
 
@@ -83,15 +103,20 @@ def plan_prefill(
     (the segment's operators Mt, Ct: St_end = St_start Mt + Ct) and COMBINE chains them into every
     segment's start state. The per-segment buffers exist only then; otherwise they are one
     minimal [1, 1, 1, 128, 128] slot that nothing reads.
+
+    segments: force this many segments (tests, experiments; the kernels take any count, a segment
+    past a sequence's end is empty); None: segment_count's choice for sm_count.
     """
     for name, value, low in (
         ("total_tokens", total_tokens, 0),
         ("num_heads", num_heads, 1),
         ("num_sequences", num_sequences, 1),
+        ("segments", 1 if segments is None else segments, 1),
     ):
         if not isinstance(value, int) or value < low:
             raise ValueError(f"{name}: got {value!r}, expected an int >= {low}")
-    segments = segment_count(total_tokens, num_heads, num_sequences, sm_count)
+    if segments is None:
+        segments = segment_count(total_tokens, num_heads, num_sequences, sm_count)
     square = (HEAD_DIM, HEAD_DIM)
     if segments > 1:
         states = (segments, num_sequences, num_heads, *square)

@@ -142,10 +142,14 @@ def forward_artifact(num_heads: int, scale: float):
     )
 
 
-def result_shapes(total_tokens, num_heads, num_sequences) -> list[jax.ShapeDtypeStruct]:
+def result_shapes(
+    total_tokens, num_heads, num_sequences, segments=None
+) -> list[jax.ShapeDtypeStruct]:
     """The custom call's results: o [T, H, 128] bf16, final_state [N, H, 128, 128] f32, then the
-    plan's workspace buffers."""
-    plan = plan_prefill(total_tokens, num_heads, num_sequences, device_sm_count())
+    plan's workspace buffers (for `segments` segments when given, else the device's plan)."""
+    plan = plan_prefill(
+        total_tokens, num_heads, num_sequences, device_sm_count(), segments=segments
+    )
     return [
         jax.ShapeDtypeStruct((total_tokens, num_heads, HEAD_DIM), jnp.bfloat16),
         jax.ShapeDtypeStruct((num_sequences, num_heads, HEAD_DIM, HEAD_DIM), jnp.float32),

@@ -6,6 +6,7 @@ from jax_kda.plan import (
     CHUNK_RECORD_BYTES,
     MAX_SEGMENTS,
     WorkspaceBuffer,
+    chain_cost,
     plan_prefill,
     segment_count,
 )
@@ -17,7 +18,9 @@ SLOT = 128 * 128 * 4  # one [128, 128] float32 state or operator
     ("tokens", "heads", "seqs", "sms", "segments"),
     [
         (2048, 12, 1, 132, 5),  # 24 chains on 132 SMs: split
-        (1024, 4, 1, 132, 8),  # 64 chunks: no segment under 8 chunks
+        (1024, 4, 1, 132, 1),  # 64 chunks: BUILD and COMBINE would cost more than they save
+        (4096, 8, 1, 132, 7),
+        (8192, 24, 1, 132, 1),  # two segments at most by the SMs: not worth it
         (16384, 16, 8, 132, 1),  # 256 chains already fill the SMs
         (8192, 32, 64, 132, 1),  # many short sequences
         (33, 2, 3, 132, 1),  # small packed work: two launches, no split
@@ -28,6 +31,25 @@ SLOT = 128 * 128 * 4  # one [128, 128] float32 state or operator
 )
 def test_segment_count(tokens, heads, seqs, sms, segments):
     assert segment_count(tokens, heads, seqs, sms) == segments
+
+
+# The H200 profile the model was fitted to (benchmarks.kernel_profile): chunks, segments, and
+# the microseconds of BUILD + COMBINE + EXPAND (or EXPAND alone when unsplit).
+PROFILED = [(64, 8, 8.7 + 39.6 + 6.3), (64, 1, 40.8), (128, 5, 26.4 + 2 * 20.0), (128, 1, 80.4)]
+PROFILED += [(256, 5, 37.7 + 26.6 + 35.6)]
+
+
+@pytest.mark.parametrize(("chunks", "segments", "measured_us"), PROFILED)
+def test_chain_cost_model_follows_the_profile(chunks, segments, measured_us):
+    assert chain_cost(chunks, segments) * 0.65 == pytest.approx(measured_us, rel=0.1)
+
+
+def test_forced_segments_override_the_choice():
+    plan = plan_prefill(33, 2, 3, sm_count=132, segments=3)
+    assert (plan.segment_count, plan.launches) == (3, 4)
+    assert plan.workspace[1].shape == (3, 3, 2, 128, 128)
+    assert plan.workspace[2].shape == (4, 3, 2, 128, 128)
+    assert plan_prefill(2048, 12, 1, sm_count=132, segments=1).segment_count == 1
 
 
 def test_unsplit_plan_has_two_launches_and_one_minimal_segment_slot():
@@ -68,3 +90,8 @@ def test_workspace_buffer_bytes():
 def test_plan_rejects_bad_shapes(args, message):
     with pytest.raises(ValueError, match=message):
         plan_prefill(*args)
+
+
+def test_plan_rejects_zero_forced_segments():
+    with pytest.raises(ValueError, match="segments: got 0"):
+        plan_prefill(16, 2, 1, segments=0)

@@ -32,18 +32,25 @@ CASES = {
     **{name: (lengths, 2 if len(lengths) <= 3 else 4) for name, lengths in PACKED_LENGTHS.items()},
     "long-16384": ([LONG_LENGTH], 2),
     "n64-h32": (list(np.random.default_rng(SEED).integers(0, 300, MANY_SEQUENCES)), 32),
-    "segments-with-empties": ([2000, 1, 0], 1),
+    "segments-with-empties": ([4000, 1, 0], 1),  # 4 segments on 132 SMs
 }
 
 
-def _poisoned_kernel_call(x):
+FORCED_SPLIT = 3
+"""Every case also runs cut into this many segments, whatever the plan chooses, so that the
+segmented path sees every length set (empty and 1-token sequences, segments past a sequence's
+end) and the unsplit one does too."""
+
+
+def _poisoned_kernel_call(x, segments=None):
     """The exported kernel with o, final_state and the workspace pre-filled with NaN bit
-    patterns (aliased results), so that anything left unwritten shows."""
+    patterns (aliased results), so that anything left unwritten shows. segments: None for the
+    device's plan, else forced. Returns (o, final_state) and the segment count that ran."""
     register()
     tokens, heads, _ = x.q.shape
     seqs = x.cu_seqlens.shape[0] - 1
-    results = sm90.result_shapes(tokens, heads, seqs)
-    segments = plan_prefill(tokens, heads, seqs, sm90.device_sm_count()).segment_count
+    results = sm90.result_shapes(tokens, heads, seqs, segments)
+    plan = plan_prefill(tokens, heads, seqs, sm90.device_sm_count(), segments=segments)
     artifact = sm90.forward_artifact(heads, default_scale())
 
     @jax.jit
@@ -55,7 +62,7 @@ def _poisoned_kernel_call(x):
         aliases = {7 + i: i for i in range(len(results))}
         return cute_call(artifact, [*inputs, *poison], results, aliases=aliases)[:2]
 
-    return run(*x), segments
+    return run(*x), plan.segment_count
 
 
 def _prefill(backend):
@@ -70,23 +77,25 @@ def _prefill(backend):
 def test_kernel_matches_float64_oracle(case):
     lengths, heads = CASES[case]
     x = production_inputs(lengths, heads, seed=SEED + len(case))
-    (o, final), segments = _poisoned_kernel_call(x)
     ref_o, ref_final = recurrent_oracle(*x)
-    err_o = rms_ratio(o, ref_o) if o.size else 0.0
-    err_final = rms_ratio(final, ref_final)
     xla_o, _ = _prefill("xla")(*x)
-    err_xla = rms_ratio(o, xla_o) if o.size else 0.0
-    print(
-        f"{case}: {segments} segment(s), o {err_o:.2e} final {err_final:.2e} vs xla {err_xla:.2e}"
-    )
-    if case == "segments-with-empties":
-        assert segments > 1, "this case is there to run the segmented path"
-    assert not np.isnan(np.asarray(o, np.float32)).any() and not np.isnan(final).any()
-    assert err_o <= RMS_RATIO_BAR and err_final <= RMS_RATIO_BAR
-    assert err_xla <= RMS_RATIO_BAR
-    for s, n in enumerate(lengths):
-        if n == 0:
-            np.testing.assert_array_equal(np.asarray(final[s]), x.initial_state[s])
+    for forced in (None, FORCED_SPLIT):
+        (o, final), segments = _poisoned_kernel_call(x, forced)
+        err_o = rms_ratio(o, ref_o) if o.size else 0.0
+        err_final = rms_ratio(final, ref_final)
+        err_xla = rms_ratio(o, xla_o) if o.size else 0.0
+        print(
+            f"{case}: {segments} segment(s){' (forced)' if forced else ''}, o {err_o:.2e}"
+            f" final {err_final:.2e} vs xla {err_xla:.2e}"
+        )
+        if case == "segments-with-empties" and forced is None:
+            assert segments > 1, "this case is there to run the planned split"
+        assert not np.isnan(np.asarray(o, np.float32)).any() and not np.isnan(final).any()
+        assert err_o <= RMS_RATIO_BAR and err_final <= RMS_RATIO_BAR
+        assert err_xla <= RMS_RATIO_BAR
+        for s, n in enumerate(lengths):
+            if n == 0:
+                np.testing.assert_array_equal(np.asarray(final[s]), x.initial_state[s])
 
 
 def test_prefill_sm90_equals_oracle_through_the_public_api():
