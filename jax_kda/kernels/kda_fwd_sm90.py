@@ -357,7 +357,8 @@ class KdaForwardSm90:
             s_z[zi, zj] = z0.to(BFloat16)
             s_z[zi, zj + 8] = z1.to(BFloat16)
 
-            # ---- forward substitution, thread d = column d (f32)
+            # ---- forward substitution, thread d = column d (f32). No shared-memory store
+            # inside, so the compiler may issue the (broadcast) loads of Akk ahead of the chain.
             for i in cutlass.range_constexpr(CHUNK):
                 w = r_kw[i]
                 u = r_v[i]
@@ -367,8 +368,8 @@ class KdaForwardSm90:
                     u = u - aij * r_ut[j]
                 r_wt[i] = w
                 r_ut[i] = u
-                s_wt[i, d] = (-w).to(BFloat16)
             for i in cutlass.range_constexpr(CHUNK):
+                s_wt[i, d] = (-r_wt[i]).to(BFloat16)
                 s_ut[d, i] = r_ut[i]
             cute.arch.sync_threads()
 
