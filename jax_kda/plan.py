@@ -17,10 +17,11 @@ CHUNK_RECORD_BYTES = 21504
 """Bytes PREP writes per (chunk slot, head) for EXPAND: -wt, qg, kg^T (bf16 swizzled wgmma tiles,
 4 KiB each), Z (bf16 16x16), a = exp(gamma) (f32 [128]) and ut^T (f32 [128, 16])."""
 
-COMBINE_STEP_CHUNKS = 10
-"""COMBINE's time per segment boundary in chain steps (one 16-token chunk of BUILD or EXPAND):
-about 6.3 us against 0.65 us on the H200 (benchmarks.kernel_profile at 1024x4x1, 2048x12x1 and
-4096x12x1)."""
+COMBINE_STEP_CHUNKS = 2
+"""COMBINE's time per segment boundary in chain steps (one 16-token chunk of BUILD or EXPAND).
+An estimate for the tensor-core COMBINE (24 m64n128k16 wgmma a step, its operator prefetched):
+about 1.2 us against 0.65 us. Not yet measured; the float32 SIMT COMBINE it replaces measured
+about 6.3 us (10 steps; benchmarks.kernel_profile on the H200)."""
 
 SPLIT_OVERHEAD_CHUNKS = 6
 """The split's two extra launches, in chain steps (same measurements)."""

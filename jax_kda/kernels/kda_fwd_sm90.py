@@ -24,7 +24,9 @@ Segmented (nseg = seg_states.shape[0] > 1, see plan.segment_count): EXPAND's gri
 (2, H, N * nseg + 1), segment p of a sequence walking chunks [p L, (p + 1) L), L = ceil(chunks /
 nseg), from its start state. BUILD runs the same chain (no o) over segments 0 .. nseg-2 from
 St = I without ut and from St = 0 with ut, giving the segment's affine map St_end = St_start Mt +
-Ct; COMBINE (f32, SIMT) chains those maps from the initial state into every start state.
+Ct (Ct float32; Mt as hi and lo bf16 wgmma B-operand images, 64 KiB like a float32 Mt); COMBINE,
+grid (2, H, N), chains those maps from the initial state into every start state, one bf16x3
+m64n128 wgmma product a segment, the next operator copied in while one is applied.
 """
 
 from __future__ import annotations
@@ -53,7 +55,10 @@ COMMON_VEC = 13312 // 16  # 832 vectors shared by both slabs
 UT_VEC = 4096 // 16  # 256 vectors of ut^T per slab
 OFF_WT, OFF_QG, OFF_KG, OFF_Z, OFF_A, OFF_UT = 0, 4096, 8192, 12288, 12800, 13312
 PROD_ROW = 17
-COMBINE_ROWS = 8  # state rows per COMBINE CTA
+IMAGE_BYTES = HEAD_DIM * HEAD_DIM * 2  # one bf16 image of a segment operator
+OPERATOR_VEC = 2 * IMAGE_BYTES // 16  # hi and lo images of Mt, in 16-byte vectors (64 KiB)
+CT_SLAB_VEC = VS * HEAD_DIM * 4 // 16  # one V-slab's rows of Ct (float32), 16-byte vectors
+COMBINE_BUFFER_VEC = OPERATOR_VEC + CT_SLAB_VEC  # one COMBINE stage: Mt images + Ct rows
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,8 +70,9 @@ class KdaConfig:
     def __post_init__(self):
         if not (self.num_heads >= 1):
             raise ValueError(f"num_heads must be >= 1, got {self.num_heads}")
-        if not (2 <= self.stages <= 8):
-            raise ValueError(f"stages must be in [2, 8], got {self.stages}")
+        min_stages = -(-2 * IMAGE_BYTES // STAGE_BYTES)  # BUILD stages Mt's images in them
+        if not (min_stages <= self.stages <= 8):
+            raise ValueError(f"stages must be in [{min_stages}, 8], got {self.stages}")
 
 
 def _b_layouts():
@@ -86,6 +92,16 @@ def _b_layouts():
         order=(0, 1),
     )
     return lay_nk128, lay_z, lay_kg
+
+
+def _operator_layout():
+    """A segment operator Mt [128 kk, 128 col] as a wgmma B operand: (N = col, K = kk), K-major,
+    128-byte swizzle; one bf16 image of it is 32 KiB."""
+    return cute.tile_to_shape(
+        warpgroup.make_smem_layout_atom(warpgroup.SmemLayoutAtomKind.K_SW128, BFloat16),
+        (HEAD_DIM, HEAD_DIM),
+        order=(0, 1),
+    )
 
 
 def _bf16_tiled_mma(tile_mn, a_source):
@@ -134,6 +150,30 @@ def _load_stage(atom, g_rec, s_raw, stage, vslab, tid):
             )
 
 
+@cute.jit
+def _load_operator(atom, mSegOps, nseg, p, n, h, vbase, s_raw, buf, tid):
+    """Issue this thread's cp.async copies of operator p's Mt images (64 KiB) and this
+    slab's rows of Ct_p (32 KiB) into COMBINE buffer `buf`."""
+    g_m = cute.make_tensor(
+        cute.recast_ptr(mSegOps[p, n, h, None, None].iterator, dtype=Int32),
+        cute.make_layout((OPERATOR_VEC, 4), stride=(4, 1)),
+    )
+    g_ct = cute.make_tensor(
+        cute.recast_ptr(
+            mSegOps[(nseg - 1) + p, n, h, None, None].iterator + vbase * HEAD_DIM,
+            dtype=Int32,
+        ),
+        cute.make_layout((CT_SLAB_VEC, 4), stride=(4, 1)),
+    )
+    for it in cutlass.range_constexpr(OPERATOR_VEC // NTHREADS):
+        idx = tid + it * NTHREADS
+        cute.copy(atom, _vec4(g_m[idx, None].iterator), _vec4(s_raw[idx, None, buf].iterator))
+    for it in cutlass.range_constexpr(CT_SLAB_VEC // NTHREADS):
+        idx = tid + it * NTHREADS
+        dst = s_raw[OPERATOR_VEC + idx, None, buf].iterator
+        cute.copy(atom, _vec4(g_ct[idx, None].iterator), _vec4(dst))
+
+
 class KdaForwardSm90:
     def __init__(self, config: KdaConfig):
         self.H = config.num_heads
@@ -175,10 +215,8 @@ class KdaForwardSm90:
         if nseg > 1:
             # BUILD: Mt and Ct of every segment but the last
             self._launch_chain(chain_args, True, n_seq * (nseg - 1) * 2, stream)
-            self.combine_kernel(initial_state, seg_states, seg_ops).launch(
-                grid=[HEAD_DIM // COMBINE_ROWS, self.H, n_seq],
-                block=[NTHREADS, 1, 1],
-                stream=stream,
+            self.combine_kernel(initial_state, seg_states, seg_ops, mma_n128).launch(
+                grid=[2, self.H, n_seq], block=[NTHREADS, 1, 1], stream=stream
             )
         self._launch_chain(chain_args, False, n_seq * nseg + 1, stream)  # EXPAND (+1: never 0)
 
@@ -194,6 +232,17 @@ class KdaForwardSm90:
         frag_as_acc = cute.make_tensor(frag.iterator, acc.layout)
         frag_as_acc.store(acc.load().to(BFloat16))
         return frag
+
+    @staticmethod
+    def _acc_to_split_a_operands(mma: cute.TiledMma, acc: cute.Tensor, m: int, kdim: int):
+        """(hi, lo) bf16 RS A operands of an f32 accumulator, hi + lo = acc to about 2^-16."""
+        hi = mma.make_fragment_A(mma.partition_shape_A((m, kdim)))
+        lo = mma.make_fragment_A(mma.partition_shape_A((m, kdim)))
+        x = acc.load()
+        x_hi = x.to(BFloat16)
+        cute.make_tensor(hi.iterator, acc.layout).store(x_hi)
+        cute.make_tensor(lo.iterator, acc.layout).store((x - x_hi.to(Float32)).to(BFloat16))
+        return hi, lo
 
     # ------------------------------------------------------------------ PREP
     @cute.kernel
@@ -543,9 +592,41 @@ class KdaForwardSm90:
 
             cute.arch.cp_async_wait_group(0)
             if cutlass.const_expr(build):
-                for i in cutlass.range_constexpr(cute.size(acc_s)):
-                    m, col = c128[i]
-                    mSegOps[which * (nseg - 1) + p, n, h, vbase + m, col] = acc_s[i]
+                if which == 0:
+                    # Mt rows [vbase, vbase + 64) -> this slab's K half of the operator's hi and
+                    # lo bf16 B-operand images: staged in the idle stage buffers (the swizzle
+                    # goes by shared-memory address), then copied out as raw bytes, which
+                    # COMBINE copies back into shared memory. A K half of an image is its
+                    # 16 KiB half (the layout's K mode is the outer one).
+                    cute.arch.sync_threads()  # every thread is done with the stages
+                    lay_m = _operator_layout()
+                    s_hi = _view(raw, 0, lay_m)
+                    s_lo = _view(raw, IMAGE_BYTES, lay_m)
+                    for i in cutlass.range_constexpr(cute.size(acc_s)):
+                        m, col = c128[i]
+                        x = acc_s[i]
+                        x_hi = x.to(BFloat16)
+                        s_hi[col, vbase + m] = x_hi
+                        s_lo[col, vbase + m] = (x - Float32(x_hi)).to(BFloat16)
+                    cute.arch.sync_threads()
+                    s_vec = cute.make_tensor(
+                        raw, cute.make_layout((OPERATOR_VEC, 4), stride=(4, 1))
+                    )
+                    g_vec = cute.make_tensor(
+                        cute.recast_ptr(mSegOps[p, n, h, None, None].iterator, dtype=Int32),
+                        cute.make_layout((OPERATOR_VEC, 4), stride=(4, 1)),
+                    )
+                    half_vec = IMAGE_BYTES // 32  # 16-byte vectors in one K half of an image
+                    for image in cutlass.range_constexpr(2):
+                        for it in cutlass.range_constexpr(half_vec // NTHREADS):
+                            idx = image * 2 * half_vec + vslab * half_vec + tid + it * NTHREADS
+                            _vec4(g_vec[idx, None].iterator).store(
+                                _vec4(s_vec[idx, None].iterator).load()
+                            )
+                else:
+                    for i in cutlass.range_constexpr(cute.size(acc_s)):
+                        m, col = c128[i]
+                        mSegOps[(nseg - 1) + p, n, h, vbase + m, col] = acc_s[i]
             else:
                 if p == nseg - 1:
                     for i in cutlass.range_constexpr(cute.size(acc_s)):
@@ -554,43 +635,80 @@ class KdaForwardSm90:
 
     # ------------------------------------------------------------------ COMBINE
     @cute.kernel
-    def combine_kernel(self, mS0: cute.Tensor, mSegStates: cute.Tensor, mSegOps: cute.Tensor):
-        """Start states of every segment, exactly in float32: S_{p+1} = S_p Mt_p + Ct_p.
+    def combine_kernel(
+        self,
+        mS0: cute.Tensor,
+        mSegStates: cute.Tensor,
+        mSegOps: cute.Tensor,
+        mma: cute.TiledMma,
+    ):
+        """Start states of every segment: S_{p+1} = S_p Mt_p + Ct_p, float32 state and Ct.
 
-        Block (slab, h, n) owns COMBINE_ROWS rows of the [V, K] state; thread c owns column c.
+        Block (slab, h, n) owns 64 rows of the [V, K] state in registers, as EXPAND does. Each
+        step is a bf16x3 wgmma product (S_hi Mt_hi + S_lo Mt_hi + S_hi Mt_lo: about float32
+        accuracy) onto Ct; BUILD left Mt as hi and lo B-operand images, so a two-stage cp.async
+        pipeline copies operator p + 1 and its Ct rows while step p runs.
         """
         tid, _, _ = cute.arch.thread_idx()
-        slab, h, n = cute.arch.block_idx()
+        vslab, h, n = cute.arch.block_idx()
         nseg = mSegStates.shape[0]
-        rbase = slab * COMBINE_ROWS
-        col = tid
+        vbase = vslab * VS
+
         smem = SmemAllocator()
-        s_state = smem.allocate_tensor(
-            Float32, cute.make_layout((COMBINE_ROWS, HEAD_DIM), stride=(HEAD_DIM, 1)), 16
+        s_raw = smem.allocate_tensor(
+            Int32,
+            cute.make_layout((COMBINE_BUFFER_VEC, 4, 2), stride=(4, 1, COMBINE_BUFFER_VEC * 4)),
+            1024,
         )
-        acc = cute.make_rmem_tensor((COMBINE_ROWS,), Float32)
-        for r in cutlass.range_constexpr(COMBINE_ROWS):
-            x = mS0[n, h, rbase + r, col]
-            s_state[r, col] = x
-            mSegStates[0, n, h, rbase + r, col] = x
-        cute.arch.sync_threads()
-        column = cute.make_rmem_tensor((HEAD_DIM,), Float32)
-        quad = cute.make_rmem_tensor((4,), Float32)
+        raw = s_raw.iterator
+        buffer_bytes = COMBINE_BUFFER_VEC * 16
+        lay_m = _operator_layout()
+        s_hi = _view(raw, 0, lay_m, 2, buffer_bytes)
+        s_lo = _view(raw, IMAGE_BYTES, lay_m, 2, buffer_bytes)
+        s_ct = cute.make_tensor(
+            cute.recast_ptr(raw + 2 * IMAGE_BYTES // 4, dtype=Float32),
+            cute.make_layout((VS, HEAD_DIM, 2), stride=(HEAD_DIM, 1, buffer_bytes // 4)),
+        )
+        thr = mma.get_slice(tid)
+        rB_hi = mma.make_fragment_B(thr.partition_B(s_hi))
+        rB_lo = mma.make_fragment_B(thr.partition_B(s_lo))
+        c128 = thr.partition_C(cute.make_identity_tensor((VS, HEAD_DIM)))
+        acc = cute.make_rmem_tensor(mma.partition_shape_C((VS, HEAD_DIM)), Float32)
+        atom = cute.make_copy_atom(
+            cpasync.CopyG2SOp(cpasync.LoadCacheMode.GLOBAL), Int32, num_bits_per_copy=128
+        )
+
+        for i in cutlass.range_constexpr(cute.size(acc)):
+            m, col = c128[i]
+            x = mS0[n, h, vbase + m, col]
+            acc[i] = x
+            mSegStates[0, n, h, vbase + m, col] = x
+        if nseg > 1:
+            _load_operator(atom, mSegOps, nseg, 0, n, h, vbase, s_raw, 0, tid)
+        cute.arch.cp_async_commit_group()
+
         for p in cutlass.range(nseg - 1, unroll=1):
-            # This thread's column of Mt_p and its rows of Ct_p, every load issued before the
-            # first use (one memory latency per segment, not one per k).
-            for kk in cutlass.range_constexpr(HEAD_DIM):
-                column[kk] = mSegOps[p, n, h, kk, col]
-            for r in cutlass.range_constexpr(COMBINE_ROWS):
-                acc[r] = mSegOps[(nseg - 1) + p, n, h, rbase + r, col]
-            # State rows read 4 k at a time (one 16-byte broadcast load for the whole warp).
-            for k4 in cutlass.range_constexpr(HEAD_DIM // 4):
-                for r in cutlass.range_constexpr(COMBINE_ROWS):
-                    quad.store(_vec4(s_state.iterator + r * HEAD_DIM + 4 * k4).load())
-                    for e in cutlass.range_constexpr(4):
-                        acc[r] = acc[r] + quad[e] * column[4 * k4 + e]
-            cute.arch.sync_threads()  # every thread has read the old state
-            for r in cutlass.range_constexpr(COMBINE_ROWS):
-                s_state[r, col] = acc[r]
-                mSegStates[p + 1, n, h, rbase + r, col] = acc[r]
-            cute.arch.sync_threads()
+            buf = p % 2
+            cute.arch.cp_async_wait_group(0)  # this thread's copies of operator p landed
+            cute.arch.fence_proxy("async.shared", space="cta")
+            cute.arch.sync_threads()  # operator p visible to all; step p - 1's buffer is free
+            if p + 1 < nseg - 1:
+                _load_operator(atom, mSegOps, nseg, p + 1, n, h, vbase, s_raw, 1 - buf, tid)
+            cute.arch.cp_async_commit_group()
+
+            a_hi, a_lo = self._acc_to_split_a_operands(mma, acc, VS, HEAD_DIM)
+            for i in cutlass.range_constexpr(cute.size(acc)):
+                m, col = c128[i]
+                acc[i] = s_ct[m, col, buf]
+            cute.nvgpu.warpgroup.fence()
+            mma.set(warpgroup.Field.ACCUMULATE, True)
+            for kb in cutlass.range_constexpr(HEAD_DIM // 16):
+                cute.gemm(mma, acc, a_hi[None, None, kb], rB_hi[None, None, kb, buf], acc)
+                cute.gemm(mma, acc, a_lo[None, None, kb], rB_hi[None, None, kb, buf], acc)
+                cute.gemm(mma, acc, a_hi[None, None, kb], rB_lo[None, None, kb, buf], acc)
+            cute.nvgpu.warpgroup.commit_group()
+            cute.nvgpu.warpgroup.wait_group(0)
+            for i in cutlass.range_constexpr(cute.size(acc)):
+                m, col = c128[i]
+                mSegStates[p + 1, n, h, vbase + m, col] = acc[i]
+        cute.arch.cp_async_wait_group(0)
