@@ -555,7 +555,10 @@ class KdaForwardSm90:
                     cute.gemm(
                         mma_n16, acc_r, a_st[None, None, kb], rB_wt[None, None, kb, stage], acc_r
                     )
+                cute.nvgpu.warpgroup.commit_group()
                 if cutlass.const_expr(not build):
+                    # St qg^T, off the state's chain: its group may still run while Rt is
+                    # converted and St scaled (it reads a_st and writes acc_o, neither touched)
                     for kb in cutlass.range_constexpr(HEAD_DIM // 16):
                         mma_n16.set(warpgroup.Field.ACCUMULATE, kb != 0)
                         cute.gemm(
@@ -565,21 +568,23 @@ class KdaForwardSm90:
                             rB_qg[None, None, kb, stage],
                             acc_o,
                         )
-                cute.nvgpu.warpgroup.commit_group()
-                cute.nvgpu.warpgroup.wait_group(0)
+                    cute.nvgpu.warpgroup.commit_group()
+                    cute.nvgpu.warpgroup.wait_group(1)  # Rt is done
+                else:
+                    cute.nvgpu.warpgroup.wait_group(0)
 
                 a_rt = self._acc_to_a_operand(mma_n128, acc_r, VS, CHUNK)
                 for i in cutlass.range_constexpr(cute.size(acc_s)):
                     m, col = c128[i]
                     acc_s[i] = acc_s[i] * s_a[col, stage]
                 cute.nvgpu.warpgroup.fence()
+                mma_n128.set(warpgroup.Field.ACCUMULATE, True)
+                cute.gemm(mma_n128, acc_s, a_rt[None, None, 0], rB_kg[None, None, 0, stage], acc_s)
                 if cutlass.const_expr(not build):
                     mma_n16.set(warpgroup.Field.ACCUMULATE, True)
                     cute.gemm(
                         mma_n16, acc_o, a_rt[None, None, 0], rB_z[None, None, 0, stage], acc_o
                     )
-                mma_n128.set(warpgroup.Field.ACCUMULATE, True)
-                cute.gemm(mma_n128, acc_s, a_rt[None, None, 0], rB_kg[None, None, 0, stage], acc_s)
                 cute.nvgpu.warpgroup.commit_group()
                 cute.nvgpu.warpgroup.wait_group(0)
 
