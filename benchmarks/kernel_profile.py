@@ -5,9 +5,10 @@ kernel name, the mean duration per call, plus the median span per call (first ke
 last kernel end on the device). The span is what the GPU spends on one call when nothing else queues
 behind it; the sum of the kernel durations is the busy time within it.
 
-``python -m benchmarks.kernel_profile [--only TERMS]`` prints that breakdown for jax_kda's sm90
-backend on the harness's shapes (a diagnostic for kernel work; the results tables come from
-``benchmarks.run``).
+``python -m benchmarks.kernel_profile [--only TERMS] [--segments 1,2,4]`` prints that breakdown
+for jax_kda's sm90 backend on the harness's shapes, as planned for this device or cut into each
+given segment count (a diagnostic for kernel work and for plan.py's cost model; the results tables
+come from ``benchmarks.run``).
 """
 
 from __future__ import annotations
@@ -108,7 +109,9 @@ def _main():
     from benchmarks.selection import parse_only, select
     from benchmarks.shapes import ALL_SHAPES
     from jax_kda import sm90
+    from jax_kda.constants import default_scale
     from jax_kda.oracle import production_inputs
+    from jax_kda.plan import plan_prefill
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument(
@@ -118,28 +121,60 @@ def _main():
     )
     parser.add_argument(
         "--segments",
-        choices=("device", "one"),
-        default="device",
-        help="one: plan as if the SM count were unknown, so no sequence is split",
+        type=_segment_counts,
+        default=None,
+        help="comma-separated segment counts to cut every sequence into (e.g. 1,2,4,8); "
+        "default: the plan for this device",
     )
     options = parser.parse_args()
-    if options.segments == "one":
-        sm90.device_sm_count = lambda: None  # this process only: a diagnostic
     shapes, _ = select(parse_only(options.only), ALL_SHAPES, [])
 
-    @jax.jit
-    def call(q, k, v, g, beta, cu, state):
-        return jax_kda.prefill(
-            q, k, v, g, beta, cu_seqlens=cu, initial_state=state,
-            output_final_state=True, gate_lower_bound=-5.0, backend="sm90",
-        )  # fmt: skip
+    def call_for(segments):
+        @jax.jit
+        def call(q, k, v, g, beta, cu, state):
+            if segments is None:
+                return jax_kda.prefill(
+                    q, k, v, g, beta, cu_seqlens=cu, initial_state=state,
+                    output_final_state=True, gate_lower_bound=-5.0, backend="sm90",
+                )  # fmt: skip
+            scale = default_scale()
+            return sm90.forward(q, k, v, g, beta, cu, state, scale, segments=segments)
+
+        return call
 
     for shape in shapes:
-        x = production_inputs(list(shape.lengths), shape.heads, seed=0)
-        times = kernel_times(call, *[jnp.asarray(a) for a in x])
-        print(f"{shape.name}: span {times.span_us:.1f} us, {times.launches} launches")
-        for kernel, us in sorted(times.kernels_us.items(), key=lambda kv: -kv[1]):
-            print(f"    {us:9.1f} us  {kernel[:110]}")
+        x = [jnp.asarray(a) for a in production_inputs(list(shape.lengths), shape.heads, seed=0)]
+        for segments in options.segments or [None]:
+            times = kernel_times(call_for(segments), *x)
+            planned = plan_prefill(
+                shape.total_tokens, shape.heads, shape.num_sequences, sm90.device_sm_count(),
+                segments=segments,
+            ).segment_count  # fmt: skip
+            print(
+                f"{shape.name}: {planned} segment(s){'' if segments else ' (planned)'}, "
+                f"span {times.span_us:.1f} us, {times.launches} launches"
+            )
+            for kernel, us in sorted(times.kernels_us.items(), key=lambda kv: -kv[1]):
+                print(f"    {us:9.1f} us  {_short_name(kernel)}")
+
+
+def _segment_counts(text: str) -> list[int]:
+    try:
+        counts = [int(part) for part in text.split(",")]
+    except ValueError:
+        counts = []
+    if not counts or min(counts) < 1:
+        raise argparse.ArgumentTypeError(f"expected positive integers like 1,2,4; got {text!r}")
+    return counts
+
+
+def _short_name(kernel: str) -> str:
+    """CuTe DSL's mangled kernel name cut to the method it came from (prep_kernel, ...) and the
+    tail that tells its specialisations apart (BUILD and EXPAND are one method)."""
+    marker = kernel.find("_kernel_")
+    if kernel.startswith("kernel_cutlass_") and marker > 0:
+        return f"{kernel[len('kernel_cutlass_') : marker + len('_kernel')]} ...{kernel[-24:]}"
+    return kernel[:110]
 
 
 if __name__ == "__main__":

@@ -157,12 +157,13 @@ def result_shapes(
     ]
 
 
-def forward(q, k, v, g, beta, cu_seqlens, initial_state, scale):
-    """KDA forward on the sm90 kernels; same contract as xla.forward (q, k, v bfloat16)."""
+def forward(q, k, v, g, beta, cu_seqlens, initial_state, scale, *, segments=None):
+    """KDA forward on the sm90 kernels; same contract as xla.forward (q, k, v bfloat16).
+    segments: cut every sequence into this many segments (diagnostics, tests); None: the plan's."""
     from jax_kda.ffi_call import cute_call
 
     total_tokens, num_heads, _ = q.shape
-    results = result_shapes(total_tokens, num_heads, cu_seqlens.shape[0] - 1)
+    results = result_shapes(total_tokens, num_heads, cu_seqlens.shape[0] - 1, segments)
     inputs = [q, k, v, g, beta, jnp.asarray(cu_seqlens, jnp.int32), initial_state]
     o, final_state, *_workspace = cute_call(forward_artifact(num_heads, scale), inputs, results)
     return o, final_state

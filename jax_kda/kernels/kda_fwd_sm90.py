@@ -215,7 +215,7 @@ class KdaForwardSm90:
         if nseg > 1:
             # BUILD: Mt and Ct of every segment but the last
             self._launch_chain(chain_args, True, n_seq * (nseg - 1) * 2, stream)
-            self.combine_kernel(initial_state, seg_states, seg_ops, mma_n128).launch(
+            self.combine_kernel(cu_seqlens, initial_state, seg_states, seg_ops, mma_n128).launch(
                 grid=[2, self.H, n_seq], block=[NTHREADS, 1, 1], stream=stream
             )
         self._launch_chain(chain_args, False, n_seq * nseg + 1, stream)  # EXPAND (+1: never 0)
@@ -642,6 +642,7 @@ class KdaForwardSm90:
     @cute.kernel
     def combine_kernel(
         self,
+        mCu: cute.Tensor,
         mS0: cute.Tensor,
         mSegStates: cute.Tensor,
         mSegOps: cute.Tensor,
@@ -652,12 +653,16 @@ class KdaForwardSm90:
         Block (slab, h, n) owns 64 rows of the [V, K] state in registers, as EXPAND does. Each
         step is a bf16x3 wgmma product (S_hi Mt_hi + S_lo Mt_hi + S_hi Mt_lo: about float32
         accuracy) onto Ct; BUILD left Mt as hi and lo B-operand images, so a two-stage cp.async
-        pipeline copies operator p + 1 and its Ct rows while step p runs.
+        pipeline copies operator p + 1 and its Ct rows while step p runs. An empty segment (past
+        the sequence's last chunk; every segment of an empty sequence) is no step at all: its map
+        is the identity, and skipping it keeps the state bit-exact (S_hi + S_lo is not S).
         """
         tid, _, _ = cute.arch.thread_idx()
         vslab, h, n = cute.arch.block_idx()
         nseg = mSegStates.shape[0]
         vbase = vslab * VS
+        nchunks = (mCu[n + 1] - mCu[n] + (CHUNK - 1)) // CHUNK
+        seg_chunks = (nchunks + nseg - 1) // nseg  # as chain_kernel cuts the sequence
 
         smem = SmemAllocator()
         s_raw = smem.allocate_tensor(
@@ -701,18 +706,19 @@ class KdaForwardSm90:
                 _load_operator(atom, mSegOps, nseg, p + 1, n, h, vbase, s_raw, 1 - buf, tid)
             cute.arch.cp_async_commit_group()
 
-            a_hi, a_lo = self._acc_to_split_a_operands(mma, acc, VS, HEAD_DIM)
-            for i in cutlass.range_constexpr(cute.size(acc)):
-                m, col = c128[i]
-                acc[i] = s_ct[m, col, buf]
-            cute.nvgpu.warpgroup.fence()
-            mma.set(warpgroup.Field.ACCUMULATE, True)
-            for kb in cutlass.range_constexpr(HEAD_DIM // 16):
-                cute.gemm(mma, acc, a_hi[None, None, kb], rB_hi[None, None, kb, buf], acc)
-                cute.gemm(mma, acc, a_lo[None, None, kb], rB_hi[None, None, kb, buf], acc)
-                cute.gemm(mma, acc, a_hi[None, None, kb], rB_lo[None, None, kb, buf], acc)
-            cute.nvgpu.warpgroup.commit_group()
-            cute.nvgpu.warpgroup.wait_group(0)
+            if p * seg_chunks < nchunks:  # segment p holds chunks (uniform per CTA)
+                a_hi, a_lo = self._acc_to_split_a_operands(mma, acc, VS, HEAD_DIM)
+                for i in cutlass.range_constexpr(cute.size(acc)):
+                    m, col = c128[i]
+                    acc[i] = s_ct[m, col, buf]
+                cute.nvgpu.warpgroup.fence()
+                mma.set(warpgroup.Field.ACCUMULATE, True)
+                for kb in cutlass.range_constexpr(HEAD_DIM // 16):
+                    cute.gemm(mma, acc, a_hi[None, None, kb], rB_hi[None, None, kb, buf], acc)
+                    cute.gemm(mma, acc, a_lo[None, None, kb], rB_hi[None, None, kb, buf], acc)
+                    cute.gemm(mma, acc, a_hi[None, None, kb], rB_lo[None, None, kb, buf], acc)
+                cute.nvgpu.warpgroup.commit_group()
+                cute.nvgpu.warpgroup.wait_group(0)
             for i in cutlass.range_constexpr(cute.size(acc)):
                 m, col = c128[i]
                 mSegStates[p + 1, n, h, vbase + m, col] = acc[i]
