@@ -23,7 +23,17 @@ from benchmarks.timing import Settings, Timings, host_seconds, wall_seconds
 TOKEN_INPUTS = ("q", "k", "v", "g", "beta")
 
 UNROLLED_CALLS = 10
-"""Chained calls per iteration of the GPU-time loop (the torch rows' CUDA graphs hold 10 too)."""
+"""Most chained calls in one iteration of the GPU-time loop (the torch graphs hold 10)."""
+ITERATION_SECONDS = 2e-3
+"""Enough device time per loop iteration that the iteration's own cost (tens of microseconds)
+is about 1% of it: calls longer than this are not unrolled, which keeps slow rows (the XLA path)
+from compiling ten copies of themselves."""
+
+
+def calls_per_iteration(loop_calls: int, seconds_per_call: float) -> int:
+    """How many chained calls one iteration of the GPU-time loop holds."""
+    wanted = math.ceil(ITERATION_SECONDS / max(seconds_per_call, 1e-7))
+    return max(1, min(UNROLLED_CALLS, loop_calls, wanted))
 
 
 def forward_step(native: Native):
@@ -73,7 +83,7 @@ def measure(step, args, state, settings: Settings) -> tuple[Timings, tuple]:
     per_call_s, pipelined_s = host_seconds(one_call, pipelined, settings)
 
     loop_calls = settings.loop_calls(per_call_s)
-    per_iteration = min(UNROLLED_CALLS, loop_calls)
+    per_iteration = calls_per_iteration(loop_calls, per_call_s)
     iterations = math.ceil(loop_calls / per_iteration)
     gpu_s = _loop_seconds_per_call(
         step, args, state, first[1], iterations, per_iteration, settings.repeats

@@ -110,6 +110,7 @@ def _main():
     from benchmarks.shapes import ALL_SHAPES
     from jax_kda import sm90
     from jax_kda.constants import default_scale
+    from jax_kda.ffi_call import register
     from jax_kda.oracle import production_inputs
     from jax_kda.plan import plan_prefill
 
@@ -128,6 +129,7 @@ def _main():
     )
     options = parser.parse_args()
     shapes, _ = select(parse_only(options.only), ALL_SHAPES, [])
+    register()  # sm90.forward is called directly below, not through prefill
 
     def call_for(segments):
         @jax.jit

@@ -17,14 +17,20 @@ CHUNK_RECORD_BYTES = 21504
 """Bytes PREP writes per (chunk slot, head) for EXPAND: -wt, qg, kg^T (bf16 swizzled wgmma tiles,
 4 KiB each), Z (bf16 16x16), a = exp(gamma) (f32 [128]) and ut^T (f32 [128, 16])."""
 
-COMBINE_STEP_CHUNKS = 2
-"""COMBINE's time per segment boundary in chain steps (one 16-token chunk of BUILD or EXPAND).
-An estimate for the tensor-core COMBINE (24 m64n128k16 wgmma a step, its operator prefetched):
-about 1.2 us against 0.65 us. Not yet measured; the float32 SIMT COMBINE it replaces measured
-about 6.3 us (10 steps; benchmarks.kernel_profile on the H200)."""
-
-SPLIT_OVERHEAD_CHUNKS = 6
-"""The split's two extra launches, in chain steps (same measurements)."""
+# The cost model of the serial part, in microseconds, fitted to benchmarks.kernel_profile on the
+# H200 (2026-11-30: 1024x4x1, 2048x12x1, 4096x12x1 and 8192x16x1, each cut into 1..16 segments).
+CHAIN_STEP_US = 0.57
+"""One 16-token chunk of BUILD or EXPAND, one CTA pair per (sequence, head): the serial latency."""
+RECORD_STREAM_US = 0.0105
+"""Per (chunk, head) record a chain kernel streams when the whole device reads at once (two
+17 KiB slab reads at about 3.3 TB/s): the floor once segments are short."""
+CHAIN_FIXED_US = 3.0
+"""A chain kernel's start and drain."""
+COMBINE_FIXED_US = 11.0
+COMBINE_STEP_US = 3.1
+"""COMBINE: 11 us to start (8 to 13 measured), then 3.1 us a segment boundary."""
+LAUNCH_GAP_US = 1.0
+"""Idle device time between two of the call's kernels."""
 
 MAX_SEGMENTS = 16
 """COMBINE walks the segments serially; more than this would make it the critical path."""
@@ -62,29 +68,39 @@ class PrefillPlan:
         return sum(buffer.bytes for buffer in self.workspace)
 
 
-def chain_cost(chunks: int, segments: int) -> float:
-    """Modelled time of the serial part for a sequence of `chunks` chunks cut into `segments`, in
-    chain steps: unsplit, one EXPAND step a chunk; split, BUILD then EXPAND over the longest
-    segment, COMBINE's steps and the extra launches. At 1024x4x1, 2048x12x1 and 4096x12x1 it is
-    within 10% of the profiled kernels (x 0.65 us)."""
+def chain_kernel_us(longest_chunks: int, records: float) -> float:
+    """One chain kernel (BUILD or EXPAND): its longest serial walk, or, when the walks are short
+    and many, the time to stream `records` (chunk, head) records, whichever is longer."""
+    return max(CHAIN_STEP_US * longest_chunks, RECORD_STREAM_US * records) + CHAIN_FIXED_US
+
+
+def chain_cost(chunks: int, heads: int, segments: int) -> float:
+    """Modelled microseconds of everything after PREP for `heads` heads of a `chunks`-chunk
+    sequence cut into `segments`: unsplit, one EXPAND; split, BUILD over every segment but the
+    last, COMBINE, then EXPAND, with two more gaps between kernels. Within 10% of the profile
+    where segment_count may choose (at most one CTA per SM); see tests/test_plan.py."""
+    records = chunks * heads
     if segments == 1:
-        return chunks
+        return chain_kernel_us(chunks, records)
     longest = math.ceil(chunks / segments)
-    return 2 * longest + COMBINE_STEP_CHUNKS * (segments - 1) + SPLIT_OVERHEAD_CHUNKS
+    build = chain_kernel_us(longest, records * (segments - 1) / segments)
+    combine = COMBINE_FIXED_US + COMBINE_STEP_US * (segments - 1)
+    return build + combine + chain_kernel_us(longest, records) + 2 * LAUNCH_GAP_US
 
 
 def segment_count(
     total_tokens: int, num_heads: int, num_sequences: int, sm_count: int | None
 ) -> int:
     """Segments per sequence: the count, up to what fills the SMs left idle by the N * H chains
-    and MAX_SEGMENTS, that chain_cost puts lowest for the average sequence (T / N tokens); the
-    fewer segments on a tie. sm_count None (unknown device) means no split."""
+    (one CTA an SM) and MAX_SEGMENTS, that chain_cost puts lowest for the average sequence
+    (T / N tokens); the fewer segments on a tie. sm_count None (unknown device): no split."""
     if sm_count is None or num_sequences < 1 or num_heads < 1:
         return 1
     by_sms = sm_count // (CHAIN_CTAS * num_heads * num_sequences)
     chunks = math.ceil(total_tokens / num_sequences / CHUNK)
+    heads = num_heads * num_sequences  # every sequence's chains stream records at once
     candidates = range(1, max(1, min(by_sms, MAX_SEGMENTS)) + 1)
-    return min(candidates, key=lambda segments: (chain_cost(chunks, segments), segments))
+    return min(candidates, key=lambda segments: (chain_cost(chunks, heads, segments), segments))
 
 
 def plan_prefill(

@@ -131,3 +131,32 @@ def test_report_from_json(document, tmp_path):
     assert path.with_suffix(".md") in written
     pytest.importorskip("matplotlib")
     assert path.with_suffix(".png").stat().st_size > 0
+
+
+@pytest.mark.parametrize(
+    ("loop_calls", "seconds_per_call", "expected"),
+    [
+        (1000, 20e-6, 10),  # short calls: ten to an iteration, as the torch rows' graphs
+        (1000, 500e-6, 4),  # 2 ms of device time an iteration is enough
+        (20, 30e-3, 1),  # the XLA path's long calls are not unrolled
+        (3, 1e-6, 3),  # never more than the loop runs
+    ],
+)
+def test_gpu_loop_unrolls_only_short_calls(loop_calls, seconds_per_call, expected):
+    from benchmarks.jax_measure import calls_per_iteration
+
+    assert calls_per_iteration(loop_calls, seconds_per_call) == expected
+
+
+def test_kernel_profile_segment_counts_are_checked():
+    import argparse
+
+    from benchmarks.kernel_profile import _segment_counts, _short_name
+
+    assert _segment_counts("1,2,16") == [1, 2, 16]
+    for bad in ("0", "one", ""):
+        with pytest.raises(argparse.ArgumentTypeError, match="positive integers"):
+            _segment_counts(bad)
+    name = "kernel_cutlass_chain_kernel_jax_kdakernels_KdaForwardSm90_object_at_tensor_1"
+    assert _short_name(name) == "chain_kernel ...dSm90_object_at_tensor_1"
+    assert _short_name("some_other_kernel") == "some_other_kernel"

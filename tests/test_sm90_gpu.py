@@ -32,7 +32,7 @@ CASES = {
     **{name: (lengths, 2 if len(lengths) <= 3 else 4) for name, lengths in PACKED_LENGTHS.items()},
     "long-16384": ([LONG_LENGTH], 2),
     "n64-h32": (list(np.random.default_rng(SEED).integers(0, 300, MANY_SEQUENCES)), 32),
-    "segments-with-empties": ([4000, 1, 0], 1),  # 7 segments on 132 SMs
+    "segments-with-empties": ([4000, 1, 0], 1),  # 6 segments on 132 SMs
 }
 
 
