@@ -82,8 +82,9 @@ def measure(step, args, state, settings: Settings) -> tuple[Timings, tuple]:
 
     per_call_s, pipelined_s = host_seconds(one_call, pipelined, settings)
 
-    loop_calls = settings.loop_calls(per_call_s)
-    per_iteration = calls_per_iteration(loop_calls, per_call_s)
+    # Pipelined calls are nearer the device time than one waited-for call (no round trip).
+    loop_calls = settings.loop_calls(pipelined_s)
+    per_iteration = calls_per_iteration(loop_calls, pipelined_s)
     iterations = math.ceil(loop_calls / per_iteration)
     gpu_s = _loop_seconds_per_call(
         step, args, state, first[1], iterations, per_iteration, settings.repeats

@@ -77,8 +77,9 @@ def chain_kernel_us(longest_chunks: int, records: float) -> float:
 def chain_cost(chunks: int, heads: int, segments: int) -> float:
     """Modelled microseconds of everything after PREP for `heads` heads of a `chunks`-chunk
     sequence cut into `segments`: unsplit, one EXPAND; split, BUILD over every segment but the
-    last, COMBINE, then EXPAND, with two more gaps between kernels. Within 10% of the profile
-    where segment_count may choose (at most one CTA per SM); see tests/test_plan.py."""
+    last, COMBINE, then EXPAND, with two more gaps between kernels. Within 12% of every profiled
+    count with at most one CTA an SM (see tests/test_plan.py). BUILD reads each record twice (its
+    Mt and Ct walks), but the second read comes from L2: one streaming term fits both kernels."""
     records = chunks * heads
     if segments == 1:
         return chain_kernel_us(chunks, records)

@@ -33,10 +33,10 @@ def test_segment_count(tokens, heads, seqs, sms, segments):
     assert segment_count(tokens, heads, seqs, sms) == segments
 
 
-# The H200 profile (benchmarks.kernel_profile --segments ..., 2026-11-30): tokens, heads,
-# segments, and the call's span less PREP (us), for every count segment_count may choose there
-# (at most one CTA an SM). The model is fitted to these; it ranks the counts right where it
-# matters and is within 12% of each.
+# The H200 profile (benchmarks.kernel_profile --segments 1,2,3,4,6,8,12,16, 2026-11-30): tokens,
+# heads, segments, and the call's span less PREP (us), for the profiled counts with at most one
+# CTA an SM (the counts segment_count may choose from). The model is fitted to these and is
+# within 12% of each; 5 segments, its choice at 2048x12x1 and 4096x12x1, was not profiled.
 PROFILED = [
     (1024, 4, 1, 39.6), (1024, 4, 2, 53.8), (1024, 4, 3, 46.7), (1024, 4, 4, 43.4),
     (1024, 4, 8, 49.2), (1024, 4, 16, 72.6),
