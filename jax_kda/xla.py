@@ -25,40 +25,51 @@ from jax_kda.constants import CHUNK
 _HIGHEST = lax.Precision.HIGHEST
 
 
+XLA_CHUNK = 64
+"""Tokens per chunk of this path: a quarter of the serial steps that 16-token chunks would take
+(on a GPU each step is a handful of small kernels, so the step count sets the time)."""
+
+BLOCK = CHUNK
+"""Rows per sub-block of a chunk: the decay between two tokens of one sub-block is evaluated
+pairwise; across sub-blocks it is split at a reference row between them (see _chunk_operands)."""
+
+BLOCKS = XLA_CHUNK // BLOCK
+
+
 def chunk_slot_count(total_tokens: int, num_sequences: int) -> int:
-    """Static number of 16-token chunk slots that covers any packing of T tokens in N sequences."""
-    return total_tokens // CHUNK + num_sequences
+    """Static number of chunk slots that covers any packing of T tokens in N sequences."""
+    return total_tokens // XLA_CHUNK + num_sequences
 
 
 def _token_slots(cu_seqlens: jax.Array, total_tokens: int):
-    """Per token: its sequence index and its row in the flattened [slots * 16] chunk grid."""
+    """Per token: its sequence index and its row in the flattened [slots * 64] chunk grid."""
     t = jnp.arange(total_tokens, dtype=jnp.int32)
     seq = jnp.searchsorted(cu_seqlens[1:], t, side="right").astype(jnp.int32)
     start = cu_seqlens[seq]
     local = t - start
-    slot = start // CHUNK + seq + local // CHUNK
-    return seq, slot * CHUNK + local % CHUNK
+    slot = start // XLA_CHUNK + seq + local // XLA_CHUNK
+    return seq, slot * XLA_CHUNK + local % XLA_CHUNK
 
 
 def _sequence_slots(cu_seqlens: jax.Array):
     """Per sequence: first chunk slot and chunk count (0 for an empty sequence)."""
     num_sequences = cu_seqlens.shape[0] - 1
     lengths = cu_seqlens[1:] - cu_seqlens[:-1]
-    first = cu_seqlens[:-1] // CHUNK + jnp.arange(num_sequences, dtype=jnp.int32)
-    count = (lengths + CHUNK - 1) // CHUNK
+    first = cu_seqlens[:-1] // XLA_CHUNK + jnp.arange(num_sequences, dtype=jnp.int32)
+    count = (lengths + XLA_CHUNK - 1) // XLA_CHUNK
     return first, count
 
 
 def _to_chunks(x: jax.Array, rows: jax.Array, num_slots: int) -> jax.Array:
-    """[T, H, ...] -> [slots, H, 16, ...], zero in rows no token maps to."""
-    grid = jnp.zeros((num_slots * CHUNK, *x.shape[1:]), x.dtype)
+    """[T, H, ...] -> [slots, H, 64, ...], zero in rows no token maps to."""
+    grid = jnp.zeros((num_slots * XLA_CHUNK, *x.shape[1:]), x.dtype)
     grid = grid.at[rows].set(x, unique_indices=True)
-    grid = grid.reshape(num_slots, CHUNK, *x.shape[1:])
+    grid = grid.reshape(num_slots, XLA_CHUNK, *x.shape[1:])
     return jnp.moveaxis(grid, 1, 2)
 
 
 def _unit_lower_solve(lower: jax.Array, rhs: jax.Array) -> jax.Array:
-    """Solve (I + lower) X = rhs by forward substitution; lower [..., 16, 16] strictly lower.
+    """Solve (I + lower) X = rhs by forward substitution; lower [..., n, n] strictly lower.
 
     Plain XLA ops instead of lax.linalg.triangular_solve: on CPU that lowers to jaxlib's LAPACK
     trsm custom call, which splits large batches over XLA's intra-op thread pool and blocks a pool
@@ -66,7 +77,7 @@ def _unit_lower_solve(lower: jax.Array, rhs: jax.Array) -> jax.Array:
     every pool thread and deadlock (seen with jax 0.10.2 on a 2-core host).
     """
     x = rhs
-    for i in range(1, CHUNK):
+    for i in range(1, lower.shape[-1]):
         # Rows j < i of x are final; lower[..., i, j] is 0 for j >= i.
         x = x.at[..., i, :].add(
             -jnp.einsum("...j,...jd->...d", lower[..., i, :], x, precision=_HIGHEST)
@@ -74,27 +85,87 @@ def _unit_lower_solve(lower: jax.Array, rhs: jax.Array) -> jax.Array:
     return x
 
 
+def _blocked_unit_lower_solve(lower: jax.Array, rhs: jax.Array) -> jax.Array:
+    """Solve (I + lower) X = rhs for a strictly lower [..., 64, 64] by 16-row blocks: invert the
+    unit-diagonal blocks (forward substitution on the identity), then block substitution."""
+    batch = lower.shape[:-2]
+    blocks = lower.reshape(*batch, BLOCKS, BLOCK, BLOCKS, BLOCK)
+    diagonal = jnp.stack([blocks[..., b, :, b, :] for b in range(BLOCKS)], axis=-3)
+    identity = jnp.broadcast_to(jnp.eye(BLOCK, dtype=lower.dtype), diagonal.shape)
+    inverses = _unit_lower_solve(diagonal, identity)  # [..., BLOCKS, 16, 16]
+    rhs_blocks = rhs.reshape(*batch, BLOCKS, BLOCK, rhs.shape[-1])
+    solved = []
+    for b in range(BLOCKS):
+        r = rhs_blocks[..., b, :, :]
+        for c in range(b):
+            r = r - jnp.einsum(
+                "...ij,...jd->...id", blocks[..., b, :, c, :], solved[c], precision=_HIGHEST
+            )
+        solved.append(
+            jnp.einsum("...ij,...jd->...id", inverses[..., b, :, :], r, precision=_HIGHEST)
+        )
+    return jnp.concatenate(solved, axis=-2)
+
+
+def _decayed_products(q, k, gamma):
+    """[..., 64, 64] pairs (i, j), i >= j: sum_d x_i,d k_j,d exp(Gamma_i,d - Gamma_j,d) for x = k
+    and x = q, without an operand that can overflow for any g <= 0 (zero above the diagonal).
+
+    Within a 16-row sub-block the decay is evaluated pairwise, per channel. For i in a later
+    sub-block than j, it is split at the last row r of j's sub-block: exp(Gamma_i - Gamma_r) and
+    exp(Gamma_r - Gamma_j) are both <= 1, and their product is the decay.
+    """
+    lead = gamma.shape[:-2]
+    dim = gamma.shape[-1]
+
+    def as_blocks(x):
+        return x.reshape(*lead, BLOCKS, BLOCK, dim)
+
+    g_b, k_b, q_b = as_blocks(gamma), as_blocks(k), as_blocks(q)
+    rows = jnp.arange(BLOCK)
+    incl = rows[:, None] >= rows[None, :]
+    diff = g_b[..., :, None, :] - g_b[..., None, :, :]
+    decay = jnp.exp(jnp.where(incl[:, :, None], diff, 0.0))
+    kk_diag = jnp.where(incl, jnp.sum(k_b[..., :, None, :] * k_b[..., None, :, :] * decay, -1), 0)
+    qk_diag = jnp.where(incl, jnp.sum(q_b[..., :, None, :] * k_b[..., None, :, :] * decay, -1), 0)
+
+    reference = g_b[..., -1, :]  # [..., BLOCKS, D]: Gamma at each sub-block's last row
+    right = k_b * jnp.exp(reference[..., :, None, :] - g_b)  # [..., BLOCKS (j's), 16, D]
+    later = (jnp.arange(XLA_CHUNK) // BLOCK)[None, :] > jnp.arange(BLOCKS)[:, None]
+    exponent = jnp.where(
+        later[:, :, None], gamma[..., None, :, :] - reference[..., :, None, :], 0.0
+    )  # [..., BLOCKS (j's), 64 (i), D]
+    left = jnp.where(later[:, :, None], jnp.exp(exponent), 0.0)
+
+    eye = jnp.eye(BLOCKS, dtype=gamma.dtype)
+
+    def assemble(x, diag):
+        off = jnp.einsum(
+            "...cid,...cjd->...icj", left * x[..., None, :, :], right, precision=_HIGHEST
+        )
+        on = jnp.einsum("...bij,bc->...bicj", diag, eye)
+        full = off + on.reshape(*lead, XLA_CHUNK, BLOCKS, BLOCK)
+        return full.reshape(*lead, XLA_CHUNK, XLA_CHUNK)
+
+    return assemble(k, kk_diag), assemble(q, qk_diag)
+
+
 def _chunk_operands(q, k, v, g, beta, scale):
     """State-independent per-chunk operands, all chunks in parallel.
 
-    Inputs are float32 [slots, H, 16, D] (beta: [slots, H, 16]). Returns, with S the [K, V] state
+    Inputs are float32 [slots, H, 64, D] (beta: [slots, H, 64]). Returns, with S the [K, V] state
     at the chunk start: V_new = U - W S; O = Qg S + Aqk V_new; S' = a * S + Kd^T V_new.
     """
     gamma = jnp.cumsum(g, axis=2)
     gamma_last = gamma[:, :, -1:, :]
-    rows = jnp.arange(CHUNK)
+    rows = jnp.arange(XLA_CHUNK)
     lower_incl = rows[:, None] >= rows[None, :]
     lower_strict = rows[:, None] > rows[None, :]
-    # exp(Gamma_i - Gamma_j) for i >= j, per channel; the masked entries get exponent 0 so that
-    # neither the value nor its gradient can overflow.
-    diff = gamma[:, :, :, None, :] - gamma[:, :, None, :, :]
-    decay = jnp.exp(jnp.where(lower_incl[:, :, None], diff, 0.0))
-    kk = jnp.sum(k[:, :, :, None, :] * k[:, :, None, :, :] * decay, axis=-1)
-    qk = jnp.sum(q[:, :, :, None, :] * k[:, :, None, :, :] * decay, axis=-1)
+    kk, qk = _decayed_products(q, k, gamma)
     lower = jnp.where(lower_strict, beta[..., :, None] * kk, 0.0)
     attn = jnp.where(lower_incl, scale * qk, 0.0)
     rhs = jnp.concatenate([beta[..., None] * k * jnp.exp(gamma), beta[..., None] * v], axis=-1)
-    solved = _unit_lower_solve(lower, rhs)
+    solved = _blocked_unit_lower_solve(lower, rhs)
     w, u = jnp.split(solved, 2, axis=-1)
     qg = scale * q * jnp.exp(gamma)
     kd = k * jnp.exp(gamma_last - gamma)
@@ -157,6 +228,6 @@ def forward(q, k, v, g, beta, cu_seqlens, initial_state, scale):
 
     state_kv = jnp.swapaxes(initial_state.astype(jnp.float32), -1, -2)
     out, finals = _scan_chunks(operands, start_seq, last_seq, state_kv)
-    out = jnp.moveaxis(out, 2, 1).reshape(num_slots * CHUNK, q.shape[1], -1)
+    out = jnp.moveaxis(out, 2, 1).reshape(num_slots * XLA_CHUNK, q.shape[1], -1)
     o = out[rows].astype(q.dtype)
     return o, jnp.swapaxes(finals, -1, -2)
