@@ -1,17 +1,18 @@
-"""The pure-XLA KDA forward pass: the chunked (WY/UT) form with 16-token chunks.
+"""The pure-XLA KDA forward pass: the chunked (WY/UT) form with 64-token chunks.
 
 It runs on any backend, is the default off Hopper, the fallback the sm90 kernels are compared
 with, and (through ordinary JAX autodiff) the backward pass.
 
 Varlen layout. Packed tokens are mapped to *chunk slots* on the device, without a host sync:
-sequence s owns slots ``cu[s] // 16 + s + c`` for its chunks c = 0 .. ceil(len_s / 16) - 1.
-Slots of different sequences never overlap, and ``T // 16 + N`` slots always suffice, so every
+sequence s owns slots ``cu[s] // 64 + s + c`` for its chunks c = 0 .. ceil(len_s / 64) - 1.
+Slots of different sequences never overlap, and ``T // 64 + N`` slots always suffice, so every
 static shape is known from T and N alone. Unused rows and whole gap slots hold k = v = q = 0,
 g = 0 and beta = 0, which makes their chunk map the identity on the state.
 
-Overflow. The in-chunk decay between tokens i >= j, exp(Gamma_i - Gamma_j) <= 1, is evaluated
-pairwise per channel rather than factorised into exp(Gamma_i) * exp(-Gamma_j), so no operand can
-overflow whatever the gate: the path is exact for any g <= 0, not only g >= -5.
+Overflow. The in-chunk decay between tokens i >= j, exp(Gamma_i - Gamma_j) <= 1, is never
+factorised into exp(Gamma_i) * exp(-Gamma_j): it is taken pairwise per channel within 4-row
+blocks, and split at a row r between i and j otherwise (both factors <= 1; _decayed_products),
+so no operand can overflow whatever the gate: the path is exact for any g <= 0, not only g >= -5.
 """
 
 from __future__ import annotations
@@ -26,12 +27,12 @@ _HIGHEST = lax.Precision.HIGHEST
 
 
 XLA_CHUNK = 64
-"""Tokens per chunk of this path: a quarter of the serial steps that 16-token chunks would take
-(on a GPU each step is a handful of small kernels, so the step count sets the time)."""
+"""Tokens per chunk of this path: a quarter of the serial scan steps of 16-token chunks, and
+more of the work in the parallel per-chunk part."""
 
 BLOCK = CHUNK
-"""Rows per sub-block of a chunk: the decay between two tokens of one sub-block is evaluated
-pairwise; across sub-blocks it is split at a reference row between them (see _chunk_operands)."""
+"""Rows per block of the triangular solve (16-row diagonal blocks inverted, then block
+substitution)."""
 
 BLOCKS = XLA_CHUNK // BLOCK
 
@@ -107,47 +108,59 @@ def _blocked_unit_lower_solve(lower: jax.Array, rhs: jax.Array) -> jax.Array:
     return jnp.concatenate(solved, axis=-2)
 
 
-def _decayed_products(q, k, gamma):
-    """[..., 64, 64] pairs (i, j), i >= j: sum_d x_i,d k_j,d exp(Gamma_i,d - Gamma_j,d) for x = k
-    and x = q, without an operand that can overflow for any g <= 0 (zero above the diagonal).
+PAIRWISE_ROWS = 4
+"""Blocks of at most this many rows take the decay pairwise, per channel."""
 
-    Within a 16-row sub-block the decay is evaluated pairwise, per channel. For i in a later
-    sub-block than j, it is split at the last row r of j's sub-block: exp(Gamma_i - Gamma_r) and
-    exp(Gamma_r - Gamma_j) are both <= 1, and their product is the decay.
+
+def _decayed_products(q, k, gamma):
+    """[..., n, n] pairs (i, j), i >= j: sum_d x_i,d k_j,d exp(Gamma_i,d - Gamma_j,d) for x = k
+    and x = q (zero above the diagonal), without an operand that can overflow for any g <= 0.
+
+    Rows are split into four blocks. Within a block, recursively the same, down to blocks of
+    PAIRWISE_ROWS rows whose decay is taken pairwise. For i in a later block than j, the decay is
+    split at the last row r of j's block: exp(Gamma_i - Gamma_r) and exp(Gamma_r - Gamma_j) are
+    both <= 1, and their product is the decay, so each block pair is one matrix product.
     """
-    lead = gamma.shape[:-2]
-    dim = gamma.shape[-1]
+    *lead, rows, dim = gamma.shape
+    if rows <= PAIRWISE_ROWS:
+        incl = jnp.arange(rows)[:, None] >= jnp.arange(rows)[None, :]
+        diff = gamma[..., :, None, :] - gamma[..., None, :, :]
+        decay = jnp.exp(jnp.where(incl[:, :, None], diff, 0.0))
+        kk = jnp.sum(k[..., :, None, :] * k[..., None, :, :] * decay, -1)
+        qk = jnp.sum(q[..., :, None, :] * k[..., None, :, :] * decay, -1)
+        return jnp.where(incl, kk, 0.0), jnp.where(incl, qk, 0.0)
+    blocks, size = 4, rows // 4
 
     def as_blocks(x):
-        return x.reshape(*lead, BLOCKS, BLOCK, dim)
+        return x.reshape(*lead, blocks, size, dim)
 
     g_b, k_b, q_b = as_blocks(gamma), as_blocks(k), as_blocks(q)
-    rows = jnp.arange(BLOCK)
-    incl = rows[:, None] >= rows[None, :]
-    diff = g_b[..., :, None, :] - g_b[..., None, :, :]
-    decay = jnp.exp(jnp.where(incl[:, :, None], diff, 0.0))
-    kk_diag = jnp.where(incl, jnp.sum(k_b[..., :, None, :] * k_b[..., None, :, :] * decay, -1), 0)
-    qk_diag = jnp.where(incl, jnp.sum(q_b[..., :, None, :] * k_b[..., None, :, :] * decay, -1), 0)
+    kk_diag, qk_diag = _decayed_products(q_b, k_b, g_b)  # [..., blocks, size, size]
+    reference = g_b[..., -1, :]  # [..., blocks, D]: Gamma at each block's last row
+    right = k_b * jnp.exp(reference[..., :, None, :] - g_b)
+    zero = jnp.zeros((*lead, size, size), gamma.dtype)
+    kk_rows, qk_rows = [], []
+    for b in range(blocks):
+        kk_row, qk_row = [], []
+        for c in range(blocks):
+            if c < b:
+                to_ref = jnp.exp(g_b[..., b, :, :] - reference[..., c, None, :])
+                kk_row.append(_rows_times(k_b[..., b, :, :] * to_ref, right[..., c, :, :]))
+                qk_row.append(_rows_times(q_b[..., b, :, :] * to_ref, right[..., c, :, :]))
+            elif c == b:
+                kk_row.append(kk_diag[..., b, :, :])
+                qk_row.append(qk_diag[..., b, :, :])
+            else:
+                kk_row.append(zero)
+                qk_row.append(zero)
+        kk_rows.append(jnp.concatenate(kk_row, axis=-1))
+        qk_rows.append(jnp.concatenate(qk_row, axis=-1))
+    return jnp.concatenate(kk_rows, axis=-2), jnp.concatenate(qk_rows, axis=-2)
 
-    reference = g_b[..., -1, :]  # [..., BLOCKS, D]: Gamma at each sub-block's last row
-    right = k_b * jnp.exp(reference[..., :, None, :] - g_b)  # [..., BLOCKS (j's), 16, D]
-    later = (jnp.arange(XLA_CHUNK) // BLOCK)[None, :] > jnp.arange(BLOCKS)[:, None]
-    exponent = jnp.where(
-        later[:, :, None], gamma[..., None, :, :] - reference[..., :, None, :], 0.0
-    )  # [..., BLOCKS (j's), 64 (i), D]
-    left = jnp.where(later[:, :, None], jnp.exp(exponent), 0.0)
 
-    eye = jnp.eye(BLOCKS, dtype=gamma.dtype)
-
-    def assemble(x, diag):
-        off = jnp.einsum(
-            "...cid,...cjd->...icj", left * x[..., None, :, :], right, precision=_HIGHEST
-        )
-        on = jnp.einsum("...bij,bc->...bicj", diag, eye)
-        full = off + on.reshape(*lead, XLA_CHUNK, BLOCKS, BLOCK)
-        return full.reshape(*lead, XLA_CHUNK, XLA_CHUNK)
-
-    return assemble(k, kk_diag), assemble(q, qk_diag)
+def _rows_times(a, b):
+    """[..., i, d] x [..., j, d] -> [..., i, j]."""
+    return jnp.einsum("...id,...jd->...ij", a, b, precision=_HIGHEST)
 
 
 def _chunk_operands(q, k, v, g, beta, scale):

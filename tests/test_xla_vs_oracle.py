@@ -129,3 +129,28 @@ def test_new_lengths_same_shapes_do_not_retrace():
         ref_o, _ = recurrent_oracle(*x[:6])
         assert rms_ratio(o, ref_o) <= RMS_RATIO_BAR
     assert len(traces) == 1
+
+
+@pytest.mark.parametrize("gate", [-0.5, -5.0, -30.0])
+def test_decayed_products_match_float64_pairwise(gate):
+    """The in-chunk decayed products (4-row pairwise blocks, split elsewhere at a row between i
+    and j) against the pairwise definition in float64, down to gates where exp(-Gamma) overflows."""
+    from jax_kda import xla
+
+    rng = np.random.default_rng(5)
+    rows, dim = xla.XLA_CHUNK, 8
+    q, k = rng.standard_normal((2, 3, rows, dim))
+    g = gate * rng.uniform(0.0, 1.0, (3, rows, dim))
+    gamma = np.cumsum(g, axis=1).astype(np.float32).astype(np.float64)  # both see the same input
+    kk, qk = jax.jit(xla._decayed_products)(*(jnp.asarray(a, jnp.float32) for a in (q, k, gamma)))
+    decay = np.exp(gamma[:, :, None, :] - gamma[:, None, :, :])
+    lower = np.tril(np.ones((rows, rows), bool))
+    want_kk = np.where(
+        lower, np.einsum("hid,hjd,hijd->hij", k, k, np.where(lower[..., None], decay, 0)), 0
+    )
+    want_qk = np.where(
+        lower, np.einsum("hid,hjd,hijd->hij", q, k, np.where(lower[..., None], decay, 0)), 0
+    )
+    assert np.isfinite(np.asarray(kk)).all() and np.isfinite(np.asarray(qk)).all()
+    np.testing.assert_allclose(np.asarray(kk), want_kk, rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(qk), want_qk, rtol=1e-4, atol=1e-5)
