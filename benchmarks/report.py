@@ -69,7 +69,7 @@ def markdown_summary(document: dict) -> str:
     floors = [_floor(rows, s) for s in results.SPEC_SHAPE_NAMES if s in shapes]
     geomean_cells = [
         "geomean, SPEC's ten",
-        *([f"{results.geomean(floors):.1f}"] if forward else []),
+        *([f"{results.geomean(floors):.1f}" if floors else ""] if forward else []),
     ]
     for impl in impls:
         value, covered = results.spec_geomean(document, impl)

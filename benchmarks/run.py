@@ -61,6 +61,7 @@ def main(argv=None) -> int:
     elif document["mode"] != mode:
         raise SystemExit(f"--resume: {path} holds {document['mode']!r} rows, this run is {mode!r}")
     done = results.finished(document) if args.resume else set()
+    results.save(path, document)  # a run stopped before its first row still leaves a valid file
 
     plan = [(s, n) for s in shapes for n in names if (s.name, n) not in done]
     print(
@@ -72,6 +73,14 @@ def main(argv=None) -> int:
     start = time.perf_counter()
     data = None
     for index, (shape, name) in enumerate(plan, 1):
+        elapsed = time.perf_counter() - start
+        if args.stop_after is not None and elapsed >= args.stop_after:
+            print(
+                f"--stop-after {args.stop_after:.0f} s: stopping after {index - 1} of {len(plan)} "
+                f"rows ({elapsed:.0f} s); --resume carries on",
+                flush=True,
+            )
+            break
         if data is None or data.shape is not shape:
             data = None  # free the previous shape's inputs before making the next one's
             data = ShapeData(shape, mode, document["seed"])
@@ -107,6 +116,14 @@ def _parse_args(argv):
         "--output",
         help="results JSON (default benchmarks/results/DATE-DEVICE[-train].json); the .md and "
         ".png are written beside it",
+    )
+    parser.add_argument(
+        "--stop-after",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="start no new row after this many seconds (the report is still written), so a run "
+        "ends inside a time limit; leave room for one row (up to ~90 s: fla's autotuning)",
     )
     parser.add_argument(
         "--seed",

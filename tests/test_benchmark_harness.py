@@ -160,3 +160,27 @@ def test_kernel_profile_segment_counts_are_checked():
     name = "kernel_cutlass_chain_kernel_jax_kdakernels_KdaForwardSm90_object_at_tensor_1"
     assert _short_name(name) == "chain_kernel ...dSm90_object_at_tensor_1"
     assert _short_name("some_other_kernel") == "some_other_kernel"
+
+
+def test_run_end_to_end_on_the_xla_backend(tmp_path):
+    """benchmarks.run on this machine: one quick row, then --resume with nothing left to do,
+    then --stop-after 0 on a new file: no row, but the report is written."""
+    import json
+
+    from benchmarks import run
+
+    path = tmp_path / "quick.json"
+    only = "33x2x3-ragged,jax_kda/xla"
+    assert run.main(["--quick", "--only", only, "--output", str(path), "--seed", "3"]) == 0
+    rows = json.loads(path.read_text())["rows"]
+    assert [(r["shape"], r["implementation"], r["status"]) for r in rows] == [
+        ("33x2x3-ragged", "jax_kda/xla", "ok")
+    ]
+    assert 0 < max(rows[0]["rms_ratio"].values()) <= 1e-2
+    assert path.with_suffix(".md").exists()
+    assert run.main(["--quick", "--only", only, "--output", str(path), "--resume"]) == 0
+    assert json.loads(path.read_text())["rows"] == rows
+
+    stopped = tmp_path / "stopped.json"
+    assert run.main(["--quick", "--only", only, "--output", str(stopped), "--stop-after", "0"]) == 0
+    assert json.loads(stopped.read_text())["rows"] == []
