@@ -111,43 +111,67 @@ def _blocked_unit_lower_solve(lower: jax.Array, rhs: jax.Array) -> jax.Array:
 PAIRWISE_ROWS = 4
 """Blocks of at most this many rows take the decay pairwise, per channel."""
 
+SPLIT = 4
+"""Blocks a larger row range is split into, at each level."""
+
+
+def _pairwise_decay(gamma):
+    """[..., n, n, D]: exp(Gamma_i - Gamma_j) for i >= j, and 1 above the diagonal (callers mask
+    it), so neither the value nor its gradient can overflow; with the lower mask [n, n]."""
+    rows = gamma.shape[-2]
+    incl = jnp.arange(rows)[:, None] >= jnp.arange(rows)[None, :]
+    diff = gamma[..., :, None, :] - gamma[..., None, :, :]
+    return jnp.exp(jnp.where(incl[:, :, None], diff, 0.0)), incl
+
+
+class _Blocks:
+    """Rows split into SPLIT blocks, and the factors of the decay across blocks: with r(c) the
+    last row of block c, exp(Gamma_i - Gamma_j) = from_ref(b, c)_i * into_ref[c]_j for i in
+    block b > c, j in block c, and both factors are <= 1."""
+
+    def __init__(self, gamma):
+        *self.lead, rows, self.dim = gamma.shape
+        self.size = rows // SPLIT
+        self.gamma = self.split(gamma)
+        self.reference = self.gamma[..., -1, :]  # [..., SPLIT, D]
+        self.into_ref = jnp.exp(self.reference[..., :, None, :] - self.gamma)
+
+    def split(self, x):
+        """[..., n, D] -> [..., SPLIT, n / SPLIT, D]."""
+        return x.reshape(*self.lead, SPLIT, self.size, x.shape[-1])
+
+    def from_ref(self, b, c):
+        return jnp.exp(self.gamma[..., b, :, :] - self.reference[..., c, None, :])
+
 
 @jax.custom_vjp
 def _decayed_products(q, k, gamma):
     """[..., n, n] pairs (i, j), i >= j: sum_d x_i,d k_j,d exp(Gamma_i,d - Gamma_j,d) for x = k
     and x = q (zero above the diagonal), without an operand that can overflow for any g <= 0.
 
-    Rows are split into four blocks. Within a block, recursively the same, down to blocks of
+    Rows are split into SPLIT blocks. Within a block, recursively the same, down to blocks of
     PAIRWISE_ROWS rows whose decay is taken pairwise. For i in a later block than j, the decay is
     split at the last row r of j's block: exp(Gamma_i - Gamma_r) and exp(Gamma_r - Gamma_j) are
     both <= 1, and their product is the decay, so each block pair is one matrix product.
     """
-    *lead, rows, dim = gamma.shape
-    if rows <= PAIRWISE_ROWS:
-        incl = jnp.arange(rows)[:, None] >= jnp.arange(rows)[None, :]
-        diff = gamma[..., :, None, :] - gamma[..., None, :, :]
-        decay = jnp.exp(jnp.where(incl[:, :, None], diff, 0.0))
+    if gamma.shape[-2] <= PAIRWISE_ROWS:
+        decay, incl = _pairwise_decay(gamma)
         kk = jnp.sum(k[..., :, None, :] * k[..., None, :, :] * decay, -1)
         qk = jnp.sum(q[..., :, None, :] * k[..., None, :, :] * decay, -1)
         return jnp.where(incl, kk, 0.0), jnp.where(incl, qk, 0.0)
-    blocks, size = 4, rows // 4
-
-    def as_blocks(x):
-        return x.reshape(*lead, blocks, size, dim)
-
-    g_b, k_b, q_b = as_blocks(gamma), as_blocks(k), as_blocks(q)
-    kk_diag, qk_diag = _decayed_products(q_b, k_b, g_b)  # [..., blocks, size, size]
-    reference = g_b[..., -1, :]  # [..., blocks, D]: Gamma at each block's last row
-    right = k_b * jnp.exp(reference[..., :, None, :] - g_b)
-    zero = jnp.zeros((*lead, size, size), gamma.dtype)
+    blocks = _Blocks(gamma)
+    k_b, q_b = blocks.split(k), blocks.split(q)
+    kk_diag, qk_diag = _decayed_products(q_b, k_b, blocks.gamma)  # [..., SPLIT, size, size]
+    right = k_b * blocks.into_ref
+    zero = jnp.zeros((*blocks.lead, blocks.size, blocks.size), gamma.dtype)
     kk_rows, qk_rows = [], []
-    for b in range(blocks):
+    for b in range(SPLIT):
         kk_row, qk_row = [], []
-        for c in range(blocks):
+        for c in range(SPLIT):
             if c < b:
-                to_ref = jnp.exp(g_b[..., b, :, :] - reference[..., c, None, :])
-                kk_row.append(_rows_times(k_b[..., b, :, :] * to_ref, right[..., c, :, :]))
-                qk_row.append(_rows_times(q_b[..., b, :, :] * to_ref, right[..., c, :, :]))
+                from_ref = blocks.from_ref(b, c)
+                kk_row.append(_rows_times(k_b[..., b, :, :] * from_ref, right[..., c, :, :]))
+                qk_row.append(_rows_times(q_b[..., b, :, :] * from_ref, right[..., c, :, :]))
             elif c == b:
                 kk_row.append(kk_diag[..., b, :, :])
                 qk_row.append(qk_diag[..., b, :, :])
@@ -166,37 +190,30 @@ def _rows_times(a, b):
 
 def _decayed_apply(w, x, gamma, transposed: bool):
     """With E_ijd = exp(Gamma_id - Gamma_jd) and w [..., n, n] zero above the diagonal:
-    out_id = sum_j w_ij x_jd E_ijd, or (transposed) out_jd = sum_i w_ij x_id E_ijd. The same
-    blocks as _decayed_products: pairwise within PAIRWISE_ROWS rows, split at the last row of
-    the earlier block between blocks (both factors <= 1)."""
-    *lead, rows, dim = gamma.shape
-    if rows <= PAIRWISE_ROWS:
-        incl = jnp.arange(rows)[:, None] >= jnp.arange(rows)[None, :]
-        diff = gamma[..., :, None, :] - gamma[..., None, :, :]
-        decay = jnp.exp(jnp.where(incl[:, :, None], diff, 0.0)) * w[..., None]
+    out_id = sum_j w_ij x_jd E_ijd, or (transposed) out_jd = sum_i w_ij x_id E_ijd, on the
+    blocks of _decayed_products."""
+    if gamma.shape[-2] <= PAIRWISE_ROWS:
+        weighted = _pairwise_decay(gamma)[0] * w[..., None]
         if transposed:
-            return jnp.sum(decay * x[..., :, None, :], axis=-3)
-        return jnp.sum(decay * x[..., None, :, :], axis=-2)
-    blocks, size = 4, rows // 4
-    g_b, x_b = gamma.reshape(*lead, blocks, size, dim), x.reshape(*lead, blocks, size, dim)
-    w_b = w.reshape(*lead, blocks, size, blocks, size)
-    diagonal = jnp.stack([w_b[..., b, :, b, :] for b in range(blocks)], axis=-3)
-    out = [part for part in jnp.moveaxis(_decayed_apply(diagonal, x_b, g_b, transposed), -3, 0)]
-    reference = g_b[..., -1, :]
-    to_ref = jnp.exp(reference[..., :, None, :] - g_b)  # block c's rows to its last row
-    for b in range(blocks):
+            return jnp.sum(weighted * x[..., :, None, :], axis=-3)
+        return jnp.sum(weighted * x[..., None, :, :], axis=-2)
+    blocks = _Blocks(gamma)
+    x_b = blocks.split(x)
+    w_b = w.reshape(*blocks.lead, SPLIT, blocks.size, SPLIT, blocks.size)
+    diagonal = jnp.stack([w_b[..., b, :, b, :] for b in range(SPLIT)], axis=-3)
+    out = list(jnp.moveaxis(_decayed_apply(diagonal, x_b, blocks.gamma, transposed), -3, 0))
+    for b in range(SPLIT):
         for c in range(b):
-            from_ref = jnp.exp(g_b[..., b, :, :] - reference[..., c, None, :])  # r(c) -> block b
+            from_ref, into_ref = blocks.from_ref(b, c), blocks.into_ref[..., c, :, :]
+            w_bc = w_b[..., b, :, c, :]
             if transposed:
                 inner = jnp.einsum(
-                    "...ij,...id->...jd", w_b[..., b, :, c, :], x_b[..., b, :, :] * from_ref,
-                    precision=_HIGHEST,
-                )  # fmt: skip
-                out[c] = out[c] + to_ref[..., c, :, :] * inner
+                    "...ij,...id->...jd", w_bc, x_b[..., b, :, :] * from_ref, precision=_HIGHEST
+                )
+                out[c] = out[c] + into_ref * inner
             else:
-                to_c = x_b[..., c, :, :] * to_ref[..., c, :, :]
                 inner = jnp.einsum(
-                    "...ij,...jd->...id", w_b[..., b, :, c, :], to_c, precision=_HIGHEST
+                    "...ij,...jd->...id", w_bc, x_b[..., c, :, :] * into_ref, precision=_HIGHEST
                 )
                 out[b] = out[b] + from_ref * inner
     return jnp.concatenate(out, axis=-2)
