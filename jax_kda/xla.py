@@ -1,7 +1,8 @@
 """The pure-XLA KDA forward pass: the chunked (WY/UT) form with 64-token chunks.
 
 It runs on any backend, is the default off Hopper, the fallback the sm90 kernels are compared
-with, and (through ordinary JAX autodiff) the backward pass.
+with, and (through JAX autodiff, with a hand-written backward for the in-chunk decayed products)
+the backward pass.
 
 Varlen layout. Packed tokens are mapped to *chunk slots* on the device, without a host sync:
 sequence s owns slots ``cu[s] // 64 + s + c`` for its chunks c = 0 .. ceil(len_s / 64) - 1.
@@ -21,8 +22,6 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jax_kda.constants import CHUNK
-
 _HIGHEST = lax.Precision.HIGHEST
 
 
@@ -30,7 +29,7 @@ XLA_CHUNK = 64
 """Tokens per chunk of this path: a quarter of the serial scan steps of 16-token chunks, and
 more of the work in the parallel per-chunk part."""
 
-BLOCK = CHUNK
+BLOCK = 16
 """Rows per block of the triangular solve (16-row diagonal blocks inverted, then block
 substitution)."""
 

@@ -21,7 +21,8 @@ def _loss_weights(x, seed):
     return rng.standard_normal(x.q.shape), rng.standard_normal(x.initial_state.shape)
 
 
-@pytest.mark.parametrize("lengths", [[17, 0, 16], [45]])
+# [130, 0, 70]: sequences across several 64-token chunks of the XLA path.
+@pytest.mark.parametrize("lengths", [[17, 0, 16], [45], [130, 0, 70]])
 def test_gradients_match_float64_oracle(lengths):
     x = production_inputs(lengths, 2, seed=sum(lengths), dtype=jnp.float32)
     w_o, w_f = _loss_weights(x, seed=1)
@@ -74,6 +75,23 @@ def test_grad_under_jit_with_bf16_inputs_is_finite():
         assert d.shape == a.shape and d.dtype == a.dtype, name
         assert np.all(np.isfinite(np.asarray(d, np.float32))), name
         assert np.any(np.asarray(d, np.float32) != 0), name
+
+
+@pytest.mark.parametrize("gate", [-100.0, -1e4])
+def test_gradients_stay_finite_far_below_the_production_gate(gate):
+    """exp(-Gamma) would overflow at once here if the decay were factorised; every gradient must
+    stay finite, across 64-token chunks and an empty sequence."""
+    x = production_inputs([130, 0, 70], 2, seed=9, dtype=jnp.float32)
+    g = np.full_like(x.g, gate)
+    g[::5] = -1e-3
+
+    def loss(q, k, v, g, beta, state):
+        o, final = jax_kda.prefill(q, k, v, g, beta, cu_seqlens=x.cu_seqlens, initial_state=state)
+        return jnp.sum(o**2) + jnp.sum(final**2)
+
+    grads = jax.jit(jax.grad(loss, argnums=tuple(range(6))))(*x[:3], g, x.beta, x.initial_state)
+    for name, d in zip(NAMES, grads, strict=True):
+        assert np.all(np.isfinite(np.asarray(d))), name
 
 
 def test_training_step_has_no_lapack_call_and_repeats_without_deadlock():

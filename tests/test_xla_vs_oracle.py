@@ -60,7 +60,7 @@ def test_long_sequence():
 
 def test_gate_far_below_production_bound_stays_exact():
     """exp(-Gamma) would overflow float32 here if the decay were factorised; ours must not."""
-    x = production_inputs([40, 9], 2, seed=3)
+    x = production_inputs([40, 9, 150], 2, seed=3)  # 150: across 64-token chunks
     g = np.full_like(x.g, -30.0)
     g[::3] = -0.01
     x = x._replace(g=g)
