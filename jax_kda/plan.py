@@ -154,3 +154,16 @@ def plan_prefill(
             WorkspaceBuffer("segment_operators", operators, "float32"),
         ),
     )
+
+
+SCAN_V_SLICES = (16, 32)
+"""State columns one CTA of the backward's state scan may own (kernels/kda_state_scan_sm90.py)."""
+
+
+def scan_v_slice(num_heads: int, num_sequences: int, sm_count: int | None) -> int:
+    """Columns of the state per state-scan CTA: 32 when (128 / 32) CTAs per (sequence, head)
+    already fill the SMs, else 16 (twice the CTAs, each re-reading the chunk's operands from L2)."""
+    wide = max(SCAN_V_SLICES)
+    if sm_count is None or (HEAD_DIM // wide) * num_heads * num_sequences >= sm_count:
+        return wide
+    return min(SCAN_V_SLICES)
