@@ -7,8 +7,9 @@ behind it; the sum of the kernel durations is the busy time within it.
 
 ``python -m benchmarks.kernel_profile [--only TERMS] [--segments 1,2,4] [--train]`` prints that
 breakdown for jax_kda's sm90 backend on the harness's shapes, as planned for this device or cut
-into each given segment count, or (--train) for a training step (forward and backward) (a diagnostic for kernel work and for plan.py's cost model; the results tables
-come from ``benchmarks.run``).
+into each given segment count, or (--train) for a training step: forward and backward (a
+diagnostic for kernel work and for plan.py's cost model; the results tables come from
+``benchmarks.run``).
 """
 
 from __future__ import annotations

@@ -31,7 +31,7 @@ import dataclasses
 import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
-from cutlass import Float32, Int32
+from cutlass import Float32
 from cutlass.cute.nvgpu import cpasync
 from cutlass.memory import SmemAllocator
 
