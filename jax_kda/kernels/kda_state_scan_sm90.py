@@ -161,10 +161,13 @@ class ChunkStateScanSm90:
         xi = tid // XG
         xg = tid % XG
 
-        # prologue: the first chunk in flight
+        # prologue: the first chunk in flight (the sequence's last, reversed)
+        first_slot = slot0
+        if cutlass.const_expr(self.reverse):
+            first_slot = slot0 + nch - 1
         if nch > 0:
             self._load_chunk(
-                atom, mA, mB, mDecay, mAdd, slot0, h, vbase, 0, s_a, s_b, s_decay, s_add, tid
+                atom, mA, mB, mDecay, mAdd, first_slot, h, vbase, 0, s_a, s_b, s_decay, s_add, tid
             )
         cute.arch.cp_async_commit_group()
 
