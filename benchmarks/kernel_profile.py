@@ -5,10 +5,11 @@ kernel name, the mean duration per call, plus the median span per call (first ke
 last kernel end on the device). The span is what the GPU spends on one call when nothing else queues
 behind it; the sum of the kernel durations is the busy time within it.
 
-``python -m benchmarks.kernel_profile [--only TERMS] [--segments 1,2,4]`` prints that breakdown
-for jax_kda's sm90 backend on the harness's shapes, as planned for this device or cut into each
-given segment count (a diagnostic for kernel work and for plan.py's cost model; the results tables
-come from ``benchmarks.run``).
+``python -m benchmarks.kernel_profile [--only TERMS] [--segments 1,2,4] [--train]`` prints that
+breakdown for jax_kda's sm90 backend on the harness's shapes, as planned for this device or cut
+into each given segment count, or (--train) for a training step: forward and backward (a
+diagnostic for kernel work and for plan.py's cost model; the results tables come from
+``benchmarks.run``).
 """
 
 from __future__ import annotations
@@ -127,7 +128,14 @@ def _main():
         help="comma-separated segment counts to cut every sequence into (e.g. 1,2,4,8); "
         "default: the plan for this device",
     )
+    parser.add_argument(
+        "--train",
+        action="store_true",
+        help="profile a training step (jax.vjp of o and the final state, all six gradients)",
+    )
     options = parser.parse_args()
+    if options.train and options.segments:
+        parser.error("--train profiles the planned call; forced --segments have no backward")
     shapes, _ = select(parse_only(options.only), ALL_SHAPES, [])
     register()  # sm90.forward is called directly below, not through prefill
 
@@ -142,10 +150,20 @@ def _main():
             scale = default_scale()
             return sm90.forward(q, k, v, g, beta, cu, state, scale, segments=segments)
 
-        return call
+        if not options.train:
+            return call
+
+        @jax.jit
+        def step(q, k, v, g, beta, cu, state, d_o, d_final):
+            out, pullback = jax.vjp(lambda *a: call(*a[:5], cu, a[5]), q, k, v, g, beta, state)
+            return out, pullback((d_o, d_final))
+
+        return step
 
     for shape in shapes:
         x = [jnp.asarray(a) for a in production_inputs(list(shape.lengths), shape.heads, seed=0)]
+        if options.train:
+            x += [jnp.ones_like(x[0]), jnp.ones_like(x[-1])]
         for segments in options.segments or [None]:
             times = kernel_times(call_for(segments), *x)
             planned = plan_prefill(

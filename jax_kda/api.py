@@ -154,13 +154,27 @@ def _prefill_fwd(call, q, k, v, g, beta, cu_seqlens, initial_state):
     return out, (q, k, v, g, beta, cu_seqlens, initial_state)
 
 
+def _training_forward_sm90(call: _Call, q, k, v, g, beta, cu_seqlens, initial_state):
+    """The forward the sm90 backward differentiates (sm90.training_forward), packed THD."""
+    if not call.batched:
+        return sm90.training_forward(q, k, v, g, beta, cu_seqlens, initial_state, call.scale)
+    rows, length = q.shape[:2]
+    row_cu = jnp.arange(rows + 1, dtype=jnp.int32) * length
+    packed = [x.reshape(rows * length, *x.shape[2:]) for x in (q, k, v, g, beta)]
+    o, final_state = sm90.training_forward(*packed, row_cu, initial_state, call.scale)
+    return o.reshape(q.shape), final_state
+
+
 def _prefill_bwd(call, residuals, cotangents):
-    """Recompute through the XLA path and pull the cotangents back through it."""
+    """Recompute from the inputs and pull the cotangents back: on sm90 through the state-scan
+    kernels (forward and reverse) and the XLA path's parallel per-chunk parts, else through the
+    XLA path. Both are exact for any g <= 0."""
     *diff_args, cu_seqlens, initial_state = residuals
-    xla_call = _Call(scale=call.scale, backend="xla", batched=call.batched)
 
     def f(q, k, v, g, beta, initial_state):
-        return _forward(xla_call, q, k, v, g, beta, cu_seqlens, initial_state)
+        if call.backend == "sm90":
+            return _training_forward_sm90(call, q, k, v, g, beta, cu_seqlens, initial_state)
+        return _forward(call, q, k, v, g, beta, cu_seqlens, initial_state)
 
     _, pullback = jax.vjp(f, *diff_args, initial_state)
     dq, dk, dv, dg, dbeta, dstate = pullback(cotangents)

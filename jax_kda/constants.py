@@ -4,9 +4,15 @@ HEAD_DIM = 128
 """K = V = 128: the only head dimension KDA models use and the kernels serve."""
 
 CHUNK = 16
-"""Tokens per chunk of the sm90 kernels (the XLA path's are xla.XLA_CHUNK). At the production
+"""Tokens per chunk of the sm90 forward kernels (the XLA path's and the backward's are
+SCAN_CHUNK). At the production
 gate (>= -5 per step) exp(-Gamma) over 16 tokens stays under e^80, inside float32's range, which
 is what lets the kernels factorise the decay."""
+
+SCAN_CHUNK = 64
+"""Tokens per chunk of the XLA path and of the sm90 backward (which shares its chunk-slot layout:
+sequence s owns slots cu[s] // 64 + s + c). The in-chunk decay is never factorised over more
+than a block whose factors are all <= 1, so 64-token chunks are exact for any g <= 0."""
 
 GATE_LOWER_BOUND_MIN = -5.0
 """The most negative per-step gate the sm90 kernels serve (prefill's gate_lower_bound): over a

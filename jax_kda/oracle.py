@@ -111,3 +111,16 @@ def production_inputs(
     cu = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
     cast = [np.asarray(jnp.asarray(x, dtype)) for x in (q, k, v)]
     return Inputs(*cast, g, beta, cu, initial_state)
+
+
+def long_memory_inputs(lengths, num_heads, *, seed, dtype=jnp.bfloat16) -> Inputs:
+    """Data that remembers: g = -0.05 * sigmoid(randn), exactly 0 on every 8th channel, initial
+    state 0.5 * randn; q, k, v, beta as production_inputs. Dropping the initial state or a state
+    carried between chunks changes o and the final state by far (the production gate forgets
+    in about 7 tokens and hides such bugs)."""
+    x = production_inputs(lengths, num_heads, seed=seed, dtype=dtype)
+    rng = np.random.default_rng(seed + 1)
+    g = (-0.05 / (1.0 + np.exp(-rng.standard_normal(x.g.shape)))).astype(np.float32)
+    g[..., ::8] = 0.0
+    initial_state = (0.5 * rng.standard_normal(x.initial_state.shape)).astype(np.float32)
+    return x._replace(g=g, initial_state=initial_state)

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from jax_kda.constants import CHUNK, HEAD_DIM
+from jax_kda.constants import CHUNK, HEAD_DIM, SCAN_CHUNK
 
 CHUNK_RECORD_BYTES = 21504
 """Bytes PREP writes per (chunk slot, head) for EXPAND: -wt, qg, kg^T (bf16 swizzled wgmma tiles,
@@ -62,10 +62,18 @@ class PrefillPlan:
     launches: int
     """Kernel launches per call."""
     workspace: tuple[WorkspaceBuffer, ...]
+    backward_buffers: tuple[WorkspaceBuffer, ...]
+    """What a training call's backward adds: the state entering every 64-token chunk slot and
+    its cotangent at the slot's end (float32, the state-scan kernel's results; XLA temporaries,
+    not residuals: the backward keeps only the inputs and recomputes these)."""
 
     @property
     def workspace_bytes(self) -> int:
         return sum(buffer.bytes for buffer in self.workspace)
+
+    @property
+    def backward_bytes(self) -> int:
+        return sum(buffer.bytes for buffer in self.backward_buffers)
 
 
 def chain_kernel_us(longest_chunks: int, records: float) -> float:
@@ -142,6 +150,7 @@ def plan_prefill(
     else:
         states = operators = (1, 1, 1, *square)
     records = (total_tokens // CHUNK + num_sequences, num_heads, CHUNK_RECORD_BYTES // 16, 4)
+    scan_states = (total_tokens // SCAN_CHUNK + num_sequences, num_heads, *square)
     return PrefillPlan(
         total_tokens=total_tokens,
         num_heads=num_heads,
@@ -153,4 +162,21 @@ def plan_prefill(
             WorkspaceBuffer("segment_states", states, "float32"),
             WorkspaceBuffer("segment_operators", operators, "float32"),
         ),
+        backward_buffers=(
+            WorkspaceBuffer("chunk_states", scan_states, "float32"),
+            WorkspaceBuffer("chunk_state_cotangents", scan_states, "float32"),
+        ),
     )
+
+
+SCAN_V_SLICES = (16, 32)
+"""State columns one CTA of the backward's state scan may own (kernels/kda_state_scan_sm90.py)."""
+
+
+def scan_v_slice(num_heads: int, num_sequences: int, sm_count: int | None) -> int:
+    """Columns of the state per state-scan CTA: 32 when (128 / 32) CTAs per (sequence, head)
+    already fill the SMs, else 16 (twice the CTAs, each re-reading the chunk's operands from L2)."""
+    wide = max(SCAN_V_SLICES)
+    if sm_count is None or (HEAD_DIM // wide) * num_heads * num_sequences >= sm_count:
+        return wide
+    return min(SCAN_V_SLICES)

@@ -14,8 +14,9 @@ import os
 import jax
 import jax.numpy as jnp
 
-from jax_kda.constants import HEAD_DIM
-from jax_kda.plan import plan_prefill
+from jax_kda import xla
+from jax_kda.constants import HEAD_DIM, SCAN_CHUNK
+from jax_kda.plan import plan_prefill, scan_v_slice
 
 SM_COUNT_ENV = "JAX_KDA_SM_COUNT"
 """Without a GPU present, the SM count to plan segments for (e.g. 132 for an H100 SXM or H200)."""
@@ -167,3 +168,94 @@ def forward(q, k, v, g, beta, cu_seqlens, initial_state, scale, *, segments=None
     inputs = [q, k, v, g, beta, jnp.asarray(cu_seqlens, jnp.int32), initial_state]
     o, final_state, *_workspace = cute_call(forward_artifact(num_heads, scale), inputs, results)
     return o, final_state
+
+
+@functools.cache
+def state_scan_artifact(reverse: bool, v_slice: int):
+    """The exported state-scan kernel (kernels/kda_state_scan_sm90.py) for one direction and
+    V-slice width; slots, heads and sequences are all symbolic: one compile serves every call."""
+    import cutlass.cute as cute
+    from cutlass import Float32, Int32
+
+    from jax_kda.cute_export import export, row_major_fake
+    from jax_kda.kernels.kda_state_scan_sm90 import ChunkStateScanSm90, ScanConfig
+
+    config = ScanConfig(reverse=reverse, v_slice=v_slice)
+    slots, heads, seqs = cute.sym_int32(), cute.sym_int32(), cute.sym_int32()
+    chunk_shape = (slots, heads, SCAN_CHUNK, HEAD_DIM)
+    square = (HEAD_DIM, HEAD_DIM)
+    fakes = {
+        "a_op": row_major_fake(Float32, chunk_shape),
+        "b_op": row_major_fake(Float32, chunk_shape),
+        "decay": row_major_fake(Float32, (slots, heads, HEAD_DIM)),
+        "addend": row_major_fake(Float32, (slots, heads, config.addend_rows, HEAD_DIM)),
+        "cu_seqlens": row_major_fake(Int32, (cute.sym_int32(),), align=4),
+        "y0": row_major_fake(Float32, (seqs, heads, *square)),
+        "states": row_major_fake(Float32, (slots, heads, *square)),
+        "final": row_major_fake(Float32, (seqs, heads, *square)),
+    }
+    direction = "rev" if reverse else "fwd"
+    return export(
+        ChunkStateScanSm90(config),
+        fakes,
+        prefix=f"kda_state_scan_sm90_{direction}_v{v_slice}",
+        config={"reverse": reverse, "v_slice": v_slice},
+    )
+
+
+def state_scan_kernel(a_op, b_op, decay, addend, cu_seqlens, y0, *, reverse: bool):
+    """xla.state_scan's contract, run by the sm90 state-scan kernel (no autodiff rule)."""
+    num_heads, num_sequences = y0.shape[1], y0.shape[0]
+    v_slice = scan_v_slice(num_heads, num_sequences, device_sm_count())
+    from jax_kda.ffi_call import cute_call
+
+    results = [
+        jax.ShapeDtypeStruct((a_op.shape[0], *y0.shape[1:]), jnp.float32),
+        jax.ShapeDtypeStruct(y0.shape, jnp.float32),
+    ]
+    inputs = [a_op, b_op, decay, addend, jnp.asarray(cu_seqlens, jnp.int32), y0]
+    states, final = cute_call(state_scan_artifact(reverse, v_slice), inputs, results)
+    return states, final
+
+
+def differentiable_state_scan(run):
+    """xla.state_scan's forward direction with a backward that is one more scan: `run` (the
+    kernel, or xla.state_scan in CPU tests) over the chunks in reverse gives the state's
+    cotangent at every chunk's end, and the rest is parallel over chunks."""
+    highest = jax.lax.Precision.HIGHEST
+
+    @jax.custom_vjp
+    def scan(w, kd, decay, u, cu_seqlens, y0):
+        return run(w, kd, decay, u, cu_seqlens, y0, reverse=False)
+
+    def scan_fwd(w, kd, decay, u, cu_seqlens, y0):
+        states, final = run(w, kd, decay, u, cu_seqlens, y0, reverse=False)
+        return (states, final), (w, kd, decay, u, cu_seqlens, states)
+
+    def scan_bwd(residuals, cotangents):
+        # S' = Diag(a) S + Kd^T V_new, V_new = U - W S; G = dL/dS' at each chunk's end.
+        w, kd, decay, u, cu_seqlens, states = residuals
+        d_states, d_final = cotangents
+        g_end, d_y0 = run(kd, w, decay, d_states, cu_seqlens, d_final, reverse=True)
+        d_u = jnp.einsum("shik,shkv->shiv", kd, g_end, precision=highest)
+        v_new = u - jnp.einsum("shik,shkv->shiv", w, states, precision=highest)
+        d_kd = jnp.einsum("shiv,shkv->shik", v_new, g_end, precision=highest)
+        d_w = -jnp.einsum("shiv,shkv->shik", d_u, states, precision=highest)
+        d_decay = jnp.sum(states * g_end, axis=-1)
+        return d_w, d_kd, d_decay, d_u, None, d_y0
+
+    scan.defvjp(scan_fwd, scan_bwd)
+
+    def call(w, kd, decay, u, cu_seqlens, y0, *, reverse: bool):
+        if reverse:
+            raise ValueError("differentiable_state_scan runs the forward direction only")
+        return scan(w, kd, decay, u, cu_seqlens, y0)
+
+    return call
+
+
+def training_forward(q, k, v, g, beta, cu_seqlens, initial_state, scale):
+    """The forward the sm90 backward differentiates: the XLA path's parallel per-chunk parts
+    (exact for any g <= 0) around the state-scan kernel, whose backward is the reverse kernel."""
+    scan = differentiable_state_scan(state_scan_kernel)
+    return xla.forward(q, k, v, g, beta, cu_seqlens, initial_state, scale, scan=scan)

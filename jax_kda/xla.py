@@ -22,12 +22,14 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from jax_kda.constants import SCAN_CHUNK
+
 _HIGHEST = lax.Precision.HIGHEST
 
 
-XLA_CHUNK = 64
+XLA_CHUNK = SCAN_CHUNK
 """Tokens per chunk of this path: a quarter of the serial scan steps of 16-token chunks, and
-more of the work in the parallel per-chunk part."""
+more of the work in the parallel per-chunk part; the sm90 backward's state scan shares it."""
 
 BLOCK = 16
 """Rows per block of the triangular solve (16-row diagonal blocks inverted, then block
@@ -44,7 +46,7 @@ def chunk_slot_count(total_tokens: int, num_sequences: int) -> int:
 def _token_slots(cu_seqlens: jax.Array, total_tokens: int):
     """Per token: its sequence index and its row in the flattened [slots * 64] chunk grid."""
     t = jnp.arange(total_tokens, dtype=jnp.int32)
-    seq = jnp.searchsorted(cu_seqlens[1:], t, side="right").astype(jnp.int32)
+    seq = jnp.searchsorted(cu_seqlens[1:], t, side="right", method="sort").astype(jnp.int32)
     start = cu_seqlens[seq]
     local = t - start
     slot = start // XLA_CHUNK + seq + local // XLA_CHUNK
@@ -114,6 +116,13 @@ SPLIT = 4
 """Blocks a larger row range is split into, at each level."""
 
 
+def _materialised(x):
+    """x computed on its own. XLA's GPU compiler otherwise fuses these per-channel pairwise
+    reductions into the concatenation that assembles the [64, 64] block matrix, whose emitter runs
+    them about 50x slower (H200 profile of a training step, 2048x12x1: 850 of 2870 us)."""
+    return lax.optimization_barrier(x)
+
+
 def _pairwise_decay(gamma):
     """[..., n, n, D]: exp(Gamma_i - Gamma_j) for i >= j, and 1 above the diagonal (callers mask
     it), so neither the value nor its gradient can overflow; with the lower mask [n, n]."""
@@ -157,7 +166,7 @@ def _decayed_products(q, k, gamma):
         decay, incl = _pairwise_decay(gamma)
         kk = jnp.sum(k[..., :, None, :] * k[..., None, :, :] * decay, -1)
         qk = jnp.sum(q[..., :, None, :] * k[..., None, :, :] * decay, -1)
-        return jnp.where(incl, kk, 0.0), jnp.where(incl, qk, 0.0)
+        return _materialised((jnp.where(incl, kk, 0.0), jnp.where(incl, qk, 0.0)))
     blocks = _Blocks(gamma)
     k_b, q_b = blocks.split(k), blocks.split(q)
     kk_diag, qk_diag = _decayed_products(q_b, k_b, blocks.gamma)  # [..., SPLIT, size, size]
@@ -194,8 +203,8 @@ def _decayed_apply(w, x, gamma, transposed: bool):
     if gamma.shape[-2] <= PAIRWISE_ROWS:
         weighted = _pairwise_decay(gamma)[0] * w[..., None]
         if transposed:
-            return jnp.sum(weighted * x[..., :, None, :], axis=-3)
-        return jnp.sum(weighted * x[..., None, :, :], axis=-2)
+            return _materialised(jnp.sum(weighted * x[..., :, None, :], axis=-3))
+        return _materialised(jnp.sum(weighted * x[..., None, :, :], axis=-2))
     blocks = _Blocks(gamma)
     x_b = blocks.split(x)
     w_b = w.reshape(*blocks.lead, SPLIT, blocks.size, SPLIT, blocks.size)
@@ -266,32 +275,59 @@ def _chunk_operands(q, k, v, g, beta, scale):
     return w, u, qg, attn, kd, decay_chunk
 
 
-def _scan_chunks(operands, start_seq, last_seq, initial_state):
-    """Serial pass over chunk slots. initial_state: [N, H, K, V] float32 (K-major inside)."""
-    w, u, qg, attn, kd, decay_chunk = operands
-    num_heads, dk, dv = initial_state.shape[1:]
+def slot_flags(cu_seqlens: jax.Array, num_slots: int):
+    """Per chunk slot: the sequence that starts there, the sequence that ends there (-1: none),
+    and whether any sequence's chunk lies there (gap slots hold none). [slots] each."""
+    num_sequences = cu_seqlens.shape[0] - 1
+    first, count = _sequence_slots(cu_seqlens)
+    seq_ids = jnp.arange(num_sequences, dtype=jnp.int32)
+    no_slot = jnp.full((num_slots,), -1, jnp.int32)
+    # Out-of-range indices (empty sequences) are dropped, leaving -1: no reset / no final there.
+    start_seq = no_slot.at[jnp.where(count > 0, first, num_slots)].set(seq_ids, mode="drop")
+    last_seq = no_slot.at[jnp.where(count > 0, first + count - 1, num_slots)].set(
+        seq_ids, mode="drop"
+    )
+    edges = jnp.zeros((num_slots + 1,), jnp.int32)
+    edges = edges.at[first].add(1).at[first + count].add(-1)
+    used = jnp.cumsum(edges)[:num_slots] > 0
+    return start_seq, last_seq, used
+
+
+def state_scan(a_op, b_op, decay, addend, cu_seqlens, y0, *, reverse: bool):
+    """The serial pass over chunk slots, in XLA: what the sm90 state-scan kernel computes
+    (kernels/kda_state_scan_sm90.py has the math), and the XLA path's scan.
+
+    a_op, b_op: [slots, H, 64, K]; decay: [slots, H, K]; addend: [slots, H, 64, V] (forward) or
+    [slots, H, K, V] (reverse); y0: [N, H, K, V], all float32. Returns (states [slots, H, K, V],
+    the value of Y entering each slot, zero in gap slots; final [N, H, K, V]).
+    """
+    num_slots = a_op.shape[0]
+    start_seq, last_seq, used = slot_flags(cu_seqlens, num_slots)
+    # Reversed, a sequence is entered at its last slot and left at its first.
+    enter, leave = (last_seq, start_seq) if reverse else (start_seq, last_seq)
+    sign = 1.0 if reverse else -1.0
 
     def step(carry, xs):
-        state, finals = carry
-        w_c, u_c, qg_c, attn_c, kd_c, a_c, start, last = xs
-        state = jnp.where(start >= 0, initial_state[jnp.maximum(start, 0)], state)
-        v_new = u_c - jnp.einsum("hik,hkv->hiv", w_c, state, precision=_HIGHEST)
-        out = jnp.einsum("hik,hkv->hiv", qg_c, state, precision=_HIGHEST)
-        out = out + jnp.einsum("hij,hjv->hiv", attn_c, v_new, precision=_HIGHEST)
-        state = a_c[:, :, None] * state + jnp.einsum(
-            "hik,hiv->hkv", kd_c, v_new, precision=_HIGHEST
-        )
-        index = jnp.maximum(last, 0)
-        finals = finals.at[index].set(jnp.where(last >= 0, state, finals[index]))
-        return (state, finals), out
+        y, finals = carry
+        a_c, b_c, d_c, add_c, enter_c, leave_c = xs
+        y = jnp.where(enter_c >= 0, y0[jnp.maximum(enter_c, 0)], y)
+        x = sign * jnp.einsum("hik,hkv->hiv", a_c, y, precision=_HIGHEST)
+        if not reverse:
+            x = x + add_c
+        y_next = d_c[:, :, None] * y - sign * jnp.einsum("hik,hiv->hkv", b_c, x, precision=_HIGHEST)
+        if reverse:
+            y_next = y_next + add_c
+        index = jnp.maximum(leave_c, 0)
+        finals = finals.at[index].set(jnp.where(leave_c >= 0, y_next, finals[index]))
+        return (y_next, finals), y
 
-    state0 = jnp.zeros((num_heads, dk, dv), jnp.float32)
-    xs = (w, u, qg, attn, kd, decay_chunk, start_seq, last_seq)
-    (_, finals), out = lax.scan(step, (state0, initial_state), xs)
-    return out, finals
+    y_start = jnp.zeros(y0.shape[1:], jnp.float32)
+    xs = (a_op, b_op, decay, addend, enter, leave)
+    (_, finals), states = lax.scan(step, (y_start, y0), xs, reverse=reverse)
+    return jnp.where(used[:, None, None, None], states, 0.0), finals
 
 
-def forward(q, k, v, g, beta, cu_seqlens, initial_state, scale):
+def forward(q, k, v, g, beta, cu_seqlens, initial_state, scale, *, scan=state_scan):
     """KDA forward, packed THD.
 
     Args:
@@ -299,6 +335,8 @@ def forward(q, k, v, g, beta, cu_seqlens, initial_state, scale):
       g: [T, H, 128] float32 log-decay (<= 0). beta: [T, H] float32.
       cu_seqlens: [N + 1] int32 on the device. initial_state: [N, H, 128(V), 128(K)] float32.
       scale: Python float.
+      scan: the serial pass (state_scan's signature, forward direction): state_scan here, the
+        sm90 kernel (with its own backward) in the sm90 backend's training path.
     Returns:
       o: [T, H, 128] in q's dtype; final_state: [N, H, 128(V), 128(K)] float32.
     """
@@ -308,19 +346,15 @@ def forward(q, k, v, g, beta, cu_seqlens, initial_state, scale):
     cu_seqlens = jnp.asarray(cu_seqlens, jnp.int32)
     _, rows = _token_slots(cu_seqlens, total_tokens)
     as_chunks = [_to_chunks(x.astype(jnp.float32), rows, num_slots) for x in (q, k, v, g, beta)]
-    operands = _chunk_operands(*as_chunks, scale)
-
-    first, count = _sequence_slots(cu_seqlens)
-    seq_ids = jnp.arange(num_sequences, dtype=jnp.int32)
-    no_slot = jnp.full((num_slots,), -1, jnp.int32)
-    # Out-of-range indices (empty sequences) are dropped, leaving -1: no reset / no final there.
-    start_seq = no_slot.at[jnp.where(count > 0, first, num_slots)].set(seq_ids, mode="drop")
-    last_seq = no_slot.at[jnp.where(count > 0, first + count - 1, num_slots)].set(
-        seq_ids, mode="drop"
-    )
+    w, u, qg, attn, kd, decay_chunk = _chunk_operands(*as_chunks, scale)
 
     state_kv = jnp.swapaxes(initial_state.astype(jnp.float32), -1, -2)
-    out, finals = _scan_chunks(operands, start_seq, last_seq, state_kv)
+    states, finals = scan(w, kd, decay_chunk, u, cu_seqlens, state_kv, reverse=False)
+    # Everything but the state's chain is parallel over chunks: V_new = U - W S,
+    # O = Qg S + Aqk V_new.
+    v_new = u - jnp.einsum("shik,shkv->shiv", w, states, precision=_HIGHEST)
+    out = jnp.einsum("shik,shkv->shiv", qg, states, precision=_HIGHEST)
+    out = out + jnp.einsum("shij,shjv->shiv", attn, v_new, precision=_HIGHEST)
     out = jnp.moveaxis(out, 2, 1).reshape(num_slots * XLA_CHUNK, q.shape[1], -1)
     o = out[rows].astype(q.dtype)
     return o, jnp.swapaxes(finals, -1, -2)

@@ -8,6 +8,7 @@ from jax_kda.plan import (
     WorkspaceBuffer,
     chain_cost,
     plan_prefill,
+    scan_v_slice,
     segment_count,
 )
 
@@ -117,3 +118,18 @@ def test_plan_rejects_bad_shapes(args, message):
 def test_plan_rejects_zero_forced_segments():
     with pytest.raises(ValueError, match="segments: got 0"):
         plan_prefill(16, 2, 1, segments=0)
+
+
+def test_backward_buffers_cover_every_64_token_chunk_slot():
+    plan = plan_prefill(2048, 12, 1, sm_count=132)
+    slots = 2048 // 64 + 1
+    assert [b.shape for b in plan.backward_buffers] == [(slots, 12, 128, 128)] * 2
+    assert plan.backward_bytes == 2 * slots * 12 * 128 * 128 * 4
+
+
+@pytest.mark.parametrize(
+    ("heads", "sequences", "expected"), [(12, 1, 16), (33, 1, 32), (2, 64, 32), (1, 1, 16)]
+)
+def test_scan_v_slice_fills_the_sms(heads, sequences, expected):
+    assert scan_v_slice(heads, sequences, 132) == expected
+    assert scan_v_slice(heads, sequences, None) == 32

@@ -15,7 +15,7 @@ import jax_kda
 from jax_kda import cute_export, sm90
 from jax_kda.ffi_call import TARGET
 from jax_kda.oracle import production_inputs
-from jax_kda.plan import plan_prefill
+from jax_kda.plan import SCAN_V_SLICES, plan_prefill
 
 # Heads from SPEC's shapes and the small/many-sequence cases; every one is a separate variant.
 VARIANT_HEADS = [1, 2, 4, 32]
@@ -159,6 +159,30 @@ def test_lowers_inside_scan_fori_loop_grad_and_batched():
 
     state = x.initial_state
     assert TARGET in _lower(batched, *rows, state)
+
+
+@pytest.mark.parametrize("v_slice", SCAN_V_SLICES)
+@pytest.mark.parametrize("reverse", [False, True], ids=["forward", "reverse"])
+def test_state_scan_variants_export_for_sm90a(reverse, v_slice):
+    artifact = sm90.state_scan_artifact(reverse, v_slice)
+    assert artifact.object_bytes[:4] == b"\x7fELF"
+    assert len(artifact.tensors) == 8  # A, B, decay, addend, cu_seqlens, y0, states, final
+
+
+def test_grad_lowers_to_the_backward_kernels_and_no_loop():
+    """jax.grad on the sm90 path: the forward kernel, the state scan forward (recompute) and
+    reverse, and no XLA while loop (the serial passes are all in kernels)."""
+    x = production_inputs([300, 0, 77], 2, seed=5)
+
+    def loss(q, k, v, g, beta, cu, state):
+        o, final = _prefill(backend="sm90")(q, k, v, g, beta, cu, state)
+        return jnp.sum(o.astype(jnp.float32) ** 2) + jnp.sum(final**2)
+
+    text = _lower(jax.grad(loss, argnums=(0, 1, 2, 3, 4, 6)), *x)
+    prefixes = re.findall(r'prefix = "(\w+)"', text)
+    assert any(p.startswith("kda_fwd_sm90_") for p in prefixes), prefixes
+    assert "kda_state_scan_sm90_fwd_v16" in prefixes and "kda_state_scan_sm90_rev_v16" in prefixes
+    assert "stablehlo.while" not in text
 
 
 def test_a_new_process_loads_the_kernel_from_disk_without_compiling(tmp_path):

@@ -1,0 +1,202 @@
+"""The sm90 backward on a Hopper GPU (marker gpu; skipped elsewhere): the state-scan kernels
+against their XLA statement, and jax.grad through prefill against float64 gradients of the
+recurrence, on SPEC's length sets with production, long-memory and any-gate data.
+
+Fresh random data each run (the seed is printed), kernel outputs poisoned with NaN, NaN never
+passes (rms_ratio is inf for any non-finite value).
+"""
+
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from scan_cases import scan_operands
+from spec_cases import LONG_LENGTH, MANY_SEQUENCES, PACKED_LENGTHS, SINGLE_LENGTHS
+
+import jax_kda
+from jax_kda import sm90, xla
+from jax_kda.constants import GATE_LOWER_BOUND_MIN as LB
+from jax_kda.constants import default_scale
+from jax_kda.ffi_call import cute_call, register
+from jax_kda.oracle import (
+    RMS_RATIO_BAR,
+    long_memory_inputs,
+    production_inputs,
+    recurrent_oracle,
+    rms_ratio,
+)
+from jax_kda.plan import SCAN_V_SLICES
+
+pytestmark = pytest.mark.gpu
+
+SEED = time.time_ns() % 2**31
+print(f"test_sm90_backward_gpu: SEED = {SEED}")
+NAMES = ("q", "k", "v", "g", "beta", "initial_state")
+
+SCAN_LENGTHS = {
+    "ragged": [130, 0, 70, 1],
+    "one-chunk": [64],
+    "long": [3000],
+    "all-empty": [0, 0],
+    "gaps": [64, 10, 128, 0, 65],
+}
+
+
+@pytest.mark.parametrize("v_slice", SCAN_V_SLICES)
+@pytest.mark.parametrize("reverse", [False, True], ids=["forward", "reverse"])
+@pytest.mark.parametrize("name", SCAN_LENGTHS)
+def test_scan_kernel_matches_xla_scan(name, reverse, v_slice):
+    register()
+    args = scan_operands(SCAN_LENGTHS[name], 3, SEED + len(name), reverse=reverse)
+    artifact = sm90.state_scan_artifact(reverse, v_slice)
+    y0 = args[5]
+    results = [
+        jax.ShapeDtypeStruct((args[0].shape[0], *y0.shape[1:]), jnp.float32),
+        jax.ShapeDtypeStruct(y0.shape, jnp.float32),
+    ]
+
+    @jax.jit
+    def run(*inputs):
+        poison = [jnp.full(r.shape, jnp.nan, r.dtype) for r in results]
+        return cute_call(artifact, [*inputs, *poison], results, aliases={6: 0, 7: 1})
+
+    states, final = run(*args)
+    ref_states, ref_final = jax.jit(lambda *a: xla.state_scan(*a, reverse=reverse))(*args)
+    err_states = rms_ratio(states, ref_states) if ref_states.size else 0.0
+    err_final = rms_ratio(final, ref_final)
+    print(f"{name} reverse={reverse} v{v_slice}: states {err_states:.1e} final {err_final:.1e}")
+    assert not np.isnan(np.asarray(states)).any() and not np.isnan(np.asarray(final)).any()
+    assert err_states <= 1e-5 and err_final <= 1e-5
+    np.testing.assert_array_equal(np.asarray(states) == 0, np.asarray(ref_states) == 0)
+    for s, n in enumerate(SCAN_LENGTHS[name]):
+        if n == 0:
+            np.testing.assert_array_equal(np.asarray(final[s]), np.asarray(y0[s]))
+
+
+ORACLE_HEADS = 4
+"""Heads per float64 oracle call: its autodiff keeps every token's [H, 128, 128] state, so many
+heads at once (N = 64, H = 32) would not fit; heads are independent, so groups of them can go
+one call at a time."""
+
+
+def _oracle_grads(x, w_o, w_f, scale):
+    with jax.enable_x64(True):
+
+        def loss(q, k, v, g, beta, state, w_o, w_f):
+            o, final = recurrent_oracle(q, k, v, g, beta, x.cu_seqlens, state, scale=scale)
+            return jnp.sum(o * w_o) + jnp.sum(final * w_f)
+
+        grad = jax.jit(jax.grad(loss, argnums=range(6)))
+        groups = []
+        for h in range(0, x.q.shape[1], ORACLE_HEADS):
+            heads = slice(h, h + ORACLE_HEADS)
+            args = [a[:, heads] for a in (*x[:5], x.initial_state, w_o)] + [w_f[:, heads]]
+            groups.append(grad(*(jnp.asarray(a, jnp.float64) for a in args)))
+        return [np.concatenate([np.asarray(g[i]) for g in groups], axis=1) for i in range(6)]
+
+
+def _check_grads(case, x, forward, scale=None, *, dg_scale_of_terms=False):
+    """jax.grad of sum(o * w_o) + sum(final * w_f) through `forward` (q, k, v, g, beta, cu,
+    state) -> (o, final) against the float64 oracle's.
+
+    dg_scale_of_terms: measure dg's error against ||k * dk||, the size of the terms it sums,
+    instead of against dg itself. Under gates of -30 and below the true dg is about e^-30 times
+    that (every token is forgotten at once), which no float32 sum of its terms resolves."""
+    rng = np.random.default_rng(SEED + 5)
+    w_o = rng.standard_normal(x.q.shape).astype(np.float32)
+    w_f = rng.standard_normal(x.initial_state.shape).astype(np.float32)
+
+    def loss(q, k, v, g, beta, state):
+        o, final = forward(q, k, v, g, beta, x.cu_seqlens, state)
+        return jnp.sum(o.astype(jnp.float32) * w_o) + jnp.sum(final * w_f)
+
+    ours = jax.jit(jax.grad(loss, argnums=range(6)))(*x[:5], x.initial_state)
+    ref = _oracle_grads(x, w_o, w_f, default_scale() if scale is None else scale)
+    for name, d, r, a in zip(NAMES, ours, ref, (*x[:5], x.initial_state), strict=True):
+        assert d.shape == a.shape and d.dtype == a.dtype, name
+        error = rms_ratio(d, r)
+        if name == "g" and dg_scale_of_terms:
+            terms = np.asarray(x.k, np.float64) * np.asarray(ref[1])
+            error = rms_ratio(d, r) * np.linalg.norm(r) / np.linalg.norm(terms)
+        print(f"{case} d{name}: rms_ratio {error:.2e}")
+        assert error <= RMS_RATIO_BAR, (case, name, error)
+    for s, n in enumerate(np.diff(x.cu_seqlens)):
+        if n == 0:  # the state's cotangent passes an empty sequence unchanged
+            np.testing.assert_array_equal(np.asarray(ours[5][s]), w_f[s])
+
+
+def _prefill_sm90(scale=None):
+    def forward(q, k, v, g, beta, cu, state):
+        return jax_kda.prefill(
+            q, k, v, g, beta, cu_seqlens=cu, initial_state=state, scale=scale,
+            backend="sm90", gate_lower_bound=LB,
+        )  # fmt: skip
+
+    return forward
+
+
+GRAD_CASES = {
+    **{f"single-{n}": ([n], 2) for n in (1, 16, 17, 63, 64, 65, 257)},
+    **{name: (lengths, 2 if len(lengths) <= 3 else 4) for name, lengths in PACKED_LENGTHS.items()},
+    "long-16384": ([LONG_LENGTH], 2),
+    "n64-h32": (list(np.random.default_rng(SEED).integers(0, 300, MANY_SEQUENCES)), 32),
+}
+assert set(SINGLE_LENGTHS) >= {1, 16, 17, 63, 64, 65, 257}
+
+
+@pytest.mark.parametrize("case", GRAD_CASES)
+def test_prefill_grads_match_float64_oracle(case):
+    lengths, heads = GRAD_CASES[case]
+    x = production_inputs(lengths, heads, seed=SEED + len(case))
+    _check_grads(case, x, _prefill_sm90())
+
+
+@pytest.mark.parametrize("lengths", [[2000, 0, 700], [4096]])
+def test_long_memory_grads_with_custom_scale(lengths):
+    x = long_memory_inputs(lengths, 2, seed=SEED + 7)
+    _check_grads(f"long-memory {lengths}", x, _prefill_sm90(scale=0.3), scale=0.3)
+
+
+@pytest.mark.parametrize("gate", ["-30", "-100", "zero", "mixed"])
+def test_backward_is_exact_for_any_gate(gate):
+    """No gate bound: the backward's own forward (the state-scan kernel around the XLA path's
+    per-chunk parts) is exact for any g <= 0, so its gradients are too."""
+    x = production_inputs([300, 0, 77], 2, seed=SEED + 9)
+    g = np.zeros_like(x.g)
+    if gate in ("-30", "-100"):
+        g[:] = float(gate)
+    elif gate == "mixed":
+        half = g.shape[-1] // 2
+        g[..., :half] = -0.01
+        g[..., half:] = -20.0 - 10 * np.random.default_rng(SEED).random(g[..., half:].shape)
+    x = x._replace(g=g.astype(np.float32))
+
+    def forward(q, k, v, g, beta, cu, state):
+        return sm90.training_forward(q, k, v, g, beta, cu, state, 0.3)
+
+    harsh = gate in ("-30", "-100")
+    _check_grads(f"gate {gate}", x, forward, scale=0.3, dg_scale_of_terms=harsh)
+
+
+def test_batched_form_grads_equal_packed_form():
+    x = production_inputs([128] * 3, 2, seed=SEED + 3)
+
+    def grads(batched):
+        def loss(q, k, v, g, beta, state):
+            if batched:
+                q, k, v, g, beta = (a.reshape(3, 128, *a.shape[1:]) for a in (q, k, v, g, beta))
+                cu = None
+            else:
+                cu = x.cu_seqlens
+            o, final = jax_kda.prefill(
+                q, k, v, g, beta, cu_seqlens=cu, initial_state=state, backend="sm90",
+                gate_lower_bound=LB,
+            )  # fmt: skip
+            return jnp.sum(o.astype(jnp.float32) ** 2) + jnp.sum(final**2)
+
+        return jax.jit(jax.grad(loss, argnums=range(6)))(*x[:5], x.initial_state)
+
+    for a, b in zip(grads(True), grads(False), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
