@@ -228,7 +228,7 @@ def test_a_new_process_loads_the_kernel_from_disk_without_compiling(tmp_path):
         import time
         t = time.perf_counter()
         from jax_kda import sm90
-from jax_kda.sm90 import export as cute_export
+        from jax_kda.sm90 import export as cute_export
         sm90.forward_artifact(3, 128 ** -0.5)
         print(cute_export.COMPILE_COUNT, f"{time.perf_counter() - t:.2f}")
         """
