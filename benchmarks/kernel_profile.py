@@ -111,9 +111,9 @@ def _main():
     from benchmarks.shapes import ALL_SHAPES
     from jax_kda import sm90
     from jax_kda.constants import default_scale
-    from jax_kda.ffi_call import register
     from jax_kda.oracle import production_inputs
-    from jax_kda.plan import plan_prefill
+    from jax_kda.sm90.ffi_call import register
+    from jax_kda.sm90.plan import plan_prefill
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument(

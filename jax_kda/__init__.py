@@ -5,9 +5,10 @@ chunked implementation everywhere else; see its docstring for the contract.
 """
 
 from jax_kda.api import BACKENDS, BackendUnavailableError, prefill
-from jax_kda.constants import CHUNK, HEAD_DIM
+from jax_kda.constants import HEAD_DIM
 from jax_kda.gate import l2_normalize, safe_gate
-from jax_kda.plan import PrefillPlan, WorkspaceBuffer, plan_prefill
+from jax_kda.sm90.kernels.layout import CHUNK
+from jax_kda.sm90.plan import PrefillPlan, WorkspaceBuffer, plan_prefill
 
 __all__ = [
     "BACKENDS",

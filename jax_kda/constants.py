@@ -1,13 +1,9 @@
-"""Facts every layer shares: the head dimension, the chunk length, the default scale."""
+"""Facts every layer shares: the head dimension, the XLA path's and the backward's chunk length,
+the gate bound, the default scale. The sm90 kernels' own layout facts are in
+sm90/kernels/layout.py."""
 
 HEAD_DIM = 128
 """K = V = 128: the only head dimension KDA models use and the kernels serve."""
-
-CHUNK = 16
-"""Tokens per chunk of the sm90 forward kernels (the XLA path's and the backward's are
-SCAN_CHUNK). At the production
-gate (>= -5 per step) exp(-Gamma) over 16 tokens stays under e^80, inside float32's range, which
-is what lets the kernels factorise the decay."""
 
 SCAN_CHUNK = 64
 """Tokens per chunk of the XLA path and of the sm90 backward (which shares its chunk-slot layout:

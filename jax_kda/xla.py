@@ -321,7 +321,7 @@ def state_scan(a_op, b_op, decay, addend, cu_seqlens, y0, *, reverse: bool):
         finals = finals.at[index].set(jnp.where(leave_c >= 0, y_next, finals[index]))
         return (y_next, finals), y
 
-    y_start = jnp.zeros(y0.shape[1:], jnp.float32)
+    y_start = jnp.zeros_like(y0[0])  # as varying over a shard_map axis as y0 is
     xs = (a_op, b_op, decay, addend, enter, leave)
     (_, finals), states = lax.scan(step, (y_start, y0), xs, reverse=reverse)
     return jnp.where(used[:, None, None, None], states, 0.0), finals

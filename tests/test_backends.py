@@ -18,7 +18,7 @@ def test_auto_serves_the_call_here():
 
 @pytest.fixture
 def _no_hopper(monkeypatch):
-    monkeypatch.setattr(sm90, "has_hopper", lambda: False)
+    monkeypatch.setattr(sm90.backend, "has_hopper", lambda: False)
     monkeypatch.delenv(sm90.ASSUME_SM90_ENV, raising=False)
 
 

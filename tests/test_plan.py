@@ -2,7 +2,7 @@
 
 import pytest
 
-from jax_kda.plan import (
+from jax_kda.sm90.plan import (
     CHUNK_RECORD_BYTES,
     MAX_SEGMENTS,
     WorkspaceBuffer,

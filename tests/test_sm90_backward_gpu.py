@@ -19,7 +19,6 @@ import jax_kda
 from jax_kda import sm90, xla
 from jax_kda.constants import GATE_LOWER_BOUND_MIN as LB
 from jax_kda.constants import default_scale
-from jax_kda.ffi_call import cute_call, register
 from jax_kda.oracle import (
     RMS_RATIO_BAR,
     long_memory_inputs,
@@ -27,7 +26,8 @@ from jax_kda.oracle import (
     recurrent_oracle,
     rms_ratio,
 )
-from jax_kda.plan import SCAN_V_SLICES
+from jax_kda.sm90.ffi_call import cute_call, register
+from jax_kda.sm90.plan import SCAN_V_SLICES
 
 pytestmark = pytest.mark.gpu
 

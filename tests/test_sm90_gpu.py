@@ -20,9 +20,9 @@ import jax_kda
 from jax_kda import sm90
 from jax_kda.constants import GATE_LOWER_BOUND_MIN as LB
 from jax_kda.constants import HEAD_DIM, default_scale
-from jax_kda.ffi_call import cute_call, register
 from jax_kda.oracle import RMS_RATIO_BAR, production_inputs, recurrent_oracle, rms_ratio
-from jax_kda.plan import plan_prefill
+from jax_kda.sm90.ffi_call import cute_call, register
+from jax_kda.sm90.plan import plan_prefill
 
 pytestmark = pytest.mark.gpu
 

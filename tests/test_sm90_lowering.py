@@ -1,21 +1,24 @@
 """CPU CI for the sm90 path: every kernel variant compiles and exports for sm_90a, and the jitted
 prefill lowers for CUDA to our custom call, without a GPU (CUTE_DSL_ARCH=sm_90a)."""
 
+import ast
 import os
 import re
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import pytest
 
 import jax_kda
-from jax_kda import cute_export, sm90
-from jax_kda.ffi_call import TARGET
+from jax_kda import sm90
 from jax_kda.oracle import production_inputs
-from jax_kda.plan import SCAN_V_SLICES, plan_prefill
+from jax_kda.sm90 import export as cute_export
+from jax_kda.sm90.ffi_call import TARGET
+from jax_kda.sm90.plan import SCAN_V_SLICES, plan_prefill
 
 # Heads from SPEC's shapes and the small/many-sequence cases; every one is a separate variant.
 VARIANT_HEADS = [1, 2, 4, 32]
@@ -185,12 +188,47 @@ def test_grad_lowers_to_the_backward_kernels_and_no_loop():
     assert "stablehlo.while" not in text
 
 
+def test_cache_key_covers_every_source_the_kernels_import():
+    """The disk cache would hand back a stale object if a kernel imported a module the key does
+    not hash: every jax_kda module a kernel source imports must be among kernel_sources()."""
+    sources = {p.resolve() for p in cute_export.kernel_sources()}
+    names = {p.name for p in sources}
+    assert {"layout.py", "constants.py", "kda_fwd_sm90.py", "kda_state_scan_sm90.py"} <= names
+    root = Path(jax_kda.__file__).resolve().parent.parent
+    for path in cute_export.KERNELS_DIR.glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("jax_kda"):
+                module = root / (node.module.replace(".", "/") + ".py")
+                package = root / node.module.replace(".", "/") / "__init__.py"
+                assert module.resolve() in sources or package.resolve() in sources, (
+                    f"{path.name} imports {node.module}, which the cache key does not hash"
+                )
+
+
+def test_cache_key_changes_with_any_kernel_source(monkeypatch, tmp_path):
+    config = {"x": 1}
+    before = cute_export.artifact_key(config)
+    edited = tmp_path / "constants.py"
+    edited.write_text(Path(cute_export.constants.__file__).read_text() + "\n# edited\n")
+    sources = [p for p in cute_export.kernel_sources() if p.name != "constants.py"]
+    monkeypatch.setattr(cute_export, "kernel_sources", lambda: [*sources, edited])
+    assert cute_export.artifact_key(config) != before
+
+
+def test_the_ffi_source_ships_with_the_package():
+    from jax_kda.sm90 import ffi_build
+
+    assert ffi_build.SOURCE.is_relative_to(Path(jax_kda.__file__).resolve().parent)
+    assert "XLA_FFI_DEFINE_HANDLER" in ffi_build.SOURCE.read_text()
+
+
 def test_a_new_process_loads_the_kernel_from_disk_without_compiling(tmp_path):
     script = textwrap.dedent(
         """
         import time
         t = time.perf_counter()
-        from jax_kda import cute_export, sm90
+        from jax_kda import sm90
+        from jax_kda.sm90 import export as cute_export
         sm90.forward_artifact(3, 128 ** -0.5)
         print(cute_export.COMPILE_COUNT, f"{time.perf_counter() - t:.2f}")
         """

@@ -24,7 +24,6 @@ import hashlib
 import json
 import os
 import re
-import sys
 import tempfile
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -37,6 +36,8 @@ if not os.environ.get("CUTE_DSL_ARCH"):
 import cutlass
 import cutlass.cute as cute
 from cutlass.cute.typing import SymInt
+
+from jax_kda import constants
 
 ARCH = os.environ["CUTE_DSL_ARCH"]
 
@@ -86,7 +87,7 @@ class TensorAbi:
 class Artifact:
     """An exported CuTe function: what the FFI handler needs to load and call it."""
 
-    key: str  # disk-cache key: sha256 over (launcher source, config, DSL version, arch)
+    key: str  # disk-cache key: sha256 over (kernel sources, config, DSL version, arch)
     prefix: str  # symbol prefix given to export_to_c; CuteDSLRT_Module_Get_Function looks it up
     object_bytes: bytes
     header: str
@@ -151,16 +152,22 @@ def _check_header(
             )
 
 
-def artifact_key(launcher: Callable, config: dict) -> str:
-    """Hash of everything the object depends on: kernel module source, config, DSL version, arch."""
-    source = Path(sys.modules[launcher.__module__].__file__).read_bytes()  # the kernel's module
+KERNELS_DIR = Path(__file__).resolve().parent / "kernels"
+
+
+def kernel_sources() -> list[Path]:
+    """Every source an exported object can depend on: the kernels package (kernels, shared
+    helpers, layout facts) and the constants they import. tests/test_sm90_lowering.py checks
+    that the kernels import nothing else of jax_kda."""
+    return [*sorted(KERNELS_DIR.glob("*.py")), Path(constants.__file__).resolve()]
+
+
+def artifact_key(config: dict) -> str:
+    """Hash of everything the object depends on: every kernel source (kernel_sources), config,
+    DSL version, arch. A changed constant or helper never reuses a stale object."""
+    sources = {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in kernel_sources()}
     blob = json.dumps(
-        {
-            "config": config,
-            "dsl": cutlass.__version__,
-            "arch": ARCH,
-            "source": hashlib.sha256(source).hexdigest(),
-        },
+        {"config": config, "dsl": cutlass.__version__, "arch": ARCH, "sources": sources},
         sort_keys=True,
     )
     return hashlib.sha256(blob.encode()).hexdigest()
@@ -183,10 +190,7 @@ def export(launcher: Callable, fake_args: dict[str, Any], *, prefix: str, config
     extents = {
         n: [d if isinstance(d, int) else None for d in f.shape] for n, f in fake_args.items()
     }
-    key = artifact_key(
-        launcher,
-        {"config": config, "prefix": prefix, "tensors": abi, "extents": extents},
-    )
+    key = artifact_key({"config": config, "prefix": prefix, "tensors": abi, "extents": extents})
     entry = cache_dir() / f"{prefix}-{key[:24]}"
     if (entry / "meta.json").exists():
         return Artifact(

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 import jax
 import numpy as np
 
-from jax_kda.cute_export import Artifact
+from jax_kda.sm90.export import Artifact
 
 TARGET = "jax_kda_cute_call"
 STATE_TYPE = "jax_kda_cute_call_state"
@@ -28,7 +28,7 @@ def register(library: str | None = None) -> None:
     Lowering alone only needs the target name, so this is optional on machines without a GPU.
     """
     if library is None:
-        from jax_kda.ffi_build import build_library
+        from jax_kda.sm90.ffi_build import build_library
 
         library = str(build_library())
     lib = ctypes.CDLL(library)

@@ -42,8 +42,8 @@ from cutlass import BFloat16, Float32, Int32
 from cutlass.cute.nvgpu import cpasync
 from cutlass.memory import SmemAllocator
 
-from jax_kda.constants import CHUNK, HEAD_DIM
-from jax_kda.plan import CHUNK_RECORD_BYTES
+from jax_kda.constants import HEAD_DIM
+from jax_kda.sm90.kernels.layout import CHUNK, CHUNK_RECORD_BYTES
 
 NTHREADS = 128
 VS = 64  # V rows per EXPAND CTA

@@ -1,10 +1,11 @@
-"""Build ffi/cute_call.cc into a shared library on demand (needs g++, jax and the CuTe DSL wheel).
+"""Build the FFI handler (ffi/cute_call.cc, shipped in the package as sm90/cute_call.cc) into a
+shared library on demand (needs g++, jax and the CuTe DSL wheel).
 
 The library links libcute_dsl_runtime.so from the installed DSL wheel with an rpath to it, so it
 must be built on the machine that runs it (it is cheap: about 2 s). Builds are cached under
 `aot.cache_dir()`, keyed by the source, the compiler flags and the two header/library locations.
 
-    python -m jax_kda.ffi_build      # prints the path of the built library
+    python -m jax_kda.sm90.ffi_build      # prints the path of the built library
 """
 
 from __future__ import annotations
@@ -18,9 +19,11 @@ from pathlib import Path
 
 import jax
 
-from jax_kda.cute_export import cache_dir
+from jax_kda.sm90.export import cache_dir
 
-SOURCE = Path(__file__).resolve().parent.parent / "ffi" / "cute_call.cc"
+SOURCE = Path(__file__).resolve().parent / "cute_call.cc"
+"""The handler's source: a link to ffi/cute_call.cc in a checkout, a copy of it in an installed
+package (pyproject.toml's package data)."""
 CXXFLAGS = ["-std=c++17", "-O2", "-fPIC", "-shared", "-Wall"]
 
 
@@ -39,8 +42,8 @@ def build_library() -> Path:
     """Path of the built handler library, compiling it if this configuration is new."""
     if not SOURCE.exists():
         raise FileNotFoundError(
-            f"{SOURCE} is missing: the sm90 backend builds its FFI handler from the source "
-            "checkout; install jax_kda from a clone with `pip install -e .`"
+            f"{SOURCE} is missing: the sm90 backend builds its FFI handler from it; reinstall "
+            "jax_kda (`pip install .` ships it as package data)"
         )
     lib_dir = cute_runtime_dir()
     include_dirs = [Path(jax.ffi.include_dir()), lib_dir.parent / "include"]

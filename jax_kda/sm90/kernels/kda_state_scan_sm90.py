@@ -36,7 +36,7 @@ from cutlass.cute.nvgpu import cpasync
 from cutlass.memory import SmemAllocator
 
 from jax_kda.constants import HEAD_DIM, SCAN_CHUNK
-from jax_kda.plan import SCAN_V_SLICES
+from jax_kda.sm90.kernels.layout import SCAN_V_SLICES
 
 NTHREADS = 128
 A_ROW = HEAD_DIM + 4  # padded row of A in shared memory: phase 1's row reads fall in other banks

@@ -11,11 +11,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from jax_kda.constants import CHUNK, HEAD_DIM, SCAN_CHUNK
-
-CHUNK_RECORD_BYTES = 21504
-"""Bytes PREP writes per (chunk slot, head) for EXPAND: -wt, qg, kg^T (bf16 swizzled wgmma tiles,
-4 KiB each), Z (bf16 16x16), a = exp(gamma) (f32 [128]) and ut^T (f32 [128, 16])."""
+from jax_kda.constants import HEAD_DIM, SCAN_CHUNK
+from jax_kda.sm90.kernels.layout import CHUNK, CHUNK_RECORD_BYTES, SCAN_V_SLICES
 
 # The cost model of the serial part, in microseconds, fitted to benchmarks.kernel_profile on the
 # H200 (2026-11-30: 1024x4x1, 2048x12x1, 4096x12x1 and 8192x16x1, each cut into 1..16 segments).
@@ -167,10 +164,6 @@ def plan_prefill(
             WorkspaceBuffer("chunk_state_cotangents", scan_states, "float32"),
         ),
     )
-
-
-SCAN_V_SLICES = (16, 32)
-"""State columns one CTA of the backward's state scan may own (kernels/kda_state_scan_sm90.py)."""
 
 
 def scan_v_slice(num_heads: int, num_sequences: int, sm_count: int | None) -> int:

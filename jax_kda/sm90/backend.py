@@ -1,7 +1,7 @@
 """The sm90 backend: exports the CuTe DSL kernels and calls them through the XLA FFI target.
 
 The kernels are compiled for sm_90a with T and N symbolic, once per (heads, scale), and cached on
-disk (see cute_export.py), so neither a new T or N nor a new process compiles them again.
+disk (see export.py), so neither a new T or N nor a new process compiles them again.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import jax.numpy as jnp
 
 from jax_kda import xla
 from jax_kda.constants import HEAD_DIM, SCAN_CHUNK
-from jax_kda.plan import plan_prefill, scan_v_slice
+from jax_kda.sm90.plan import plan_prefill, scan_v_slice
 
 SM_COUNT_ENV = "JAX_KDA_SM_COUNT"
 """Without a GPU present, the SM count to plan segments for (e.g. 132 for an H100 SXM or H200)."""
@@ -93,7 +93,7 @@ def unavailable_reason(q_dtype, total_tokens, num_heads, num_sequences) -> str |
     except ImportError as error:
         return f"nvidia-cutlass-dsl cannot be imported: {error}"
     if has_hopper():
-        from jax_kda.ffi_call import register
+        from jax_kda.sm90.ffi_call import register
 
         try:
             register()
@@ -108,8 +108,8 @@ def forward_artifact(num_heads: int, scale: float):
     import cutlass.cute as cute
     from cutlass import BFloat16, Float32, Int32
 
-    from jax_kda.cute_export import export, row_major_fake
-    from jax_kda.kernels.kda_fwd_sm90 import KdaConfig, KdaForwardSm90
+    from jax_kda.sm90.export import export, row_major_fake
+    from jax_kda.sm90.kernels.kda_fwd_sm90 import KdaConfig, KdaForwardSm90
 
     config = KdaConfig(num_heads=num_heads, scale=scale)
     tokens, seqs, seqs_plus_one = cute.sym_int32(), cute.sym_int32(), cute.sym_int32()
@@ -161,7 +161,7 @@ def result_shapes(
 def forward(q, k, v, g, beta, cu_seqlens, initial_state, scale, *, segments=None):
     """KDA forward on the sm90 kernels; same contract as xla.forward (q, k, v bfloat16).
     segments: cut every sequence into this many segments (diagnostics, tests); None: the plan's."""
-    from jax_kda.ffi_call import cute_call
+    from jax_kda.sm90.ffi_call import cute_call
 
     total_tokens, num_heads, _ = q.shape
     results = result_shapes(total_tokens, num_heads, cu_seqlens.shape[0] - 1, segments)
@@ -177,8 +177,8 @@ def state_scan_artifact(reverse: bool, v_slice: int):
     import cutlass.cute as cute
     from cutlass import Float32, Int32
 
-    from jax_kda.cute_export import export, row_major_fake
-    from jax_kda.kernels.kda_state_scan_sm90 import ChunkStateScanSm90, ScanConfig
+    from jax_kda.sm90.export import export, row_major_fake
+    from jax_kda.sm90.kernels.kda_state_scan_sm90 import ChunkStateScanSm90, ScanConfig
 
     config = ScanConfig(reverse=reverse, v_slice=v_slice)
     slots, heads, seqs = cute.sym_int32(), cute.sym_int32(), cute.sym_int32()
@@ -207,7 +207,7 @@ def state_scan_kernel(a_op, b_op, decay, addend, cu_seqlens, y0, *, reverse: boo
     """xla.state_scan's contract, run by the sm90 state-scan kernel (no autodiff rule)."""
     num_heads, num_sequences = y0.shape[1], y0.shape[0]
     v_slice = scan_v_slice(num_heads, num_sequences, device_sm_count())
-    from jax_kda.ffi_call import cute_call
+    from jax_kda.sm90.ffi_call import cute_call
 
     results = [
         jax.ShapeDtypeStruct((a_op.shape[0], *y0.shape[1:]), jnp.float32),

@@ -1,0 +1,44 @@
+"""The sm90 (Hopper) backend: CuTe DSL kernels exported ahead of time and called from jax.jit
+through one XLA FFI target.
+
+    backend.py    availability, kernel export per variant, the calls (forward, training forward)
+    plan.py       static plan of a call (segments, launches, workspace), plain Python
+    export.py     compile + export_to_c for sm_90a with symbolic sizes, the disk cache
+    ffi_build.py  builds the FFI handler (cute_call.cc, shipped with the package) on first use
+    ffi_call.py   registers the FFI target and wraps jax.ffi.ffi_call
+    kernels/      the CuTe DSL kernels, one a file, and layout.py, their layout facts
+"""
+
+from jax_kda.sm90 import backend
+from jax_kda.sm90.backend import (
+    ASSUME_SM90_ENV,
+    INDEX_LIMIT,
+    SM_COUNT_ENV,
+    device_sm_count,
+    differentiable_state_scan,
+    forward,
+    forward_artifact,
+    has_hopper,
+    result_shapes,
+    state_scan_artifact,
+    state_scan_kernel,
+    training_forward,
+    unavailable_reason,
+)
+
+__all__ = [
+    "ASSUME_SM90_ENV",
+    "INDEX_LIMIT",
+    "SM_COUNT_ENV",
+    "backend",
+    "device_sm_count",
+    "differentiable_state_scan",
+    "forward",
+    "forward_artifact",
+    "has_hopper",
+    "result_shapes",
+    "state_scan_artifact",
+    "state_scan_kernel",
+    "training_forward",
+    "unavailable_reason",
+]

@@ -1,0 +1,1 @@
+../../ffi/cute_call.cc

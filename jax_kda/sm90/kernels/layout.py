@@ -1,0 +1,14 @@
+"""The kernels' layout facts, in plain Python (no CuTe): the plan and the backend read them
+from here, the kernels define their buffers from them. One home for each."""
+
+CHUNK = 16
+"""Tokens per chunk of the sm90 forward kernels (the backward's are constants.SCAN_CHUNK). At the
+production gate (>= -5 per step) exp(-Gamma) over 16 tokens stays under e^80, inside float32's
+range, which is what lets the forward factorise the decay."""
+
+CHUNK_RECORD_BYTES = 21504
+"""Bytes PREP writes per (chunk slot, head) for EXPAND: -wt, qg, kg^T (bf16 swizzled wgmma tiles,
+4 KiB each), Z (bf16 16x16), a = exp(gamma) (f32 [128]) and ut^T (f32 [128, 16])."""
+
+SCAN_V_SLICES = (16, 32)
+"""State columns one CTA of the backward's state scan may own (kda_state_scan_sm90.py)."""
