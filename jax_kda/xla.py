@@ -46,7 +46,10 @@ def chunk_slot_count(total_tokens: int, num_sequences: int) -> int:
 def _token_slots(cu_seqlens: jax.Array, total_tokens: int):
     """Per token: its sequence index and its row in the flattened [slots * 64] chunk grid."""
     t = jnp.arange(total_tokens, dtype=jnp.int32)
-    seq = jnp.searchsorted(cu_seqlens[1:], t, side="right", method="sort").astype(jnp.int32)
+    # The sequence of token t: how many interior boundaries cu[1..N-1] are <= t (a scatter and
+    # a cumsum: no loop, and T may be symbolic under jax.export).
+    boundaries = jnp.zeros((total_tokens,), jnp.int32).at[cu_seqlens[1:-1]].add(1, mode="drop")
+    seq = jnp.cumsum(boundaries, dtype=jnp.int32)
     start = cu_seqlens[seq]
     local = t - start
     slot = start // XLA_CHUNK + seq + local // XLA_CHUNK
