@@ -5,6 +5,7 @@ chunked implementation everywhere else; see its docstring for the contract.
 """
 
 from jax_kda.api import BACKENDS, BackendUnavailableError, prefill
+from jax_kda.checks import check_cu_seqlens
 from jax_kda.constants import HEAD_DIM
 from jax_kda.gate import l2_normalize, safe_gate
 from jax_kda.sm90.kernels.layout import CHUNK
@@ -17,6 +18,7 @@ __all__ = [
     "BackendUnavailableError",
     "PrefillPlan",
     "WorkspaceBuffer",
+    "check_cu_seqlens",
     "l2_normalize",
     "plan_prefill",
     "prefill",

@@ -31,6 +31,12 @@ XLA_CHUNK = SCAN_CHUNK
 """Tokens per chunk of this path: a quarter of the serial scan steps of 16-token chunks, and
 more of the work in the parallel per-chunk part; the sm90 backward's state scan shares it."""
 
+GATE_FLOOR = -100.0
+"""Gates below this are taken as this: exp(-100) is about 4e-44, so the state is reset to
+float32 accuracy, as g = -inf (a hard reset) asks, without an infinite cumulative sum (whose
+differences would be NaN) or huge ones that swamp the small gates beside them in a chunk. The
+gradient of a clamped gate is 0, as it is at -inf."""
+
 BLOCK = 16
 """Rows per block of the triangular solve (16-row diagonal blocks inverted, then block
 substitution)."""
@@ -46,7 +52,10 @@ def chunk_slot_count(total_tokens: int, num_sequences: int) -> int:
 def _token_slots(cu_seqlens: jax.Array, total_tokens: int):
     """Per token: its sequence index and its row in the flattened [slots * 64] chunk grid."""
     t = jnp.arange(total_tokens, dtype=jnp.int32)
-    seq = jnp.searchsorted(cu_seqlens[1:], t, side="right", method="sort").astype(jnp.int32)
+    # The sequence of token t: how many interior boundaries cu[1..N-1] are <= t (a scatter and
+    # a cumsum: no loop, and T may be symbolic under jax.export).
+    boundaries = jnp.zeros((total_tokens,), jnp.int32).at[cu_seqlens[1:-1]].add(1, mode="drop")
+    seq = jnp.cumsum(boundaries, dtype=jnp.int32)
     start = cu_seqlens[seq]
     local = t - start
     slot = start // XLA_CHUNK + seq + local // XLA_CHUNK
@@ -345,6 +354,7 @@ def forward(q, k, v, g, beta, cu_seqlens, initial_state, scale, *, scan=state_sc
     num_slots = chunk_slot_count(total_tokens, num_sequences)
     cu_seqlens = jnp.asarray(cu_seqlens, jnp.int32)
     _, rows = _token_slots(cu_seqlens, total_tokens)
+    g = jnp.maximum(g, GATE_FLOOR)  # NaN stays NaN
     as_chunks = [_to_chunks(x.astype(jnp.float32), rows, num_slots) for x in (q, k, v, g, beta)]
     w, u, qg, attn, kd, decay_chunk = _chunk_operands(*as_chunks, scale)
 
