@@ -20,7 +20,13 @@ import jax_kda
 from jax_kda import sm90
 from jax_kda.constants import GATE_LOWER_BOUND_MIN as LB
 from jax_kda.constants import HEAD_DIM, default_scale
-from jax_kda.oracle import RMS_RATIO_BAR, production_inputs, recurrent_oracle, rms_ratio
+from jax_kda.oracle import (
+    RMS_RATIO_BAR,
+    long_memory_inputs,
+    production_inputs,
+    recurrent_oracle,
+    rms_ratio,
+)
 from jax_kda.sm90.ffi_call import cute_call, register
 from jax_kda.sm90.plan import plan_prefill
 
@@ -96,6 +102,32 @@ def test_kernel_matches_float64_oracle(case):
         for s, n in enumerate(lengths):
             if n == 0:
                 np.testing.assert_array_equal(np.asarray(final[s]), x.initial_state[s])
+
+
+@pytest.mark.parametrize("lengths", [[4000, 0, 700, 65], [16384]])
+def test_long_memory_data_with_custom_scale(lengths):
+    """g = -0.05 * sigmoid(.) with g = 0 on every 8th channel and a large initial state: the
+    state carried between chunks and segments and the initial state matter to every output (a
+    dropped one misses the oracle by far more than the bar), planned and forced segments."""
+    x = long_memory_inputs(lengths, 2, seed=SEED + 11)
+    ref_o, ref_final = recurrent_oracle(*x, scale=0.3)
+    forgot, _ = recurrent_oracle(*x[:6], x.initial_state * 0, scale=0.3)
+    assert rms_ratio(forgot, ref_o) > 10 * RMS_RATIO_BAR  # the data exposes a dropped state
+    for segments in (None, FORCED_SPLIT):
+
+        @jax.jit
+        def run(q, k, v, g, beta, cu, state, segments=segments):
+            if segments is None:
+                return jax_kda.prefill(
+                    q, k, v, g, beta, cu_seqlens=cu, initial_state=state, scale=0.3,
+                    backend="sm90", gate_lower_bound=LB,
+                )  # fmt: skip
+            return sm90.forward(q, k, v, g, beta, cu, state, 0.3, segments=segments)
+
+        o, final = run(*x)
+        err_o, err_final = rms_ratio(o, ref_o), rms_ratio(final, ref_final)
+        print(f"long memory {lengths} segments={segments}: o {err_o:.2e} final {err_final:.2e}")
+        assert err_o <= RMS_RATIO_BAR and err_final <= RMS_RATIO_BAR
 
 
 def test_prefill_sm90_equals_oracle_through_the_public_api():
