@@ -105,6 +105,28 @@ def measure(step, args, state, settings: Settings) -> tuple[Timings, tuple]:
     return timings, jax.tree.map(np.asarray, first)
 
 
+def chained_loop(step, per_iteration: int):
+    """jit(args, state, outputs, count): `count` iterations of `per_iteration` chained calls of
+    `step` (each call's next state the next call's state). The loop carries every call's
+    outputs (`outputs`: `per_iteration` copies of one call's), so none is dead code: carrying
+    only the last call's would let XLA drop the others' output work (a backward's dq, dk, ... of
+    every call but the last) and time less than a call does. An optimization barrier does not
+    stop that: XLA removes barriers before dead-code elimination."""
+
+    @jax.jit
+    def loop(args, state, outputs, count):
+        def body(_, carry):
+            state, kept = carry
+            kept = list(kept)
+            for i in range(per_iteration):
+                state, kept[i] = step(args, state)
+            return state, tuple(kept)
+
+        return lax.fori_loop(0, count, body, (state, outputs))
+
+    return loop
+
+
 def _loop_seconds_per_call(
     step, args, state, outputs, iterations: int, per_iteration: int, repeats: int
 ) -> float:
@@ -113,14 +135,8 @@ def _loop_seconds_per_call(
     condition (tens of microseconds, more than a small call); unrolling calls into the body
     shares that cost between them, as the torch rows share one CUDA-graph launch."""
 
-    def body(_, carry):
-        for _ in range(per_iteration):
-            carry = step(args, carry[0])
-        return carry
-
-    @jax.jit
-    def loop(args, state, outputs, count):
-        return lax.fori_loop(0, count, body, (state, outputs))
+    loop = chained_loop(step, per_iteration)
+    outputs = (outputs,) * per_iteration
 
     jax.block_until_ready(loop(args, state, outputs, 1))
     samples = [

@@ -148,6 +148,22 @@ def test_gpu_loop_unrolls_only_short_calls(loop_calls, seconds_per_call, expecte
     assert calls_per_iteration(loop_calls, seconds_per_call) == expected
 
 
+def test_gpu_loop_keeps_every_calls_outputs():
+    """Were only the last chained call's outputs kept, XLA would drop the others' output work
+    (three dots an iteration would become one) and the loop would time too little."""
+    import jax.numpy as jnp
+
+    from benchmarks.jax_measure import chained_loop
+
+    def step(args, state):
+        return state + 1.0, ((args["x"] * state) @ args["w"],)  # a dot per call
+
+    args = {"x": jnp.ones((64, 64)), "w": jnp.ones((64, 64))}
+    outputs = ((jnp.zeros((64, 64)),),) * 3
+    hlo = chained_loop(step, 3).lower(args, jnp.zeros(()), outputs, 2).compile().as_text()
+    assert hlo.count(" dot(") == 3, hlo
+
+
 def test_kernel_profile_segment_counts_are_checked():
     import argparse
 

@@ -188,6 +188,45 @@ def test_grad_lowers_to_the_backward_kernels_and_no_loop():
     assert "stablehlo.while" not in text
 
 
+def test_training_lowers_under_scan_over_layers_checkpoint_and_vmap():
+    """A model's training step: layers in lax.scan, each rematerialised (jax.checkpoint), and a
+    vmapped batch; every form lowers to the forward kernel and both state-scan kernels."""
+    x = production_inputs([130, 0, 60], 2, seed=6)
+    layer = _prefill(backend="sm90")
+
+    def layers(q, k, v, g, beta, cu, state):
+        @jax.checkpoint
+        def body(s, _):
+            o, final = layer(q, k, v, g, beta, cu, s)
+            return final, jnp.sum(o.astype(jnp.float32))
+
+        final, sums = jax.lax.scan(body, state, None, length=3)
+        return jnp.sum(sums) + jnp.sum(final)
+
+    def batched(q, k, v, g, beta, state):
+        def one(q, k, v, g, beta, state):
+            o, final = jax_kda.prefill(
+                q, k, v, g, beta, initial_state=state[None], backend="sm90",
+                gate_lower_bound=-5.0,
+            )  # fmt: skip
+            return jnp.sum(o.astype(jnp.float32)) + jnp.sum(final)
+
+        return jnp.sum(jax.vmap(one)(q, k, v, g, beta, state))
+
+    rows = [a[:128].reshape(2, 64, *a.shape[1:]) for a in x[:5]]
+    cases = {
+        "scan+checkpoint": (jax.value_and_grad(layers, argnums=(0, 1, 2, 3, 4, 6)), x),
+        "vmap": (jax.value_and_grad(batched, argnums=range(6)), (*rows, x.initial_state[:2])),
+    }
+    for name, (fn, args) in cases.items():
+        prefixes = set(re.findall(r'prefix = "(\w+)"', _lower(fn, *args)))
+        kinds = {p.rsplit("_v", 1)[0] if "state_scan" in p else p[:13] for p in prefixes}
+        assert kinds == {"kda_fwd_sm90_", "kda_state_scan_sm90_fwd", "kda_state_scan_sm90_rev"}, (
+            name,
+            prefixes,
+        )
+
+
 def test_cache_key_covers_every_source_the_kernels_import():
     """The disk cache would hand back a stale object if a kernel imported a module the key does
     not hash: every jax_kda module a kernel source imports must be among kernel_sources()."""
