@@ -85,6 +85,31 @@ def markdown_summary(document: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def split_summary(document: dict) -> str:
+    """A training run's step split, per shape and implementation: forward alone / backward
+    (the step minus the forward, both GPU times of the same row), us; empty when no row has
+    the split."""
+    impls, shapes, rows = _implementations(document), _shapes(document), _rows_by_key(document)
+    if not any("backward_gpu_us" in r for r in document["rows"]):
+        return ""
+    lines = [
+        "Forward alone / backward (step - forward), GPU us",
+        "",
+        "| T x H x N | " + " | ".join(impls) + " |",
+        "|" + "---|" * (len(impls) + 1),
+    ]
+    for shape in shapes:
+        cells = [shape]
+        for impl in impls:
+            row = rows.get((shape, impl))
+            ok = row is not None and row["status"] == "ok" and "backward_gpu_us" in row
+            cells.append(
+                f"{row['forward_gpu_us']:.1f} / {row['backward_gpu_us']:.1f}" if ok else ""
+            )
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
 def _with_coverage(value: float, covered: int, digits: int = 1) -> str:
     if covered == 0 or math.isnan(value):
         return ""
@@ -152,6 +177,7 @@ def markdown(document: dict, plot_name: str | None) -> str:
         "(bf16), g, beta (f32) read once, o (bf16) written once, states (f32) in and out, at "
         "4.8 TB/s.\n",
         markdown_summary(document),
+        *([split_summary(document)] if split_summary(document) else []),
         *([f"![GPU time per shape]({plot_name})\n"] if plot_name else []),
         "## All measurements\n",
         "Per call: a jitted call (JAX) or an eager call (torch) from Python, waited for, median. "

@@ -203,6 +203,16 @@ def _measure_row(shape: Shape, name: str, data: ShapeData, settings: Settings) -
         timings, first_result = measure.measure(step, step_args, native.initial_state, settings)
         outputs = packed_outputs(native, data.inputs, first_result)
         ratios = rms_ratios(outputs, data.oracle, data.sample)
+        split = {}
+        if data.cotangents is not None:  # the step's forward alone, so backward = step - it
+            forward, forward_args = measure.forward_step(native)
+            forward_timings, _ = measure.measure(
+                forward, forward_args, native.initial_state, settings
+            )
+            split = {
+                "forward_gpu_us": forward_timings.gpu_us,
+                "backward_gpu_us": timings.gpu_us - forward_timings.gpu_us,
+            }
     except Exception as err:
         traceback.print_exc()
         return {**row, "status": "failed", "reason": f"{err!r}"[:2000]}
@@ -213,6 +223,7 @@ def _measure_row(shape: Shape, name: str, data: ShapeData, settings: Settings) -
         **row,
         "status": "ok",
         **asdict(timings),
+        **split,
         "hbm_floor_ratio": timings.gpu_us / floor,
         "rms_ratio": ratios,
         "accuracy_sample": data.sample.describe(),

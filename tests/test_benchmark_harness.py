@@ -200,3 +200,20 @@ def test_run_end_to_end_on_the_xla_backend(tmp_path):
     stopped = tmp_path / "stopped.json"
     assert run.main(["--quick", "--only", only, "--output", str(stopped), "--stop-after", "0"]) == 0
     assert json.loads(stopped.read_text())["rows"] == []
+
+
+def test_train_run_splits_the_step_into_forward_and_backward(tmp_path):
+    """A --train row times the forward alone too; the report shows forward / backward."""
+    import json
+
+    from benchmarks import run
+
+    path = tmp_path / "train.json"
+    only = "33x2x3-ragged,jax_kda/xla"
+    assert run.main(["--quick", "--train", "--only", only, "--output", str(path)]) == 0
+    (row,) = json.loads(path.read_text())["rows"]
+    assert row["status"] == "ok", row
+    assert 0 < row["forward_gpu_us"] and row["backward_gpu_us"] == pytest.approx(
+        row["gpu_us"] - row["forward_gpu_us"]
+    )
+    assert "Forward alone / backward" in path.with_suffix(".md").read_text()
