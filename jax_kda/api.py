@@ -134,13 +134,18 @@ def _forward(call: _Call, q, k, v, g, beta, cu_seqlens, initial_state):
 
 
 def _forward_sm90(call: _Call, q, k, v, g, beta, cu_seqlens, initial_state):
-    """The kernels take packed THD: a batch of B rows of length T is B sequences of length T."""
+    return _on_packed(sm90.forward, call, q, k, v, g, beta, cu_seqlens, initial_state)
+
+
+def _on_packed(kernel_path, call: _Call, q, k, v, g, beta, cu_seqlens, initial_state):
+    """Run an sm90 path (sm90.forward, sm90.training_forward), which takes packed THD: a batch of
+    B rows of length T is B sequences of length T."""
     if not call.batched:
-        return sm90.forward(q, k, v, g, beta, cu_seqlens, initial_state, call.scale)
+        return kernel_path(q, k, v, g, beta, cu_seqlens, initial_state, call.scale)
     rows, length = q.shape[:2]
     row_cu = jnp.arange(rows + 1, dtype=jnp.int32) * length
     packed = [x.reshape(rows * length, *x.shape[2:]) for x in (q, k, v, g, beta)]
-    o, final_state = sm90.forward(*packed, row_cu, initial_state, call.scale)
+    o, final_state = kernel_path(*packed, row_cu, initial_state, call.scale)
     return o.reshape(q.shape), final_state
 
 
@@ -154,17 +159,6 @@ def _prefill_fwd(call, q, k, v, g, beta, cu_seqlens, initial_state):
     return out, (q, k, v, g, beta, cu_seqlens, initial_state)
 
 
-def _training_forward_sm90(call: _Call, q, k, v, g, beta, cu_seqlens, initial_state):
-    """The forward the sm90 backward differentiates (sm90.training_forward), packed THD."""
-    if not call.batched:
-        return sm90.training_forward(q, k, v, g, beta, cu_seqlens, initial_state, call.scale)
-    rows, length = q.shape[:2]
-    row_cu = jnp.arange(rows + 1, dtype=jnp.int32) * length
-    packed = [x.reshape(rows * length, *x.shape[2:]) for x in (q, k, v, g, beta)]
-    o, final_state = sm90.training_forward(*packed, row_cu, initial_state, call.scale)
-    return o.reshape(q.shape), final_state
-
-
 def _prefill_bwd(call, residuals, cotangents):
     """Recompute from the inputs and pull the cotangents back: on sm90 through the state-scan
     kernels (forward and reverse) and the XLA path's parallel per-chunk parts, else through the
@@ -173,7 +167,8 @@ def _prefill_bwd(call, residuals, cotangents):
 
     def f(q, k, v, g, beta, initial_state):
         if call.backend == "sm90":
-            return _training_forward_sm90(call, q, k, v, g, beta, cu_seqlens, initial_state)
+            args = (q, k, v, g, beta, cu_seqlens, initial_state)
+            return _on_packed(sm90.training_forward, call, *args)
         return _forward(call, q, k, v, g, beta, cu_seqlens, initial_state)
 
     _, pullback = jax.vjp(f, *diff_args, initial_state)
