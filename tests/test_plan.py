@@ -133,3 +133,9 @@ def test_backward_buffers_cover_every_64_token_chunk_slot():
 def test_scan_v_slice_fills_the_sms(heads, sequences, expected):
     assert scan_v_slice(heads, sequences, 132) == expected
     assert scan_v_slice(heads, sequences, None) == 32
+
+
+def test_largest_grid_extent_counts_heads_sequences_and_segments():
+    assert plan_prefill(2048, 12, 1, sm_count=132, segments=1).largest_grid_yz == 12
+    assert plan_prefill(2048, 2, 100, segments=1).largest_grid_yz == 101
+    assert plan_prefill(4096, 1, 100, segments=4).largest_grid_yz == 2 * 100 * 3

@@ -130,6 +130,23 @@ def test_calls_beyond_32_bit_indexing_go_to_xla_or_are_refused():
     assert TARGET not in str(jax.jit(_prefill()).trace(*shapes).jaxpr)
 
 
+def test_calls_beyond_cuda_grid_limits_go_to_xla_or_are_refused():
+    sequences, heads = 70_000, 1  # one launch grid's z extent would pass 65535
+    token = jax.ShapeDtypeStruct((sequences, heads, 128), jnp.bfloat16)
+    shapes = [
+        token,
+        token,
+        token,
+        jax.ShapeDtypeStruct((sequences, heads, 128), jnp.float32),
+        jax.ShapeDtypeStruct((sequences, heads), jnp.float32),
+        jax.ShapeDtypeStruct((sequences + 1,), jnp.int32),
+        jax.ShapeDtypeStruct((sequences, heads, 128, 128), jnp.float32),
+    ]
+    with pytest.raises(jax_kda.BackendUnavailableError, match=r"beyond CUDA's 65535"):
+        jax.jit(_prefill(backend="sm90")).trace(*shapes)
+    assert TARGET not in str(jax.jit(_prefill()).trace(*shapes).jaxpr)
+
+
 def test_lowers_inside_scan_fori_loop_grad_and_batched():
     x = production_inputs([24, 8], 2, seed=4)
     step = _prefill(backend="sm90")

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 
 from jax_kda import xla
 from jax_kda.constants import HEAD_DIM, SCAN_CHUNK
-from jax_kda.sm90.plan import plan_prefill, scan_v_slice
+from jax_kda.sm90.plan import GRID_YZ_LIMIT, plan_prefill, scan_v_slice
 
 SM_COUNT_ENV = "JAX_KDA_SM_COUNT"
 """Without a GPU present, the SM count to plan segments for (e.g. 132 for an H100 SXM or H200)."""
@@ -87,6 +87,12 @@ def unavailable_reason(q_dtype, total_tokens, num_heads, num_sequences) -> str |
         return (
             f"T={total_tokens}, H={num_heads}, N={num_sequences} needs {too_big} elements, "
             f"beyond the kernels' 32-bit indexing (< {INDEX_LIMIT}); split the call"
+        )
+    if plan.largest_grid_yz > GRID_YZ_LIMIT:
+        return (
+            f"H={num_heads}, N={num_sequences} ({plan.segment_count} segment(s) a sequence) needs "
+            f"a launch grid extent of {plan.largest_grid_yz}, beyond CUDA's {GRID_YZ_LIMIT}; "
+            "split the call"
         )
     try:
         import cutlass  # noqa: F401

@@ -29,6 +29,9 @@ COMBINE_STEP_US = 3.1
 LAUNCH_GAP_US = 1.0
 """Idle device time between two of the call's kernels."""
 
+GRID_YZ_LIMIT = 65535
+"""CUDA's limit on a grid's y and z extents."""
+
 MAX_SEGMENTS = 16
 """COMBINE walks the segments serially; more than this would make it the critical path."""
 
@@ -59,6 +62,9 @@ class PrefillPlan:
     launches: int
     """Kernel launches per call."""
     workspace: tuple[WorkspaceBuffer, ...]
+    largest_grid_yz: int
+    """The largest y or z extent of the call's launches, training included (heads; sequences
+    times segments): CUDA allows at most GRID_YZ_LIMIT."""
     backward_buffers: tuple[WorkspaceBuffer, ...]
     """What a training call's backward adds: the state entering every 64-token chunk slot and
     its cotangent at the slot's end (float32, the state-scan kernel's results; XLA temporaries,
@@ -154,6 +160,10 @@ def plan_prefill(
         num_sequences=num_sequences,
         segment_count=segments,
         launches=4 if segments > 1 else 2,
+        # EXPAND: z = N * segments + 1; BUILD: z = 2 N (segments - 1); state scan: z = N; y = H
+        largest_grid_yz=max(
+            num_heads, num_sequences * segments + 1, 2 * num_sequences * (segments - 1)
+        ),
         workspace=(
             WorkspaceBuffer("chunk_records", records, "int32"),
             WorkspaceBuffer("segment_states", states, "float32"),
