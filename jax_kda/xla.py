@@ -302,13 +302,16 @@ def slot_flags(cu_seqlens: jax.Array, num_slots: int):
     return start_seq, last_seq, used
 
 
-def state_scan(a_op, b_op, decay, addend, cu_seqlens, y0, *, reverse: bool):
+def state_scan(a_op, b_op, decay, addend, cu_seqlens, y0, *, reverse: bool, emit=None, extras=()):
     """The serial pass over chunk slots, in XLA: what the sm90 state-scan kernel computes
     (kernels/kda_state_scan_sm90.py has the math), and the XLA path's scan.
 
     a_op, b_op: [slots, H, 64, K]; decay: [slots, H, K]; addend: [slots, H, 64, V] (forward) or
     [slots, H, K, V] (reverse); y0: [N, H, K, V], all float32. Returns (states [slots, H, K, V],
     the value of Y entering each slot, zero in gap slots; final [N, H, K, V]).
+
+    emit: instead of the states, return emit(Y, X, *extras of the slot) per slot (zero in gap
+    slots), computed inside the loop: the XLA path's outputs, without a [slots, H, K, V] array.
     """
     num_slots = a_op.shape[0]
     start_seq, last_seq, used = slot_flags(cu_seqlens, num_slots)
@@ -318,7 +321,7 @@ def state_scan(a_op, b_op, decay, addend, cu_seqlens, y0, *, reverse: bool):
 
     def step(carry, xs):
         y, finals = carry
-        a_c, b_c, d_c, add_c, enter_c, leave_c = xs
+        a_c, b_c, d_c, add_c, enter_c, leave_c, *extras_c = xs
         y = jnp.where(enter_c >= 0, y0[jnp.maximum(enter_c, 0)], y)
         x = sign * jnp.einsum("hik,hkv->hiv", a_c, y, precision=_HIGHEST)
         if not reverse:
@@ -328,15 +331,21 @@ def state_scan(a_op, b_op, decay, addend, cu_seqlens, y0, *, reverse: bool):
             y_next = y_next + add_c
         index = jnp.maximum(leave_c, 0)
         finals = finals.at[index].set(jnp.where(leave_c >= 0, y_next, finals[index]))
-        return (y_next, finals), y
+        return (y_next, finals), (y if emit is None else emit(y, x, *extras_c))
 
     y_start = jnp.zeros_like(y0[0])  # as varying over a shard_map axis as y0 is
-    xs = (a_op, b_op, decay, addend, enter, leave)
-    (_, finals), states = lax.scan(step, (y_start, y0), xs, reverse=reverse)
-    return jnp.where(used[:, None, None, None], states, 0.0), finals
+    xs = (a_op, b_op, decay, addend, enter, leave, *extras)
+    (_, finals), per_slot = lax.scan(step, (y_start, y0), xs, reverse=reverse)
+    return jnp.where(used[:, None, None, None], per_slot, 0.0), finals
 
 
-def forward(q, k, v, g, beta, cu_seqlens, initial_state, scale, *, scan=state_scan):
+def _chunk_output(states, v_new, qg, attn):
+    """O = Qg S + Aqk V_new for one slot or all of them (any leading dims)."""
+    out = jnp.einsum("...ik,...kv->...iv", qg, states, precision=_HIGHEST)
+    return out + jnp.einsum("...ij,...jv->...iv", attn, v_new, precision=_HIGHEST)
+
+
+def forward(q, k, v, g, beta, cu_seqlens, initial_state, scale, *, scan=None):
     """KDA forward, packed THD.
 
     Args:
@@ -344,8 +353,11 @@ def forward(q, k, v, g, beta, cu_seqlens, initial_state, scale, *, scan=state_sc
       g: [T, H, 128] float32 log-decay (<= 0). beta: [T, H] float32.
       cu_seqlens: [N + 1] int32 on the device. initial_state: [N, H, 128(V), 128(K)] float32.
       scale: Python float.
-      scan: the serial pass (state_scan's signature, forward direction): state_scan here, the
-        sm90 kernel (with its own backward) in the sm90 backend's training path.
+      scan: None: the outputs are computed inside the serial pass (state_scan with emit), so no
+        state per chunk is kept beyond what autodiff saves. Else a serial pass with
+        state_scan's signature (forward direction) that returns every chunk's state, from which
+        the outputs are computed in parallel: the sm90 kernel (with its own backward) in the
+        sm90 backend's training path.
     Returns:
       o: [T, H, 128] in q's dtype; final_state: [N, H, 128(V), 128(K)] float32.
     """
@@ -359,12 +371,14 @@ def forward(q, k, v, g, beta, cu_seqlens, initial_state, scale, *, scan=state_sc
     w, u, qg, attn, kd, decay_chunk = _chunk_operands(*as_chunks, scale)
 
     state_kv = jnp.swapaxes(initial_state.astype(jnp.float32), -1, -2)
-    states, finals = scan(w, kd, decay_chunk, u, cu_seqlens, state_kv, reverse=False)
-    # Everything but the state's chain is parallel over chunks: V_new = U - W S,
-    # O = Qg S + Aqk V_new.
-    v_new = u - jnp.einsum("shik,shkv->shiv", w, states, precision=_HIGHEST)
-    out = jnp.einsum("shik,shkv->shiv", qg, states, precision=_HIGHEST)
-    out = out + jnp.einsum("shij,shjv->shiv", attn, v_new, precision=_HIGHEST)
+    operands = (w, kd, decay_chunk, u, cu_seqlens, state_kv)
+    if scan is None:
+        out, finals = state_scan(*operands, reverse=False, emit=_chunk_output, extras=(qg, attn))
+    else:
+        # Everything but the state's chain is parallel over chunks: V_new = U - W S.
+        states, finals = scan(*operands, reverse=False)
+        v_new = u - jnp.einsum("shik,shkv->shiv", w, states, precision=_HIGHEST)
+        out = _chunk_output(states, v_new, qg, attn)
     out = jnp.moveaxis(out, 2, 1).reshape(num_slots * XLA_CHUNK, q.shape[1], -1)
     o = out[rows].astype(q.dtype)
     return o, jnp.swapaxes(finals, -1, -2)

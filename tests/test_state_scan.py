@@ -93,3 +93,23 @@ def test_hard_reset_gate_is_exact_and_differentiable():
     for name, d, r in zip(("q", "k", "v", "g", "beta", "state"), ours, ref, strict=True):
         assert rms_ratio(d, r) <= 1e-5, name
     assert np.all(np.asarray(ours[3])[np.isinf(g)] == 0)
+
+
+@pytest.mark.parametrize("lengths", [[130, 0, 200], [64, 10, 1]])
+def test_states_formulation_equals_the_fused_one(lengths):
+    """The sm90 training path's formulation (every chunk's state from the scan, outputs in
+    parallel) against the XLA path's (outputs inside the scan), forward and gradients."""
+    x = long_memory_inputs(lengths, 2, seed=17, dtype=jnp.float32)
+    args = (*x[:5], x.initial_state)
+
+    def run(scan):
+        def loss(*a):
+            o, final = xla.forward(*a[:5], x.cu_seqlens, a[5], 0.3, scan=scan)
+            return jnp.sum(o**2) + jnp.sum(final**2), (o, final)
+
+        return jax.jit(jax.value_and_grad(loss, argnums=range(6), has_aux=True))(*args)
+
+    (_, fused_out), fused_grads = run(None)
+    (_, states_out), states_grads = run(xla.state_scan)
+    for a, b in zip((*fused_out, *fused_grads), (*states_out, *states_grads), strict=True):
+        assert rms_ratio(a, b) <= 1e-6
