@@ -24,7 +24,11 @@ from jax import lax
 
 from jax_kda.constants import SCAN_CHUNK
 
-_HIGHEST = lax.Precision.HIGHEST
+_HIGHEST = lax.Precision.HIGH
+"""The products' precision: float32 to about 1e-6 on every backend. On the CPU it is float32
+arithmetic; on GPUs XLA runs it as three bfloat16 tensor-core products (bf16_3x) rather than
+float32 FMAs without tensor cores (HIGHEST), which were 760 of 1990 us of a 2048x12x1 training
+step on the H200 (profile, 2026-12-01)."""
 
 
 XLA_CHUNK = SCAN_CHUNK
