@@ -59,9 +59,11 @@ def prefill(
     scale: finite Python float; None means 128 ** -0.5.
     output_final_state: when False, the second result is None.
     gate_lower_bound: None, or a float in [-5, 0) that the caller guarantees every g is at least
-      (the safe gate lb * sigmoid(.) with lb = -5 satisfies -5). The sm90 kernels need it: they
-      factorise the in-chunk decay, which overflows float32 below about -5.5 per step, and the
-      values of g cannot be checked without a host sync. The XLA path is exact for any g <= 0.
+      (the safe gate lb * sigmoid(.) with lb = -5 satisfies -5). On sm90 it picks the fast
+      forward, which factorises the in-chunk decay (float32 overflows below about -5.5 per
+      step; g cannot be checked without a host sync). Without it the sm90 backend runs the
+      exact 64-token forward (the state-scan kernel around the XLA path's per-chunk parts). The
+      XLA path and every backward are exact for any g <= 0.
     backend: "auto" (the sm90 kernels on Hopper when the call fits them, else "xla"), "sm90" or
       "xla". An explicit backend that cannot serve the call raises BackendUnavailableError.
 
@@ -101,18 +103,14 @@ def prefill(
 def _resolve_backend(
     backend: str, dtype, total_tokens, num_heads, num_sequences, gate_lower_bound
 ) -> str:
-    """'auto' takes the sm90 kernels when they can serve the call; 'sm90' insists on them."""
+    """'auto' takes the sm90 kernels when they can serve the call; 'sm90' insists on them. With
+    gate_lower_bound the fast forward ("sm90"); without, the exact 64-token one ("sm90_exact":
+    the state-scan kernel around the XLA path's per-chunk parts, exact for any g <= 0)."""
     if backend == "xla":
         return "xla"
-    if gate_lower_bound is None:
-        reason = (
-            "pass gate_lower_bound (>= -5): the kernels factorise the in-chunk decay, which "
-            "overflows float32 for gates below about -5.5 per step"
-        )
-    else:
-        reason = sm90.unavailable_reason(dtype, total_tokens, num_heads, num_sequences)
+    reason = sm90.unavailable_reason(dtype, total_tokens, num_heads, num_sequences)
     if reason is None:
-        return "sm90"
+        return "sm90" if gate_lower_bound is not None else "sm90_exact"
     if backend == "auto":
         return "xla"
     raise BackendUnavailableError(f"backend='sm90' cannot serve this call: {reason}")
@@ -120,7 +118,10 @@ def _resolve_backend(
 
 def _forward(call: _Call, q, k, v, g, beta, cu_seqlens, initial_state):
     if call.backend == "sm90":
-        return _forward_sm90(call, q, k, v, g, beta, cu_seqlens, initial_state)
+        return _on_packed(sm90.forward, call, q, k, v, g, beta, cu_seqlens, initial_state)
+    if call.backend == "sm90_exact":
+        args = (q, k, v, g, beta, cu_seqlens, initial_state)
+        return _on_packed(sm90.training_forward, call, *args)
     if call.batched:
         row_cu = jnp.array([0, q.shape[1]], jnp.int32)
         per_row = partial(xla.forward, cu_seqlens=row_cu, scale=call.scale)
@@ -131,10 +132,6 @@ def _forward(call: _Call, q, k, v, g, beta, cu_seqlens, initial_state):
 
         return jax.vmap(one_row)(q, k, v, g, beta, initial_state)
     return xla.forward(q, k, v, g, beta, cu_seqlens, initial_state, call.scale)
-
-
-def _forward_sm90(call: _Call, q, k, v, g, beta, cu_seqlens, initial_state):
-    return _on_packed(sm90.forward, call, q, k, v, g, beta, cu_seqlens, initial_state)
 
 
 def _on_packed(kernel_path, call: _Call, q, k, v, g, beta, cu_seqlens, initial_state):
@@ -166,7 +163,7 @@ def _prefill_bwd(call, residuals, cotangents):
     *diff_args, cu_seqlens, initial_state = residuals
 
     def f(q, k, v, g, beta, initial_state):
-        if call.backend == "sm90":
+        if call.backend in ("sm90", "sm90_exact"):
             args = (q, k, v, g, beta, cu_seqlens, initial_state)
             return _on_packed(sm90.training_forward, call, *args)
         return _forward(call, q, k, v, g, beta, cu_seqlens, initial_state)

@@ -138,11 +138,13 @@ def test_prefill_sm90_equals_oracle_through_the_public_api():
     assert rms_ratio(final, ref_final) <= RMS_RATIO_BAR
     auto_o, _ = _prefill("auto")(*x)
     np.testing.assert_array_equal(np.asarray(auto_o), np.asarray(o))
-    # Without a stated gate bound the kernels cannot be trusted with g: "auto" takes XLA.
+    # Without a stated gate bound "auto" runs the exact 64-token forward (the state-scan kernel
+    # around the XLA path's per-chunk parts).
     unbounded = jax.jit(
         lambda q, k, v, g, b, cu, s: jax_kda.prefill(q, k, v, g, b, cu_seqlens=cu, initial_state=s)
-    )(*x)[0]
-    np.testing.assert_array_equal(np.asarray(unbounded), np.asarray(_prefill("xla")(*x)[0]))
+    )(*x)
+    assert rms_ratio(unbounded[0], ref_o) <= RMS_RATIO_BAR
+    assert rms_ratio(unbounded[1], ref_final) <= RMS_RATIO_BAR
 
 
 def test_non_contiguous_inputs_under_jit():

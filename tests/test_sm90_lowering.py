@@ -92,9 +92,12 @@ def test_new_tokens_or_sequences_do_not_compile_again():
 def test_auto_picks_sm90_for_bf16_and_xla_for_float32():
     x = production_inputs([20], 2, seed=3)
     assert TARGET in _lower(_prefill(), *x)
-    assert TARGET not in _lower(_prefill(gate_lower_bound=None), *x)
-    with pytest.raises(jax_kda.BackendUnavailableError, match="pass gate_lower_bound"):
-        _lower(_prefill(backend="sm90", gate_lower_bound=None), *x)
+    # Without a gate bound: the exact forward, the state-scan kernel and no forward kernel.
+    for backend in ("auto", "sm90"):
+        prefixes = re.findall(
+            r'prefix = "(\w+)"', _lower(_prefill(backend=backend, gate_lower_bound=None), *x)
+        )
+        assert prefixes and all(p.startswith("kda_state_scan_sm90_fwd") for p in prefixes), prefixes
     x32 = production_inputs([20], 2, seed=3, dtype=jnp.float32)
     assert TARGET not in _lower(_prefill(), *x32)
     with pytest.raises(jax_kda.BackendUnavailableError, match="take bfloat16 q, k, v; got float32"):
