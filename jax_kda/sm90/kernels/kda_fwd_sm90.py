@@ -44,6 +44,7 @@ from cutlass.memory import SmemAllocator
 
 from jax_kda.constants import HEAD_DIM
 from jax_kda.sm90.kernels.layout import CHUNK, CHUNK_RECORD_BYTES
+from jax_kda.sm90.kernels.varlen import sequence_slots, slot_owner
 
 NTHREADS = 128
 VS = 64  # V rows per EXPAND CTA
@@ -260,7 +261,6 @@ class KdaForwardSm90:
         tid, _, _ = cute.arch.thread_idx()
         slot, h, _ = cute.arch.block_idx()
         scale = self.scale
-        n_seq = mCu.shape[0] - 1
         d = tid
 
         smem = SmemAllocator()
@@ -294,25 +294,7 @@ class KdaForwardSm90:
             cute.make_layout((HEAD_DIM, CHUNK), stride=(CHUNK, 1)),
         )
 
-        # ---- which sequence owns this slot: largest s with cu[s]//16 + s <= slot
-        lo = Int32(0)
-        hi = n_seq
-        while hi - lo > 1:
-            mid = (lo + hi) // 2
-            if mCu[mid] // CHUNK + mid <= slot:
-                lo = mid
-            else:
-                hi = mid
-        active = n_seq > 0
-        bos = Int32(0)
-        seqlen = Int32(0)
-        c = Int32(0)
-        if active:
-            bos = mCu[lo]
-            seqlen = mCu[lo + 1] - bos
-            c = slot - (bos // CHUNK + lo)
-            nch = (seqlen + (CHUNK - 1)) // CHUNK
-            active = c < nch
+        active, bos, seqlen, c = slot_owner(mCu, slot, CHUNK)
         if active:
             eos = bos + seqlen
             r_kw = cute.make_rmem_tensor((CHUNK,), Float32)
@@ -501,14 +483,11 @@ class KdaForwardSm90:
         )  # cp.async.cg (L2 only)
 
         if n < n_seq:
-            bos = mCu[n]
-            eos = mCu[n + 1]
-            seqlen = eos - bos
-            nchunks = (seqlen + (CHUNK - 1)) // CHUNK
+            bos, seqlen, nchunks, first_slot = sequence_slots(mCu, n, CHUNK)
             seg_chunks = (nchunks + nseg - 1) // nseg
             first = cutlass.min(p * seg_chunks, nchunks)
             count = cutlass.min(first + seg_chunks, nchunks) - first
-            slot0 = bos // CHUNK + n + first
+            slot0 = first_slot + first
             acc_s = cute.make_rmem_tensor(mma_n128.partition_shape_C((VS, HEAD_DIM)), Float32)
             acc_r = cute.make_rmem_tensor(mma_n16.partition_shape_C((VS, CHUNK)), Float32)
             acc_o = cute.make_rmem_tensor(mma_n16.partition_shape_C((VS, CHUNK)), Float32)
@@ -661,7 +640,7 @@ class KdaForwardSm90:
         vslab, h, n = cute.arch.block_idx()
         nseg = mSegStates.shape[0]
         vbase = vslab * VS
-        nchunks = (mCu[n + 1] - mCu[n] + (CHUNK - 1)) // CHUNK
+        _, _, nchunks, _ = sequence_slots(mCu, n, CHUNK)
         seg_chunks = (nchunks + nseg - 1) // nseg  # as chain_kernel cuts the sequence
 
         smem = SmemAllocator()

@@ -37,6 +37,7 @@ from cutlass.memory import SmemAllocator
 
 from jax_kda.constants import HEAD_DIM, SCAN_CHUNK
 from jax_kda.sm90.kernels.layout import SCAN_V_SLICES
+from jax_kda.sm90.kernels.varlen import sequence_slots
 
 NTHREADS = 128
 A_ROW = HEAD_DIM + 4  # padded row of A in shared memory: phase 1's row reads fall in other banks
@@ -142,13 +143,10 @@ class ChunkStateScanSm90:
             cpasync.CopyG2SOp(cpasync.LoadCacheMode.GLOBAL), Float32, num_bits_per_copy=128
         )
 
-        bos = mCu[n]
-        eos = mCu[n + 1]
-        nch = (eos - bos + (SCAN_CHUNK - 1)) // SCAN_CHUNK
-        slot0 = bos // SCAN_CHUNK + n
-        gap_end = n_slots
+        bos, seqlen, nch, slot0 = sequence_slots(mCu, n, SCAN_CHUNK)
+        gap_end = n_slots  # the next sequence's first slot
         if n + 1 < n_seq:
-            gap_end = eos // SCAN_CHUNK + n + 1
+            gap_end = (bos + seqlen) // SCAN_CHUNK + n + 1
 
         # phase 2 / register layout of Y: rows 4 * yk + r, columns YV * yq + c
         yk = tid // 4

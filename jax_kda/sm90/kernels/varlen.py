@@ -1,0 +1,45 @@
+"""Decoding cu_seqlens into chunk slots: the one place every kernel does it.
+
+Sequence s owns the slots cu[s] // C + s + c, c in [0, ceil(len_s / C)), for C-token chunks:
+T // C + N slots hold any packing of T tokens in N sequences, slots of different sequences never
+overlap, and the others (gap slots) belong to no sequence (xla.py maps tokens the same way).
+"""
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Int32
+
+
+@cute.jit
+def sequence_slots(mCu: cute.Tensor, n, chunk: cutlass.Constexpr[int]):
+    """Sequence n's first token, length, chunk count and first slot."""
+    bos = mCu[n]
+    seqlen = mCu[n + 1] - bos
+    chunks = (seqlen + (chunk - 1)) // chunk
+    return bos, seqlen, chunks, bos // chunk + n
+
+
+@cute.jit
+def slot_owner(mCu: cute.Tensor, slot, chunk: cutlass.Constexpr[int]):
+    """The sequence whose chunk `slot` holds: (active, first token, length, the chunk's index
+    in the sequence); active is False for a gap slot (and when there is no sequence)."""
+    n_seq = mCu.shape[0] - 1
+    lo = Int32(0)
+    hi = n_seq
+    while hi - lo > 1:  # largest s with cu[s] // C + s <= slot
+        mid = (lo + hi) // 2
+        if mCu[mid] // chunk + mid <= slot:
+            lo = mid
+        else:
+            hi = mid
+    active = n_seq > 0
+    bos = Int32(0)
+    seqlen = Int32(0)
+    c = Int32(0)
+    if active:
+        bos = mCu[lo]
+        seqlen = mCu[lo + 1] - bos
+        c = slot - (bos // chunk + lo)
+        nch = (seqlen + (chunk - 1)) // chunk
+        active = c < nch
+    return active, bos, seqlen, c
