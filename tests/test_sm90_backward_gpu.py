@@ -233,3 +233,20 @@ def test_grads_equal_the_xla_backends_to_float32_rounding(data):
         bar = 3e-3 if a.dtype == jnp.bfloat16 else 1e-4
         print(f"{data} d{name} sm90 vs xla: {error:.1e} (bar {bar:.0e})")
         assert error <= bar, (name, error)
+
+
+@pytest.mark.parametrize(
+    "bad_cu", [[0, 5000, 3, 200], [-300, 10, 100, 200], [0, 100, 50, 900]], ids=str
+)
+def test_scan_kernel_stays_in_bounds_on_bad_boundaries(bad_cu):
+    """Bad cu_seqlens give garbage, never an access out of the buffers (run this file under
+    `compute-sanitizer --tool memcheck` to see the second half checked)."""
+    register()
+    args = list(scan_operands([100, 50, 50], 2, SEED))  # T = 200, 3 sequences, 6 slots
+    args[4] = jnp.asarray(bad_cu, jnp.int32)
+    for reverse in (False, True):
+        if reverse:
+            args[3] = scan_operands([100, 50, 50], 2, SEED, reverse=True)[3]
+        states, final = sm90.state_scan_kernel(*args, reverse=reverse)
+        jax.block_until_ready((states, final))
+        assert states.shape == (args[0].shape[0], 2, 128, 128)

@@ -31,7 +31,7 @@ import dataclasses
 import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
-from cutlass import Float32
+from cutlass import Float32, Int32
 from cutlass.cute.nvgpu import cpasync
 from cutlass.memory import SmemAllocator
 
@@ -147,6 +147,13 @@ class ChunkStateScanSm90:
         gap_end = n_slots  # the next sequence's first slot
         if n + 1 < n_seq:
             gap_end = (bos + seqlen) // SCAN_CHUNK + n + 1
+        # Valid boundaries give 0 <= slot0 <= slot0 + nch <= gap_end <= n_slots; clamped, bad
+        # ones (cu[0] != 0, decreasing, cu[N] != T) give garbage but no access out of bounds.
+        slot0 = cutlass.min(cutlass.max(slot0, Int32(0)), n_slots)
+        chunks_end = cutlass.min(cutlass.min(slot0 + cutlass.max(nch, Int32(0)), gap_end), n_slots)
+        chunks_end = cutlass.max(chunks_end, slot0)
+        nch = chunks_end - slot0
+        gap_end = cutlass.min(cutlass.max(gap_end, chunks_end), n_slots)
 
         # phase 2 / register layout of Y: rows 4 * yk + r, columns YV * yq + c
         yk = tid // 4
