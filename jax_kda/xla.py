@@ -18,8 +18,11 @@ so no operand can overflow whatever the gate: the path is exact for any g <= 0, 
 
 from __future__ import annotations
 
+from functools import partial
+
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from jax_kda.constants import SCAN_CHUNK
@@ -265,27 +268,82 @@ def _decayed_products_bwd(residuals, cotangents):
 _decayed_products.defvjp(_decayed_products_fwd, _decayed_products_bwd)
 
 
-def _chunk_operands(q, k, v, g, beta, scale):
-    """State-independent per-chunk operands, all chunks in parallel.
+_ROWS = np.arange(XLA_CHUNK)
+_LOWER_INCL = _ROWS[:, None] >= _ROWS[None, :]  # numpy: importing the module starts no backend
+_LOWER_STRICT = _ROWS[:, None] > _ROWS[None, :]
 
-    Inputs are float32 [slots, H, 64, D] (beta: [slots, H, 64]). Returns, with S the [K, V] state
-    at the chunk start: V_new = U - W S; O = Qg S + Aqk V_new; S' = a * S + Kd^T V_new.
-    """
+
+def _chunk_operands_with_residuals(q, k, v, g, beta, scale):
     gamma = jnp.cumsum(g, axis=2)
     gamma_last = gamma[:, :, -1:, :]
-    rows = jnp.arange(XLA_CHUNK)
-    lower_incl = rows[:, None] >= rows[None, :]
-    lower_strict = rows[:, None] > rows[None, :]
     kk, qk = _decayed_products(q, k, gamma)
-    lower = jnp.where(lower_strict, beta[..., :, None] * kk, 0.0)
-    attn = jnp.where(lower_incl, scale * qk, 0.0)
+    lower = jnp.where(_LOWER_STRICT, beta[..., :, None] * kk, 0.0)
+    attn = jnp.where(_LOWER_INCL, scale * qk, 0.0)
     rhs = jnp.concatenate([beta[..., None] * k * jnp.exp(gamma), beta[..., None] * v], axis=-1)
     solved = _blocked_unit_lower_solve(lower, rhs)
     w, u = jnp.split(solved, 2, axis=-1)
     qg = scale * q * jnp.exp(gamma)
     kd = k * jnp.exp(gamma_last - gamma)
     decay_chunk = jnp.exp(gamma_last[:, :, 0, :])
-    return w, u, qg, attn, kd, decay_chunk
+    residuals = (q, k, v, beta, gamma, kk, lower, solved, qg, kd, decay_chunk)
+    return (w, u, qg, attn, kd, decay_chunk), residuals
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(5,))
+def _chunk_operands(q, k, v, g, beta, scale):
+    """State-independent per-chunk operands, all chunks in parallel.
+
+    Inputs are float32 [slots, H, 64, D] (beta: [slots, H, 64]). Returns, with S the [K, V] state
+    at the chunk start: V_new = U - W S; O = Qg S + Aqk V_new; S' = a * S + Kd^T V_new.
+    Its backward (_chunk_operands_bwd) is written out: the statement of what a per-chunk
+    backward kernel computes.
+    """
+    return _chunk_operands_with_residuals(q, k, v, g, beta, scale)[0]
+
+
+def _chunk_operands_fwd(q, k, v, g, beta, scale):
+    return _chunk_operands_with_residuals(q, k, v, g, beta, scale)
+
+
+def _chunk_operands_bwd(scale, residuals, cotangents):
+    """With Gamma the in-chunk cumsum of g, E = exp(Gamma), T = I + L (L = strictLower(beta kk)):
+    [W | U] = T^-1 [beta k E | beta v], Qg = scale q E, Aqk = scale inclLower(qk),
+    Kd = k exp(Gamma_last - Gamma), a = exp(Gamma_last). Backward:
+      dRhs = T^-T [dW | dU];  dL = -strictLower(dRhs [W | U]^T)
+      dkk = beta dL, dbeta = rowsum(dL kk) + rowsum(dRhs [k E | v])
+      (dq, dk, dGamma) += decayed products' backward of (dkk, scale dAqk)
+      then the elementwise terms of E, Qg, Kd and a, and dg = the reverse cumsum of dGamma."""
+    q, k, v, beta, gamma, kk, lower, solved, qg, kd, decay_chunk = residuals
+    d_w, d_u, d_qg, d_attn, d_kd, d_decay = cotangents
+    d_solved = jnp.concatenate([d_w, d_u], axis=-1)
+    # (I + L)^T X = d_solved: reversing rows and columns makes the system unit-lower again.
+    flipped = jnp.flip(jnp.swapaxes(lower, -1, -2), axis=(-2, -1))
+    d_rhs = jnp.flip(_blocked_unit_lower_solve(flipped, jnp.flip(d_solved, -2)), -2)
+    d_lower = -jnp.einsum("...id,...jd->...ij", d_rhs, solved, precision=_PRECISION)
+    d_lower = jnp.where(_LOWER_STRICT, d_lower, 0.0)
+    d_kk = beta[..., :, None] * d_lower
+    d_qk = jnp.where(_LOWER_INCL, scale * d_attn, 0.0)
+    d_q, d_k, d_gamma = _decayed_products_bwd((q, k, gamma), (d_kk, d_qk))
+
+    e = jnp.exp(gamma)
+    d_rhs_w, d_rhs_u = jnp.split(d_rhs, 2, axis=-1)
+    k_e = k * e
+    d_beta = jnp.sum(d_lower * kk, axis=-1)
+    d_beta = d_beta + jnp.sum(d_rhs_w * k_e, axis=-1) + jnp.sum(d_rhs_u * v, axis=-1)
+    d_k = d_k + beta[..., None] * e * d_rhs_w
+    d_gamma = d_gamma + beta[..., None] * k_e * d_rhs_w
+    d_v = beta[..., None] * d_rhs_u
+    d_q = d_q + scale * e * d_qg
+    d_gamma = d_gamma + qg * d_qg
+    d_k = d_k + jnp.exp(gamma[:, :, -1:, :] - gamma) * d_kd
+    kd_terms = kd * d_kd
+    last = jnp.sum(kd_terms, axis=2) + decay_chunk * d_decay  # onto Gamma_last
+    d_gamma = (d_gamma - kd_terms).at[:, :, -1, :].add(last)
+    d_g = jnp.flip(jnp.cumsum(jnp.flip(d_gamma, 2), axis=2), 2)
+    return d_q, d_k, d_v, d_g, d_beta
+
+
+_chunk_operands.defvjp(_chunk_operands_fwd, _chunk_operands_bwd)
 
 
 def slot_flags(cu_seqlens: jax.Array, num_slots: int):

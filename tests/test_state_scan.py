@@ -113,3 +113,27 @@ def test_states_formulation_equals_the_fused_one(lengths):
     (_, states_out), states_grads = run(xla.state_scan)
     for a, b in zip((*fused_out, *fused_grads), (*states_out, *states_grads), strict=True):
         assert rms_ratio(a, b) <= 1e-6
+
+
+@pytest.mark.parametrize("gate", [-0.05, -5.0, -30.0])
+def test_chunk_operands_backward_equals_autodiff(gate):
+    """The written-out backward of the per-chunk operands (the statement a per-chunk backward
+    kernel implements) against JAX's autodiff of the same forward, random cotangents."""
+    rng = np.random.default_rng(int(-gate * 100))
+    shape = (3, 2, xla.XLA_CHUNK, 128)
+    q, k = (rng.standard_normal(shape) / np.sqrt(128) for _ in range(2))
+    v = 0.5 * rng.standard_normal(shape)
+    g = gate / (1 + np.exp(-rng.standard_normal(shape)))
+    beta = 1 / (1 + np.exp(-rng.standard_normal(shape[:3])))
+    args = [jnp.asarray(a, jnp.float32) for a in (q, k, v, g, beta)]
+
+    def plain(*a):
+        return xla._chunk_operands_with_residuals(*a, 0.3)[0]
+
+    out, pull_auto = jax.vjp(plain, *args)
+    _, pull_hand = jax.vjp(lambda *a: xla._chunk_operands(*a, 0.3), *args)
+    cotangents = tuple(jnp.asarray(rng.standard_normal(o.shape), jnp.float32) for o in out)
+    for name, a, b in zip(
+        "q k v g beta".split(), pull_hand(cotangents), pull_auto(cotangents), strict=True
+    ):
+        assert rms_ratio(a, b) <= 1e-5, (name, rms_ratio(a, b))
