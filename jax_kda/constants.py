@@ -10,6 +10,13 @@ SCAN_CHUNK = 64
 sequence s owns slots cu[s] // 64 + s + c). The in-chunk decay is never factorised over more
 than a block whose factors are all <= 1, so 64-token chunks are exact for any g <= 0."""
 
+
+GATE_FLOOR = -100.0
+"""Gates below this are taken as this: exp(-100) is about 4e-44, so the state is reset to
+float32 accuracy, as g = -inf (a hard reset) asks, without an infinite cumulative sum (whose
+differences would be NaN) or huge ones that swamp the small gates beside them in a chunk. The
+gradient of a clamped gate is 0, as it is at -inf."""
+
 GATE_LOWER_BOUND_MIN = -5.0
 """The most negative per-step gate the sm90 kernels serve (prefill's gate_lower_bound): over a
 16-token chunk exp(-Gamma) <= e^80, inside float32's range (e^88.7)."""

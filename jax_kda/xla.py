@@ -25,7 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jax_kda.constants import SCAN_CHUNK
+from jax_kda.constants import GATE_FLOOR, SCAN_CHUNK
 
 _PRECISION = lax.Precision.HIGH
 """The products' precision: float32 to about 1e-6 on every backend. On the CPU it is float32
@@ -37,12 +37,6 @@ step on the H200 (profile, 2026-12-01)."""
 XLA_CHUNK = SCAN_CHUNK
 """Tokens per chunk of this path: a quarter of the serial scan steps of 16-token chunks, and
 more of the work in the parallel per-chunk part; the sm90 backward's state scan shares it."""
-
-GATE_FLOOR = -100.0
-"""Gates below this are taken as this: exp(-100) is about 4e-44, so the state is reset to
-float32 accuracy, as g = -inf (a hard reset) asks, without an infinite cumulative sum (whose
-differences would be NaN) or huge ones that swamp the small gates beside them in a chunk. The
-gradient of a clamped gate is 0, as it is at -inf."""
 
 BLOCK = 16
 """Rows per block of the triangular solve (16-row diagonal blocks inverted, then block
@@ -408,7 +402,23 @@ def _chunk_output(states, v_new, qg, attn):
     return out + jnp.einsum("...ij,...jv->...iv", attn, v_new, precision=_PRECISION)
 
 
-def forward(q, k, v, g, beta, cu_seqlens, initial_state, scale, *, scan=None):
+def chunk_operands(q, k, v, g, beta, cu_seqlens, rows, num_slots: int, scale: float):
+    """The per-chunk operands (w, u, qg, attn, kd, decay) from packed tokens: the inputs copied
+    into chunk slots (float32), then _chunk_operands. `rows`: each token's row in the slot grid."""
+    del cu_seqlens  # the slot rows say it all here; a kernel reads the boundaries instead
+    as_chunks = [_to_chunks(x.astype(jnp.float32), rows, num_slots) for x in (q, k, v, g, beta)]
+    return _chunk_operands(*as_chunks, scale)
+
+
+def from_chunks(x: jax.Array, rows: jax.Array) -> jax.Array:
+    """[slots, H, 64, ...] -> [T, H, ...]: each token's row (the inverse of _to_chunks)."""
+    grid = jnp.moveaxis(x, 2, 1)
+    return grid.reshape(grid.shape[0] * grid.shape[1], *grid.shape[2:])[rows]
+
+
+def forward(
+    q, k, v, g, beta, cu_seqlens, initial_state, scale, *, scan=None, operands=chunk_operands
+):
     """KDA forward, packed THD.
 
     Args:
@@ -421,6 +431,7 @@ def forward(q, k, v, g, beta, cu_seqlens, initial_state, scale, *, scan=None):
         state_scan's signature (forward direction) that returns every chunk's state, from which
         the outputs are computed in parallel: the sm90 kernel (with its own backward) in the
         sm90 backend's training path.
+      operands: chunk_operands's signature: this module's, or the sm90 kernel's.
     Returns:
       o: [T, H, 128] in q's dtype; final_state: [N, H, 128(V), 128(K)] float32.
     """
@@ -430,8 +441,7 @@ def forward(q, k, v, g, beta, cu_seqlens, initial_state, scale, *, scan=None):
     cu_seqlens = jnp.asarray(cu_seqlens, jnp.int32)
     _, rows = _token_slots(cu_seqlens, total_tokens)
     g = jnp.maximum(g, GATE_FLOOR)  # NaN stays NaN
-    as_chunks = [_to_chunks(x.astype(jnp.float32), rows, num_slots) for x in (q, k, v, g, beta)]
-    w, u, qg, attn, kd, decay_chunk = _chunk_operands(*as_chunks, scale)
+    w, u, qg, attn, kd, decay_chunk = operands(q, k, v, g, beta, cu_seqlens, rows, num_slots, scale)
 
     state_kv = jnp.swapaxes(initial_state.astype(jnp.float32), -1, -2)
     operands = (w, kd, decay_chunk, u, cu_seqlens, state_kv)
@@ -442,6 +452,5 @@ def forward(q, k, v, g, beta, cu_seqlens, initial_state, scale, *, scan=None):
         states, finals = scan(*operands, reverse=False)
         v_new = u - jnp.einsum("shik,shkv->shiv", w, states, precision=_PRECISION)
         out = _chunk_output(states, v_new, qg, attn)
-    out = jnp.moveaxis(out, 2, 1).reshape(num_slots * XLA_CHUNK, q.shape[1], -1)
-    o = out[rows].astype(q.dtype)
+    o = from_chunks(out, rows).astype(q.dtype)
     return o, jnp.swapaxes(finals, -1, -2)
