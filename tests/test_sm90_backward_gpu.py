@@ -286,7 +286,11 @@ def test_chunk_core_kernel_matches_xla(case):
     outputs, residuals = jax.jit(xla._chunk_operands_with_residuals, static_argnums=5)(*chunks, 0.3)
     reference = (*outputs, residuals[4], residuals[5])
     names = ("w", "u", "qg", "attn", "kd", "decay", "gamma", "kk")
+    # The kernel sums g row by row, jnp.cumsum in another order: with gates of -30 and below
+    # Gamma reaches about -1000 and its differences lose about 1e-4 (review, numpy emulation:
+    # kd 1.2e-5, attn 8e-6 at the -inf case, 2e-7 with XLA's cumsum).
+    bar = 1e-4 if data in ("-30", "-inf") else 1e-5
     for name, a, b in zip(names, ours, reference, strict=True):
         error = rms_ratio(a, b)
-        print(f"chunk core {case} {name}: {error:.1e}")
-        assert error <= 1e-5, (name, error)
+        print(f"chunk core {case} {name}: {error:.1e} (bar {bar:.0e})")
+        assert error <= bar, (name, error)
