@@ -168,3 +168,28 @@ def test_chunk_core_wiring_gives_the_xla_paths_gradients(dtype):
     for name, a, b, arg in zip("q k v g beta state".split(), wired, grads(), args, strict=True):
         assert a.dtype == arg.dtype, name
         assert rms_ratio(a, b) <= 1e-6, name  # the same backward: equal but for fusion order
+
+
+def test_xla_gradients_on_long_memory_data_with_a_custom_scale():
+    """Every gradient against the float64 oracle where the carried and initial states matter
+    (g near 0, a large initial state, several chunks) and the scale is not the default: a
+    solve that dropped its far blocks, or a backward that ignored the scale, fails here."""
+    x = long_memory_inputs([200, 0, 90], 2, seed=23, dtype=jnp.float32)
+    rng = np.random.default_rng(3)
+    w_o = rng.standard_normal(x.q.shape)
+    w_f = rng.standard_normal(x.initial_state.shape)
+
+    def loss(forward, dtype):
+        def f(q, k, v, g, beta, state):
+            o, final = forward(q, k, v, g, beta, x.cu_seqlens, state)
+            return jnp.sum(o * w_o.astype(dtype)) + jnp.sum(final * w_f.astype(dtype))
+
+        return f
+
+    args = (*x[:5], x.initial_state)
+    ours = jax.jit(jax.grad(loss(lambda *a: xla.forward(*a, 0.3), jnp.float32), range(6)))(*args)
+    with jax.enable_x64(True):
+        oracle = loss(lambda *a: recurrent_oracle(*a, scale=0.3), jnp.float64)
+        ref = jax.grad(oracle, range(6))(*(jnp.asarray(a, jnp.float64) for a in args))
+    for name, d, r in zip(("q", "k", "v", "g", "beta", "state"), ours, ref, strict=True):
+        assert rms_ratio(d, r) <= 1e-5, (name, rms_ratio(d, r))

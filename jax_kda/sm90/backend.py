@@ -211,9 +211,10 @@ def state_scan_artifact(reverse: bool, v_slice: int):
 
 def state_scan_kernel(a_op, b_op, decay, addend, cu_seqlens, y0, *, reverse: bool):
     """xla.state_scan's contract, run by the sm90 state-scan kernel (no autodiff rule)."""
+    from jax_kda.sm90.ffi_call import cute_call
+
     num_heads, num_sequences = y0.shape[1], y0.shape[0]
     v_slice = scan_v_slice(num_heads, num_sequences, device_sm_count())
-    from jax_kda.sm90.ffi_call import cute_call
 
     results = [
         jax.ShapeDtypeStruct((a_op.shape[0], *y0.shape[1:]), jnp.float32),
