@@ -217,3 +217,16 @@ def test_train_run_splits_the_step_into_forward_and_backward(tmp_path):
         row["gpu_us"] - row["forward_gpu_us"]
     )
     assert "Forward alone / backward" in path.with_suffix(".md").read_text()
+
+
+def test_host_cost_measures_both_dispatches():
+    """The host-cost tool runs on the XLA backend and reports both medians (no timing bar)."""
+    import jax.numpy as jnp
+
+    from benchmarks.host_cost import host_cost
+    from jax_kda.oracle import production_inputs
+
+    inputs = [jnp.asarray(a) for a in production_inputs([40, 9], 2, seed=0)]
+    cost = host_cost(inputs, "xla", None, calls=5)
+    assert cost.prefill_us > 0 and cost.trivial_us > 0
+    assert cost.share_us == pytest.approx(cost.prefill_us - cost.trivial_us)
