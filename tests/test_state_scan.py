@@ -63,15 +63,11 @@ def test_xla_path_keeps_long_memory(lengths):
     assert rms_ratio(o_forgot, ref_o) > 0.1  # the data would expose a dropped state
 
 
-def test_hard_reset_gate_is_exact_and_differentiable():
-    """g = -inf on some channels of some tokens (mid-chunk, two in one chunk) resets those
-    channels: forward and gradients match the float64 oracle, nothing is NaN."""
-    x = long_memory_inputs([300, 50], 2, seed=13, dtype=jnp.float32)
-    g = np.array(x.g)
-    g[[70, 75, 130], :, :64] = -np.inf
-    g[310, 1, :] = -np.inf
-    x = x._replace(g=g)
-    rng = np.random.default_rng(0)
+def _xla_gradients_against_oracle(x, scale, seed):
+    """Gradients of all six inputs through xla.forward and through the float64 oracle, for
+    sum(o * w_o) + sum(final * w_f) with random weights; asserts they agree to 1e-5 and returns
+    ours."""
+    rng = np.random.default_rng(seed)
     w_o = rng.standard_normal(x.q.shape)
     w_f = rng.standard_normal(x.initial_state.shape)
 
@@ -83,16 +79,29 @@ def test_hard_reset_gate_is_exact_and_differentiable():
         return f
 
     args = (*x[:5], x.initial_state)
-    o, final = jax.jit(lambda *a: xla.forward(*a, 0.3))(*x)
-    ours = jax.jit(jax.grad(loss(lambda *a: xla.forward(*a, 0.3), jnp.float32), range(6)))(*args)
-    ref_o, ref_final = recurrent_oracle(*x, scale=0.3)
+    ours_loss = loss(lambda *a: xla.forward(*a, scale), jnp.float32)
+    ours = jax.jit(jax.grad(ours_loss, range(6)))(*args)
     with jax.enable_x64(True):
-        oracle = loss(lambda *a: recurrent_oracle(*a, scale=0.3), jnp.float64)
+        oracle = loss(lambda *a: recurrent_oracle(*a, scale=scale), jnp.float64)
         ref = jax.grad(oracle, range(6))(*(jnp.asarray(a, jnp.float64) for a in args))
-    assert rms_ratio(o, ref_o) <= 1e-5 and rms_ratio(final, ref_final) <= 1e-5
     for name, d, r in zip(("q", "k", "v", "g", "beta", "state"), ours, ref, strict=True):
-        assert rms_ratio(d, r) <= 1e-5, name
-    assert np.all(np.asarray(ours[3])[np.isinf(g)] == 0)
+        assert rms_ratio(d, r) <= 1e-5, (name, rms_ratio(d, r))
+    return ours
+
+
+def test_hard_reset_gate_is_exact_and_differentiable():
+    """g = -inf on some channels of some tokens (mid-chunk, two in one chunk) resets those
+    channels: forward and gradients match the float64 oracle, nothing is NaN."""
+    x = long_memory_inputs([300, 50], 2, seed=13, dtype=jnp.float32)
+    g = np.array(x.g)
+    g[[70, 75, 130], :, :64] = -np.inf
+    g[310, 1, :] = -np.inf
+    x = x._replace(g=g)
+    o, final = jax.jit(lambda *a: xla.forward(*a, 0.3))(*x)
+    ref_o, ref_final = recurrent_oracle(*x, scale=0.3)
+    assert rms_ratio(o, ref_o) <= 1e-5 and rms_ratio(final, ref_final) <= 1e-5
+    grads = _xla_gradients_against_oracle(x, 0.3, seed=0)
+    assert np.all(np.asarray(grads[3])[np.isinf(g)] == 0)
 
 
 @pytest.mark.parametrize("lengths", [[130, 0, 200], [64, 10, 1]])
@@ -175,21 +184,4 @@ def test_xla_gradients_on_long_memory_data_with_a_custom_scale():
     (g near 0, a large initial state, several chunks) and the scale is not the default: a
     solve that dropped its far blocks, or a backward that ignored the scale, fails here."""
     x = long_memory_inputs([200, 0, 90], 2, seed=23, dtype=jnp.float32)
-    rng = np.random.default_rng(3)
-    w_o = rng.standard_normal(x.q.shape)
-    w_f = rng.standard_normal(x.initial_state.shape)
-
-    def loss(forward, dtype):
-        def f(q, k, v, g, beta, state):
-            o, final = forward(q, k, v, g, beta, x.cu_seqlens, state)
-            return jnp.sum(o * w_o.astype(dtype)) + jnp.sum(final * w_f.astype(dtype))
-
-        return f
-
-    args = (*x[:5], x.initial_state)
-    ours = jax.jit(jax.grad(loss(lambda *a: xla.forward(*a, 0.3), jnp.float32), range(6)))(*args)
-    with jax.enable_x64(True):
-        oracle = loss(lambda *a: recurrent_oracle(*a, scale=0.3), jnp.float64)
-        ref = jax.grad(oracle, range(6))(*(jnp.asarray(a, jnp.float64) for a in args))
-    for name, d, r in zip(("q", "k", "v", "g", "beta", "state"), ours, ref, strict=True):
-        assert rms_ratio(d, r) <= 1e-5, (name, rms_ratio(d, r))
+    _xla_gradients_against_oracle(x, 0.3, seed=3)
