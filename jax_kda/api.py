@@ -120,7 +120,7 @@ def _resolve_backend(
 
 def _forward(call: _Call, q, k, v, g, beta, cu_seqlens, initial_state):
     if call.backend == "sm90":
-        return _forward_sm90(call, q, k, v, g, beta, cu_seqlens, initial_state)
+        return _on_packed(sm90.forward, call, q, k, v, g, beta, cu_seqlens, initial_state)
     if call.batched:
         row_cu = jnp.array([0, q.shape[1]], jnp.int32)
         per_row = partial(xla.forward, cu_seqlens=row_cu, scale=call.scale)
@@ -131,10 +131,6 @@ def _forward(call: _Call, q, k, v, g, beta, cu_seqlens, initial_state):
 
         return jax.vmap(one_row)(q, k, v, g, beta, initial_state)
     return xla.forward(q, k, v, g, beta, cu_seqlens, initial_state, call.scale)
-
-
-def _forward_sm90(call: _Call, q, k, v, g, beta, cu_seqlens, initial_state):
-    return _on_packed(sm90.forward, call, q, k, v, g, beta, cu_seqlens, initial_state)
 
 
 def _on_packed(kernel_path, call: _Call, q, k, v, g, beta, cu_seqlens, initial_state):
