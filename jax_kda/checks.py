@@ -1,7 +1,8 @@
 """Opt-in checks of values that prefill never reads on the host (reading them would synchronise).
 
 `check_cu_seqlens(cu_seqlens, total_tokens)` checks the packed boundaries: cu[0] = 0, every step
-non-decreasing, cu[N] = T. prefill trusts them; bad boundaries give finite garbage, not an error.
+non-decreasing, cu[N] = T. prefill trusts them: bad boundaries give finite garbage on the XLA
+path, and the sm90 kernels may read and write outside their buffers.
 """
 
 from __future__ import annotations

@@ -8,48 +8,27 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from oracle_gradients import float64_gradients, loss_weights
 
 import jax_kda
-from jax_kda.oracle import production_inputs, recurrent_oracle, rms_ratio
+from jax_kda.oracle import production_inputs, rms_ratio
 
 GRAD_BAR = 1e-5  # float32 inputs: the chunked float32 path tracks float64 to ~1e-6
 NAMES = ("q", "k", "v", "g", "beta", "initial_state")
-
-
-def _loss_weights(x, seed):
-    rng = np.random.default_rng(seed)
-    return rng.standard_normal(x.q.shape), rng.standard_normal(x.initial_state.shape)
 
 
 # [130, 0, 70]: sequences across several 64-token chunks of the XLA path.
 @pytest.mark.parametrize("lengths", [[17, 0, 16], [45], [130, 0, 70]])
 def test_gradients_match_float64_oracle(lengths):
     x = production_inputs(lengths, 2, seed=sum(lengths), dtype=jnp.float32)
-    w_o, w_f = _loss_weights(x, seed=1)
-    cu = x.cu_seqlens
+    w_o, w_f = loss_weights(x, seed=1)
 
-    def loss(prefill_fn, dtype):
-        def f(q, k, v, g, beta, state):
-            o, final = prefill_fn(q, k, v, g, beta, state)
-            return jnp.sum(o * w_o.astype(dtype)) + jnp.sum(final * w_f.astype(dtype))
+    def loss(q, k, v, g, beta, state):
+        o, final = jax_kda.prefill(q, k, v, g, beta, cu_seqlens=x.cu_seqlens, initial_state=state)
+        return jnp.sum(o * w_o) + jnp.sum(final * w_f)
 
-        return f
-
-    ours = jax.jit(
-        jax.grad(
-            loss(
-                lambda *a: jax_kda.prefill(*a[:5], cu_seqlens=cu, initial_state=a[5]), jnp.float32
-            ),
-            argnums=tuple(range(6)),
-        )
-    )(x.q, x.k, x.v, x.g, x.beta, x.initial_state)
-    with jax.enable_x64(True):
-        args64 = [jnp.asarray(a, jnp.float64) for a in (*x[:5], x.initial_state)]
-        ref = jax.grad(
-            loss(lambda *a: recurrent_oracle(*a[:5], cu, a[5]), jnp.float64),
-            argnums=tuple(range(6)),
-        )(*args64)
-        ref = [np.asarray(r) for r in ref]
+    ours = jax.jit(jax.grad(loss, argnums=tuple(range(6))))(*x[:5], x.initial_state)
+    ref = float64_gradients(x, w_o, w_f)
     for name, d, r in zip(NAMES, ours, ref, strict=True):
         assert d.shape == r.shape, name
         error = rms_ratio(d, r)

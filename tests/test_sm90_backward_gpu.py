@@ -12,13 +12,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from oracle_gradients import float64_gradients, loss_weights
 from scan_cases import scan_operands
 from spec_cases import LONG_LENGTH, MANY_SEQUENCES, PACKED_LENGTHS, SINGLE_LENGTHS
 
 import jax_kda
 from jax_kda import sm90, xla
 from jax_kda.constants import GATE_LOWER_BOUND_MIN as LB
-from jax_kda.constants import default_scale
 from jax_kda.oracle import (
     RMS_RATIO_BAR,
     long_memory_inputs,
@@ -75,28 +75,6 @@ def test_scan_kernel_matches_xla_scan(name, reverse, v_slice):
             np.testing.assert_array_equal(np.asarray(final[s]), np.asarray(y0[s]))
 
 
-ORACLE_HEADS = 4
-"""Heads per float64 oracle call: its autodiff keeps every token's [H, 128, 128] state, so many
-heads at once (N = 64, H = 32) would not fit; heads are independent, so groups of them can go
-one call at a time."""
-
-
-def _oracle_grads(x, w_o, w_f, scale):
-    with jax.enable_x64(True):
-
-        def loss(q, k, v, g, beta, state, w_o, w_f):
-            o, final = recurrent_oracle(q, k, v, g, beta, x.cu_seqlens, state, scale=scale)
-            return jnp.sum(o * w_o) + jnp.sum(final * w_f)
-
-        grad = jax.jit(jax.grad(loss, argnums=range(6)))
-        groups = []
-        for h in range(0, x.q.shape[1], ORACLE_HEADS):
-            heads = slice(h, h + ORACLE_HEADS)
-            args = [a[:, heads] for a in (*x[:5], x.initial_state, w_o)] + [w_f[:, heads]]
-            groups.append(grad(*(jnp.asarray(a, jnp.float64) for a in args)))
-        return [np.concatenate([np.asarray(g[i]) for g in groups], axis=1) for i in range(6)]
-
-
 def _check_grads(case, x, forward, scale=None, *, dg_scale_of_terms=False):
     """jax.grad of sum(o * w_o) + sum(final * w_f) through `forward` (q, k, v, g, beta, cu,
     state) -> (o, final) against the float64 oracle's.
@@ -104,16 +82,14 @@ def _check_grads(case, x, forward, scale=None, *, dg_scale_of_terms=False):
     dg_scale_of_terms: measure dg's error against ||k * dk||, the size of the terms it sums,
     instead of against dg itself. Under gates of -30 and below the true dg is about e^-30 times
     that (every token is forgotten at once), which no float32 sum of its terms resolves."""
-    rng = np.random.default_rng(SEED + 5)
-    w_o = rng.standard_normal(x.q.shape).astype(np.float32)
-    w_f = rng.standard_normal(x.initial_state.shape).astype(np.float32)
+    w_o, w_f = loss_weights(x, SEED + 5)
 
     def loss(q, k, v, g, beta, state):
         o, final = forward(q, k, v, g, beta, x.cu_seqlens, state)
         return jnp.sum(o.astype(jnp.float32) * w_o) + jnp.sum(final * w_f)
 
     ours = jax.jit(jax.grad(loss, argnums=range(6)))(*x[:5], x.initial_state)
-    ref = _oracle_grads(x, w_o, w_f, default_scale() if scale is None else scale)
+    ref = float64_gradients(x, w_o, w_f, scale)
     for name, d, r, a in zip(NAMES, ours, ref, (*x[:5], x.initial_state), strict=True):
         assert d.shape == a.shape and d.dtype == a.dtype, name
         error = rms_ratio(d, r)

@@ -7,6 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from oracle_gradients import float64_gradients, loss_weights
 from scan_cases import scan_operands
 
 from jax_kda import sm90, xla
@@ -64,26 +65,16 @@ def test_xla_path_keeps_long_memory(lengths):
 
 
 def _xla_gradients_against_oracle(x, scale, seed):
-    """Gradients of all six inputs through xla.forward and through the float64 oracle, for
-    sum(o * w_o) + sum(final * w_f) with random weights; asserts they agree to 1e-5 and returns
-    ours."""
-    rng = np.random.default_rng(seed)
-    w_o = rng.standard_normal(x.q.shape)
-    w_f = rng.standard_normal(x.initial_state.shape)
+    """Gradients of all six inputs of sum(o * w_o) + sum(final * w_f), random weights, through
+    xla.forward against the float64 oracle's; asserts they agree to 1e-5 and returns ours."""
+    w_o, w_f = loss_weights(x, seed)
 
-    def loss(forward, dtype):
-        def f(q, k, v, g, beta, state):
-            o, final = forward(q, k, v, g, beta, x.cu_seqlens, state)
-            return jnp.sum(o * w_o.astype(dtype)) + jnp.sum(final * w_f.astype(dtype))
+    def loss(q, k, v, g, beta, state):
+        o, final = xla.forward(q, k, v, g, beta, x.cu_seqlens, state, scale)
+        return jnp.sum(o * w_o) + jnp.sum(final * w_f)
 
-        return f
-
-    args = (*x[:5], x.initial_state)
-    ours_loss = loss(lambda *a: xla.forward(*a, scale), jnp.float32)
-    ours = jax.jit(jax.grad(ours_loss, range(6)))(*args)
-    with jax.enable_x64(True):
-        oracle = loss(lambda *a: recurrent_oracle(*a, scale=scale), jnp.float64)
-        ref = jax.grad(oracle, range(6))(*(jnp.asarray(a, jnp.float64) for a in args))
+    ours = jax.jit(jax.grad(loss, range(6)))(*x[:5], x.initial_state)
+    ref = float64_gradients(x, w_o, w_f, scale)
     for name, d, r in zip(("q", "k", "v", "g", "beta", "state"), ours, ref, strict=True):
         assert rms_ratio(d, r) <= 1e-5, (name, rms_ratio(d, r))
     return ours

@@ -1,7 +1,8 @@
 """The sm90 backend: exports the CuTe DSL kernels and calls them through the XLA FFI target.
 
-The kernels are compiled for sm_90a with T and N symbolic, once per (heads, scale), and cached on
-disk (see export.py), so neither a new T or N nor a new process compiles them again.
+The forward kernels are compiled for sm_90a with T and N symbolic, once per (heads, scale), the
+backward's state scan once per direction and V-slice width; all are cached on disk (see
+export.py), so neither a new T or N nor a new process compiles them again.
 """
 
 from __future__ import annotations
