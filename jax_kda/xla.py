@@ -27,11 +27,11 @@ from jax import lax
 
 from jax_kda.constants import GATE_FLOOR, SCAN_CHUNK
 
-_PRECISION = lax.Precision.HIGH
-"""The products' precision: float32 to about 1e-6 on every backend. On the CPU it is float32
-arithmetic; on GPUs XLA runs it as three bfloat16 tensor-core products (bf16_3x) rather than
-float32 FMAs without tensor cores (HIGHEST), which were 760 of 1990 us of a 2048x12x1 training
-step on the H200 (profile, 2026-12-01)."""
+_PRECISION = lax.Precision.HIGHEST
+"""The products' precision: float32 (float32 FMAs on GPUs). Measured on the H200 (2026-12-01,
+2048x12x1 training step through the sm90 backend): HIGHEST 2043 us, bf16_6x 2159, bf16_3x 1860;
+HIGH runs as TF32 there, 2e-4 to 2e-3 off float32, too coarse for the path the kernels are
+checked against. The step's time is in the number of XLA kernels, not in these products."""
 
 
 XLA_CHUNK = SCAN_CHUNK

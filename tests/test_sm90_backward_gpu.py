@@ -191,7 +191,8 @@ def test_batched_form_grads_equal_packed_form():
 def test_grads_equal_the_xla_backends_to_float32_rounding(data):
     """Against the oracle the bf16 cotangent and bf16 gradients bound the bar near 1e-3; against
     the XLA backend's autodiff (the same chunked formulation, the same loss) the sm90 backward must
-    agree to rounding: float32 gradients to 1e-4, bfloat16 ones to their own rounding. An error
+    agree to rounding: float32 gradients to 1e-4 (dg, a long cumulative sum, to 1e-3), bfloat16
+    ones to their own rounding. An error
     confined to one chunk of a long sequence passes the oracle's bar but not this."""
     make = production_inputs if data == "production" else long_memory_inputs
     x = make([3000, 0, 77, 1000], 2, seed=SEED + 13)
@@ -209,7 +210,10 @@ def test_grads_equal_the_xla_backends_to_float32_rounding(data):
 
     for name, a, b in zip(NAMES, grads("sm90"), grads("xla"), strict=True):
         error = rms_ratio(a, b)
-        bar = 3e-3 if a.dtype == jnp.bfloat16 else 1e-4
+        # dg is a reverse cumulative sum over thousands of tokens: float32 rounding in a
+        # different order moves it by up to 5e-4 (H200, 2026-12-01), and each backend is about
+        # 1e-3 from float64 there; an error confined to one of the ~70 chunks moves it by ~1e-1.
+        bar = 3e-3 if a.dtype == jnp.bfloat16 else (1e-3 if name == "g" else 1e-4)
         print(f"{data} d{name} sm90 vs xla: {error:.1e} (bar {bar:.0e})")
         assert error <= bar, (name, error)
 
@@ -229,47 +233,3 @@ def test_scan_kernel_stays_in_bounds_on_bad_boundaries(bad_cu):
         states, final = sm90.state_scan_kernel(*args, reverse=reverse)
         jax.block_until_ready((states, final))
         assert states.shape == (args[0].shape[0], 2, 128, 128)
-
-
-CORE_CASES = {
-    "ragged": ([130, 0, 70, 1], "production"),
-    "gaps": ([64, 10, 128, 0, 65], "production"),
-    "long-memory": ([3000, 257], "long-memory"),
-    "harsh": ([300, 17], "-30"),
-    "reset": ([300, 17], "-inf"),
-}
-
-
-@pytest.mark.parametrize("case", CORE_CASES)
-def test_chunk_core_kernel_matches_xla(case):
-    """The exact 64-token chunk core (kernels/kda_chunk_operands_sm90.py) against
-    xla._chunk_operands_with_residuals on the same slots: every output, NaN-poisoned."""
-    register()
-    lengths, data = CORE_CASES[case]
-    x = (long_memory_inputs if data == "long-memory" else production_inputs)(
-        lengths, 3, seed=SEED + len(case)
-    )
-    if data in ("-30", "-inf"):
-        g = np.array(x.g)
-        g[::7, :, ::3] = float(data)
-        x = x._replace(g=g)
-    tokens = x.q.shape[0]
-    num_slots = xla.chunk_slot_count(tokens, len(lengths))
-    ours = jax.jit(sm90.chunk_core_kernel, static_argnums=(6, 7))(*x[:6], num_slots, 0.3)
-    g_floor = jnp.maximum(jnp.asarray(x.g), -100.0)
-    _, rows = xla._token_slots(jnp.asarray(x.cu_seqlens), tokens)
-    chunks = [
-        xla._to_chunks(jnp.asarray(a, jnp.float32), rows, num_slots)
-        for a in (x.q, x.k, x.v, g_floor, x.beta)
-    ]
-    outputs, residuals = jax.jit(xla._chunk_operands_with_residuals, static_argnums=5)(*chunks, 0.3)
-    reference = (*outputs, residuals[4], residuals[5])
-    names = ("w", "u", "qg", "attn", "kd", "decay", "gamma", "kk")
-    # The kernel sums g row by row, jnp.cumsum in another order: with gates of -30 and below
-    # Gamma reaches about -1000 and its differences lose about 1e-4 (review, numpy emulation:
-    # kd 1.2e-5, attn 8e-6 at the -inf case, 2e-7 with XLA's cumsum).
-    bar = 1e-4 if data in ("-30", "-inf") else 1e-5
-    for name, a, b in zip(names, ours, reference, strict=True):
-        error = rms_ratio(a, b)
-        print(f"chunk core {case} {name}: {error:.1e} (bar {bar:.0e})")
-        assert error <= bar, (name, error)
