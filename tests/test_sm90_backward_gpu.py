@@ -232,3 +232,67 @@ def test_scan_kernel_stays_in_bounds_on_bad_boundaries(bad_cu):
         states, final = sm90.state_scan_kernel(*args, reverse=reverse)
         jax.block_until_ready((states, final))
         assert states.shape == (args[0].shape[0], 2, 128, 128)
+
+
+CORE_CASES = {
+    "ragged": ([130, 0, 70, 1], "production"),
+    "gaps": ([64, 10, 128, 0, 65], "production"),
+    "long-memory": ([3000, 257], "long-memory"),
+    "near-the-anchor-limit": ([300, 17], "-3.9"),
+    "gate-bound": ([300, 17], "-5"),
+    "harsh": ([300, 17], "-30"),
+    "reset": ([300, 17], "-inf"),
+}
+
+
+@pytest.mark.parametrize("case", CORE_CASES)
+def test_chunk_core_kernel_matches_xla(case):
+    """The exact 64-token chunk core (kernels/kda_chunk_operands_sm90.py) against
+    xla._chunk_operands_with_residuals on the same slots: every output, NaN-poisoned. The cases
+    cover both ways the kernel takes a diagonal block: anchored (production, long memory, -3.9
+    everywhere: a block's decay range of 58.5, just under SAFE_RANGE) and pair by pair (-5
+    everywhere: 75; -30 and -inf on some tokens)."""
+    register()
+    lengths, data = CORE_CASES[case]
+    x = (long_memory_inputs if data == "long-memory" else production_inputs)(
+        lengths, 3, seed=SEED + len(case)
+    )
+    if data in ("-3.9", "-5"):
+        x = x._replace(g=np.full_like(np.asarray(x.g), float(data)))
+    elif data in ("-30", "-inf"):
+        g = np.array(x.g)
+        g[::7, :, ::3] = float(data)
+        x = x._replace(g=g)
+    tokens, heads = x.q.shape[0], x.q.shape[1]
+    num_slots = xla.chunk_slot_count(tokens, len(lengths))
+    chunk = (num_slots, heads, 64, 128)
+    pairs = (num_slots, heads, 64, 64)
+    shapes = [chunk, chunk, chunk, pairs, chunk, (num_slots, heads, 128), chunk, pairs]
+    results = [jax.ShapeDtypeStruct(s, jnp.float32) for s in shapes]
+    artifact = sm90.chunk_operands_artifact(0.3)
+
+    @jax.jit
+    def run(*inputs):
+        poison = [jnp.full(r.shape, jnp.nan, r.dtype) for r in results]
+        aliases = {6 + i: i for i in range(len(results))}
+        return cute_call(artifact, [*inputs, *poison], results, aliases=aliases)
+
+    ours = run(*x[:5], jnp.asarray(x.cu_seqlens, jnp.int32))
+    g_floor = jnp.maximum(jnp.asarray(x.g), -100.0)
+    _, rows = xla._token_slots(jnp.asarray(x.cu_seqlens), tokens)
+    chunks = [
+        xla._to_chunks(jnp.asarray(a, jnp.float32), rows, num_slots)
+        for a in (x.q, x.k, x.v, g_floor, x.beta)
+    ]
+    outputs, residuals = jax.jit(xla._chunk_operands_with_residuals, static_argnums=5)(*chunks, 0.3)
+    reference = (*outputs, residuals[4], residuals[5])
+    names = ("w", "u", "qg", "attn", "kd", "decay", "gamma", "kk")
+    for name, a, b in zip(names, ours, reference, strict=True):
+        assert not np.isnan(np.asarray(a)).any(), name
+        error = rms_ratio(a, b)
+        # The products are bfloat16 hi/lo splits (about 2^-16 relative each); the cumsum runs
+        # row by row, jnp.cumsum in another order: with gates of -30 and below Gamma reaches
+        # about -1000 and its differences lose about 1e-4.
+        bar = 1e-4 if data in ("-30", "-inf") or name in ("w", "u", "attn", "kk") else 1e-5
+        print(f"chunk core {case} {name}: {error:.1e} (bar {bar:.0e})")
+        assert error <= bar, (name, error)

@@ -194,6 +194,13 @@ def test_state_scan_variants_export_for_sm90a(reverse, v_slice):
     assert len(artifact.tensors) == 8  # A, B, decay, addend, cu_seqlens, y0, states, final
 
 
+def test_chunk_core_exports_for_sm90a():
+    """The tensor-core chunk core compiles and exports for sm_90a (symbolic slots and heads)."""
+    artifact = sm90.chunk_operands_artifact(0.3)
+    assert artifact.object_bytes[:4] == b"\x7fELF"
+    assert len(artifact.tensors) == 14  # q, k, v, g, beta, cu_seqlens and eight outputs
+
+
 def test_grad_lowers_to_the_backward_kernels_and_no_loop():
     """jax.grad on the sm90 path: the forward kernel, the state scan forward (recompute) and
     reverse, and no XLA while loop (the serial passes are all in kernels)."""

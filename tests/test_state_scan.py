@@ -139,6 +139,37 @@ def test_chunk_operands_backward_equals_autodiff(gate):
         assert rms_ratio(a, b) <= 1e-5, (name, rms_ratio(a, b))
 
 
+def _xla_chunk_core(q, k, v, g, beta, cu_seqlens, num_slots, scale):
+    """What the chunk-core kernel returns, in XLA: the stand-in for CPU tests of its wiring."""
+    _, rows = xla._token_slots(cu_seqlens, q.shape[0])
+    chunks = [xla._to_chunks(x.astype(jnp.float32), rows, num_slots) for x in (q, k, v, g, beta)]
+    outputs, residuals = xla._chunk_operands_with_residuals(*chunks, scale)
+    gamma, kk = residuals[4], residuals[5]
+    return (*outputs, gamma, kk)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_chunk_core_wiring_gives_the_xla_paths_gradients(dtype):
+    """sm90.differentiable_chunk_operands around a stand-in for the kernel (same outputs, in XLA):
+    the residuals it builds, the written-out backward and the map back to tokens give the XLA
+    path's gradients, in the inputs' dtypes."""
+    x = long_memory_inputs([130, 0, 70, 1], 2, seed=19, dtype=dtype)
+    args = (*x[:5], x.initial_state)
+    w_o = np.random.default_rng(2).standard_normal(x.q.shape).astype(np.float32)
+
+    def grads(**options):
+        def loss(*a):
+            o, final = xla.forward(*a[:5], x.cu_seqlens, a[5], 0.3, **options)
+            return jnp.sum(o.astype(jnp.float32) * w_o) + jnp.sum(final**2)
+
+        return jax.jit(jax.grad(loss, argnums=range(6)))(*args)
+
+    wired = grads(operands=sm90.differentiable_chunk_operands(_xla_chunk_core))
+    for name, a, b, arg in zip("q k v g beta state".split(), wired, grads(), args, strict=True):
+        assert a.dtype == arg.dtype, name
+        assert rms_ratio(a, b) <= 1e-6, name  # the same backward: equal but for fusion order
+
+
 def test_xla_gradients_on_long_memory_data_with_a_custom_scale():
     """Every gradient against the float64 oracle where the carried and initial states matter
     (g near 0, a large initial state, several chunks) and the scale is not the default: a

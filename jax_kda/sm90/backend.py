@@ -262,9 +262,104 @@ def differentiable_state_scan(run):
     return call
 
 
+@functools.cache
+def chunk_operands_artifact(scale: float):
+    """The exported exact 64-token chunk core (kernels/kda_chunk_operands_sm90.py) for this
+    scale; tokens, heads, slots and sequences symbolic."""
+    import cutlass.cute as cute
+    from cutlass import BFloat16, Float32, Int32
+
+    from jax_kda.sm90.export import export, row_major_fake
+    from jax_kda.sm90.kernels.kda_chunk_operands_sm90 import (
+        ChunkOperandsConfig,
+        ChunkOperandsSm90,
+    )
+
+    tokens, heads, slots = cute.sym_int32(), cute.sym_int32(), cute.sym_int32()
+    token_shape = (tokens, heads, HEAD_DIM)
+    chunk = (slots, heads, SCAN_CHUNK, HEAD_DIM)
+    pairs = (slots, heads, SCAN_CHUNK, SCAN_CHUNK)
+    fakes = {
+        "q": row_major_fake(BFloat16, token_shape),
+        "k": row_major_fake(BFloat16, token_shape),
+        "v": row_major_fake(BFloat16, token_shape),
+        "g": row_major_fake(Float32, token_shape),
+        "beta": row_major_fake(Float32, (tokens, heads), align=4),
+        "cu_seqlens": row_major_fake(Int32, (cute.sym_int32(),), align=4),
+        **{name: row_major_fake(Float32, chunk) for name in ("w", "u", "qg")},
+        "attn": row_major_fake(Float32, pairs),
+        "kd": row_major_fake(Float32, chunk),
+        "decay": row_major_fake(Float32, (slots, heads, HEAD_DIM)),
+        "gamma": row_major_fake(Float32, chunk),
+        "kk": row_major_fake(Float32, pairs),
+    }
+    scale_tag = hashlib.sha256(repr(scale).encode()).hexdigest()[:8]
+    return export(
+        ChunkOperandsSm90(ChunkOperandsConfig(scale=scale)),
+        fakes,
+        prefix=f"kda_chunk_operands_sm90_{scale_tag}",
+        config={"scale": repr(scale)},
+    )
+
+
+def chunk_core_kernel(q, k, v, g, beta, cu_seqlens, num_slots, scale):
+    """The chunk-core kernel: (w, u, qg, attn, kd, decay, gamma, kk) from the packed tokens."""
+    from jax_kda.sm90.ffi_call import cute_call
+
+    heads = q.shape[1]
+    chunk = (num_slots, heads, SCAN_CHUNK, HEAD_DIM)
+    pairs = (num_slots, heads, SCAN_CHUNK, SCAN_CHUNK)
+    f32 = jnp.float32
+    results = [
+        *(jax.ShapeDtypeStruct(chunk, f32) for _ in range(3)),  # w, u, qg
+        jax.ShapeDtypeStruct(pairs, f32),  # attn
+        jax.ShapeDtypeStruct(chunk, f32),  # kd
+        jax.ShapeDtypeStruct((num_slots, heads, HEAD_DIM), f32),  # decay
+        jax.ShapeDtypeStruct(chunk, f32),  # gamma
+        jax.ShapeDtypeStruct(pairs, f32),  # kk
+    ]
+    inputs = [q, k, v, g, beta, jnp.asarray(cu_seqlens, jnp.int32)]
+    return tuple(cute_call(chunk_operands_artifact(scale), inputs, results))
+
+
+def differentiable_chunk_operands(run):
+    """xla.chunk_operands's contract from `run` (chunk_core_kernel, or a stand-in in CPU tests),
+    with xla._chunk_operands_bwd (written out, parallel over chunks) as its backward."""
+
+    @functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8))
+    def operands(q, k, v, g, beta, cu_seqlens, rows, num_slots, scale):
+        return run(q, k, v, g, beta, cu_seqlens, num_slots, scale)[:6]
+
+    def operands_fwd(q, k, v, g, beta, cu_seqlens, rows, num_slots, scale):
+        w, u, qg, attn, kd, decay, gamma, kk = run(q, k, v, g, beta, cu_seqlens, num_slots, scale)
+        # What xla._chunk_operands_bwd needs: the chunked inputs and the kernel's intermediates.
+        f32 = jnp.float32
+        q_c, k_c, v_c, beta_c = (
+            xla._to_chunks(x.astype(f32), rows, num_slots) for x in (q, k, v, beta)
+        )
+        strict = jnp.arange(SCAN_CHUNK)[:, None] > jnp.arange(SCAN_CHUNK)[None, :]
+        lower = jnp.where(strict, beta_c[..., :, None] * kk, 0.0)
+        solved = jnp.concatenate([w, u], axis=-1)
+        residuals = (q_c, k_c, v_c, beta_c, gamma, kk, lower, solved, qg, kd, decay)
+        like = tuple(jnp.zeros((0,), x.dtype) for x in (q, k, v, g, beta))  # the dtypes
+        return (w, u, qg, attn, kd, decay), (residuals, rows, like)
+
+    def operands_bwd(num_slots, scale, saved, cotangents):
+        residuals, rows, like = saved
+        d_chunked = xla._chunk_operands_bwd(scale, residuals, cotangents)
+        d_tokens = [
+            xla.from_chunks(d, rows).astype(x.dtype) for d, x in zip(d_chunked, like, strict=True)
+        ]
+        return (*d_tokens, None, None)
+
+    operands.defvjp(operands_fwd, operands_bwd)
+    return operands
+
+
 def training_forward(q, k, v, g, beta, cu_seqlens, initial_state, scale):
     """The forward the sm90 backward differentiates, exact for any g <= 0: the XLA path's
     parallel per-chunk parts (their backward written out, xla._chunk_operands_bwd) around the
-    state-scan kernel, whose backward is the reverse scan."""
+    state-scan kernel, whose backward is the reverse scan. (The chunk-core kernel replaces the
+    per-chunk operands once it is measured faster than XLA's.)"""
     scan = differentiable_state_scan(state_scan_kernel)
     return xla.forward(q, k, v, g, beta, cu_seqlens, initial_state, scale, scan=scan)

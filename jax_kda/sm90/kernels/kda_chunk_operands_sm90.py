@@ -1,0 +1,416 @@
+"""The exact 64-token chunk core on tensor cores, sm_90a CuTe DSL: every chunk's state-independent
+operands, parallel over (chunk slot, head). What xla._chunk_operands computes, read straight from
+the packed tokens, plus two of its backward's residuals.
+
+Per slot (64 rows; rows past the sequence's end and gap slots read as q = k = v = g = beta = 0),
+with Gamma the in-chunk cumsum of g (gates below constants.GATE_FLOOR taken as it, as in xla.py):
+  kk_ij = sum_d k_id k_jd exp(Gamma_id - Gamma_jd), qk_ij alike with q_i, for j <= i
+  Aqk = scale * qk (j <= i), L = strictLower(beta_i kk_ij)
+  [W | U] = (I + L)^-1 [beta k exp(Gamma) | beta v]
+  Qg = scale q exp(Gamma), Kd = k exp(Gamma_last - Gamma), a = exp(Gamma_last)
+
+The decay split. Row i of 16-row block I (first row n_I) is anchored at n_I: kk_ij =
+sum_d (k_id exp(Gamma_id - Gamma_{n_I,d})) (k_jd exp(Gamma_{n_I,d} - Gamma_jd)). For j in an
+earlier block both factors are <= 1, for any g <= 0. For j in block I itself the right factor is
+at most exp(Gamma_{n_I} - Gamma_{n_I + 15}) (the block's decay range): where that stays under
+exp(SAFE_RANGE) in every channel of every block (a uniform test per CTA) the diagonal blocks take
+the same product; otherwise they are taken pair by pair (exp(Gamma_i - Gamma_j) <= 1 itself), so
+nothing overflows whatever the gate.
+
+The products, on one warpgroup's wgmma with bfloat16 hi/lo splits (hi*hi + lo*hi + hi*lo, about
+2^-16 relative, float32 accumulation):
+  [kk | qk] rows: left [64, 128] (k or q, anchored) x right^T, right packing each block's anchor
+    with the rows j it pairs with: 16 + 32 + 48 + 64 = 160 columns (m64n160, K = 128).
+  [W | U] = T^-1 R: T^-1 [64, 64] (float32 by 16-row blocks: the diagonal blocks' inverses by
+    forward substitution, then the blocks below by block substitution) x R [64, 256] (m64n256,
+    K = 64).
+
+One CTA of 128 threads a (slot, head); thread d = channel d for the loads, the cumsum and the
+operand images. Outputs, float32: w, u, qg, kd, gamma [slots, H, 64, 128]; attn, kk [slots, H,
+64, 64] (zero above the diagonal); decay [slots, H, 128]. Not yet run on a GPU.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import cuda.bindings.driver as cuda
+import cutlass
+import cutlass.cute as cute
+import cutlass.cute.nvgpu.warpgroup as warpgroup
+import cutlass.utils.hopper_helpers as sm90_utils
+from cutlass import BFloat16, Float32, Int32
+from cutlass.memory import SmemAllocator
+
+from jax_kda.constants import GATE_FLOOR, HEAD_DIM, SCAN_CHUNK
+from jax_kda.sm90.kernels.varlen import slot_owner
+
+NTHREADS = 128
+WARPS = NTHREADS // 32
+ROWS = SCAN_CHUNK  # 64 tokens a chunk
+BLOCK = 16  # rows of a block: one anchor each
+BLOCKS = ROWS // BLOCK
+PACKED = BLOCK * BLOCKS * (BLOCKS + 1) // 2  # 160 right-operand rows: block I pairs with 16(I+1)
+PAIR_ROW = ROWS + 1  # padded rows of the float32 pair matrices in shared memory
+SAFE_RANGE = 60.0
+"""A block whose decay range (Gamma at its first row minus Gamma at its last, per channel) stays
+under this in every channel takes its diagonal pairs through the anchored product: the right
+factor is then below exp(60) = 1.1e26, far inside float32 and bfloat16's range."""
+
+# Byte offsets inside the reused operand region (1024-byte aligned, for the 128-byte swizzle).
+LEFT_BYTES = ROWS * 2 * HEAD_DIM * 2  # left image [64, 256] bf16: 32 KiB
+RIGHT_BYTES = PACKED * 2 * HEAD_DIM * 2  # right image [160, 256] bf16: 80 KiB
+REGION_BYTES = LEFT_BYTES + RIGHT_BYTES
+RT_BYTES = 2 * HEAD_DIM * 2 * ROWS * 2  # R^T image [256, 128] bf16: 64 KiB (after the products)
+TINV_BYTES = ROWS * 2 * ROWS * 2  # T^-1 image [64, 128] bf16: 16 KiB
+
+
+def _block_offset(block):
+    """First packed right-operand row of `block`'s anchor: 16 * I (I + 1) / 2."""
+    return BLOCK * block * (block + 1) // 2
+
+
+@dataclasses.dataclass(frozen=True)
+class ChunkOperandsConfig:
+    scale: float
+
+
+def _image_layout(n: int, k: int):
+    """A wgmma operand image (rows n, K = k) in shared memory: K-major, 128-byte swizzle."""
+    return cute.tile_to_shape(
+        warpgroup.make_smem_layout_atom(warpgroup.SmemLayoutAtomKind.K_SW128, BFloat16),
+        (n, k),
+        order=(0, 1),
+    )
+
+
+def _view(raw, byte_off: int, layout):
+    """bf16 view of a composed (swizzled) image layout placed at raw (Int32 pointer) + byte_off."""
+    ptr = cute.recast_ptr(raw + byte_off // 4, layout.inner, dtype=BFloat16)
+    return cute.make_tensor(ptr, layout.outer)
+
+
+def _tiled_mma(tile_n: int):
+    """One-warpgroup m64nN wgmma, both operands bf16 K-major from shared memory, float32
+    accumulator."""
+    return sm90_utils.make_trivial_tiled_mma(
+        BFloat16,
+        BFloat16,
+        cute.nvgpu.OperandMajorMode.K,
+        cute.nvgpu.OperandMajorMode.K,
+        Float32,
+        (1, 1, 1),
+        (ROWS, tile_n),
+        warpgroup.OperandSource.SMEM,
+    )
+
+
+@cute.jit
+def _put_split(image: cute.Tensor, row, col, half: cutlass.Constexpr[int], x: Float32):
+    """x as bf16 hi at (row, col) and lo at (row, half + col) of an image."""
+    x_hi = x.to(BFloat16)
+    image[row, col] = x_hi
+    image[row, half + col] = (x - x_hi.to(Float32)).to(BFloat16)
+
+
+@cute.jit
+def _split_product(mma: cute.TiledMma, acc: cute.Tensor, f_a: cute.Tensor, f_b: cute.Tensor,
+                   k_blocks: cutlass.Constexpr[int]):  # fmt: skip
+    """acc = A B^T over images whose K holds [hi | lo] halves of k_blocks 16-wide blocks each:
+    hi*hi + lo*hi + hi*lo."""
+    cute.nvgpu.warpgroup.fence()
+    for kb in cutlass.range_constexpr(k_blocks):
+        mma.set(warpgroup.Field.ACCUMULATE, kb != 0)
+        cute.gemm(mma, acc, f_a[None, None, kb], f_b[None, None, kb], acc)
+        mma.set(warpgroup.Field.ACCUMULATE, True)
+        cute.gemm(mma, acc, f_a[None, None, k_blocks + kb], f_b[None, None, kb], acc)
+        cute.gemm(mma, acc, f_a[None, None, kb], f_b[None, None, k_blocks + kb], acc)
+    cute.nvgpu.warpgroup.commit_group()
+    cute.nvgpu.warpgroup.wait_group(0)
+
+
+class ChunkOperandsSm90:
+    def __init__(self, config: ChunkOperandsConfig):
+        self.scale = float(config.scale)
+
+    @cute.jit
+    def __call__(
+        self,
+        q: cute.Tensor,
+        k: cute.Tensor,
+        v: cute.Tensor,
+        g: cute.Tensor,
+        beta: cute.Tensor,
+        cu_seqlens: cute.Tensor,
+        w: cute.Tensor,
+        u: cute.Tensor,
+        qg: cute.Tensor,
+        attn: cute.Tensor,
+        kd: cute.Tensor,
+        decay: cute.Tensor,
+        gamma: cute.Tensor,
+        kk: cute.Tensor,
+        stream: cuda.CUstream,
+    ):
+        n_slots = w.shape[0]
+        heads = w.shape[1]
+        mma_pairs = _tiled_mma(PACKED)
+        mma_solve = _tiled_mma(2 * HEAD_DIM)
+        self.kernel(
+            q, k, v, g, beta, cu_seqlens, w, u, qg, attn, kd, decay, gamma, kk, mma_pairs,
+            mma_solve,
+        ).launch(grid=[n_slots, heads, 1], block=[NTHREADS, 1, 1], stream=stream)  # fmt: skip
+
+    @cute.kernel
+    def kernel(
+        self,
+        mQ: cute.Tensor,
+        mK: cute.Tensor,
+        mV: cute.Tensor,
+        mG: cute.Tensor,
+        mBeta: cute.Tensor,
+        mCu: cute.Tensor,
+        mW: cute.Tensor,
+        mU: cute.Tensor,
+        mQg: cute.Tensor,
+        mAttn: cute.Tensor,
+        mKd: cute.Tensor,
+        mDecay: cute.Tensor,
+        mGamma: cute.Tensor,
+        mKK: cute.Tensor,
+        mma_pairs: cute.TiledMma,
+        mma_solve: cute.TiledMma,
+    ):
+        tid, _, _ = cute.arch.thread_idx()
+        slot, h, _ = cute.arch.block_idx()
+        d = tid
+        scale = self.scale
+
+        smem = SmemAllocator()
+        row_major = cute.make_layout((ROWS, HEAD_DIM), stride=(HEAD_DIM, 1))
+        s_region = smem.allocate_tensor(
+            Int32, cute.make_layout(REGION_BYTES // 4), 1024
+        )  # the operand images, reused
+        s_q = smem.allocate_tensor(BFloat16, row_major, 16)
+        s_k = smem.allocate_tensor(BFloat16, row_major, 16)
+        s_gam = smem.allocate_tensor(Float32, row_major, 16)
+        s_beta = smem.allocate_tensor(Float32, cute.make_layout(ROWS), 16)
+        pairs = cute.make_layout((ROWS, ROWS), stride=(PAIR_ROW, 1))
+        s_kk = smem.allocate_tensor(Float32, pairs, 16)
+        s_qk = smem.allocate_tensor(Float32, pairs, 16)  # then T^-1
+        s_m = smem.allocate_tensor(
+            Float32, cute.make_layout((BLOCKS - 1, BLOCK, BLOCK), stride=(BLOCK * 17, 17, 1)), 16
+        )
+        s_flag = smem.allocate_tensor(Int32, cute.make_layout(1), 4)
+
+        raw = s_region.iterator
+        s_left = _view(raw, 0, _image_layout(ROWS, 2 * HEAD_DIM))
+        s_right = _view(raw, LEFT_BYTES, _image_layout(PACKED, 2 * HEAD_DIM))
+        s_rt = _view(raw, 0, _image_layout(2 * HEAD_DIM, 2 * ROWS))
+        s_tinv_img = _view(raw, RT_BYTES, _image_layout(ROWS, 2 * ROWS))
+        s_tinv = s_qk
+
+        active, bos, seqlen, c = slot_owner(mCu, slot, SCAN_CHUNK)
+
+        # ---- the chunk, thread d = channel d; Gamma = cumsum g; zero past the end
+        if tid == 0:
+            s_flag[0] = Int32(0)
+        gam = Float32(0.0)
+        for i in cutlass.range(ROWS, unroll=4):
+            row = c * ROWS + i
+            gv = Float32(0.0)
+            qv = BFloat16(0.0)
+            kv = BFloat16(0.0)
+            bv = Float32(0.0)
+            if active and row < seqlen:
+                token = bos + row
+                gv = mG[token, h, d]
+                if gv < Float32(GATE_FLOOR):  # as xla.py: g = -inf resets; NaN stays NaN
+                    gv = Float32(GATE_FLOOR)
+                qv = mQ[token, h, d]
+                kv = mK[token, h, d]
+                bv = mBeta[token, h]
+            gam = gam + gv
+            s_gam[i, d] = gam
+            s_q[i, d] = qv
+            s_k[i, d] = kv
+            if d == 0:
+                s_beta[i] = bv
+        cute.arch.sync_threads()
+
+        # ---- is every block's decay range safe for the anchored diagonal? (uniform per CTA)
+        unsafe = Int32(0)
+        for b in cutlass.range_constexpr(BLOCKS):
+            if s_gam[BLOCK * b, d] - s_gam[BLOCK * b + BLOCK - 1, d] > Float32(SAFE_RANGE):
+                unsafe = Int32(1)
+        if unsafe != Int32(0):
+            s_flag[0] = Int32(1)
+        cute.arch.sync_threads()
+        pairwise = s_flag[0]  # nonzero: the diagonal blocks go pair by pair
+        # ---- the right operand: block I's anchor with rows j < 16 (I + 1), packed
+        for b in cutlass.range_constexpr(BLOCKS):
+            anchor = s_gam[BLOCK * b, d]
+            for j in cutlass.range(BLOCK * (b + 1), unroll=4):
+                x = Float32(s_k[j, d]) * cute.math.exp(anchor - s_gam[j, d])
+                if j >= BLOCK * b and pairwise != Int32(0):
+                    x = Float32(0.0)  # the pairwise path fills the diagonal block
+                _put_split(s_right, _block_offset(b) + j, d, HEAD_DIM, x)
+        cute.arch.sync_threads()
+
+        thr = mma_pairs.get_slice(tid)
+        f_left = mma_pairs.make_fragment_A(thr.partition_A(s_left))
+        f_right = mma_pairs.make_fragment_B(thr.partition_B(s_right))
+        c_pairs = thr.partition_C(cute.make_identity_tensor((ROWS, PACKED)))
+        acc = cute.make_rmem_tensor(mma_pairs.partition_shape_C((ROWS, PACKED)), Float32)
+        # ---- kk, then qk: the left operand (k or q anchored at its block's first row) x right
+        for which in cutlass.range_constexpr(2):
+            for i in cutlass.range(ROWS, unroll=4):
+                anchor_row = (i // BLOCK) * BLOCK
+                x = s_k[i, d]
+                if cutlass.const_expr(which == 1):
+                    x = s_q[i, d]
+                r = Float32(x) * cute.math.exp(s_gam[i, d] - s_gam[anchor_row, d])
+                _put_split(s_left, i, d, HEAD_DIM, r)
+            cute.arch.fence_proxy("async.shared", space="cta")
+            cute.arch.sync_threads()
+            _split_product(mma_pairs, acc, f_left, f_right, HEAD_DIM // 16)
+            s_out = s_kk if cutlass.const_expr(which == 0) else s_qk
+            for e in cutlass.range_constexpr(cute.size(acc)):
+                i, p = c_pairs[e]
+                # packed column p -> (block, j): blocks start at 0, 16, 48, 96
+                b = Int32(0)
+                if p >= _block_offset(1):
+                    b = Int32(1)
+                if p >= _block_offset(2):
+                    b = Int32(2)
+                if p >= _block_offset(3):
+                    b = Int32(3)
+                j = p - BLOCK * b * (b + 1) // 2
+                if i // BLOCK == b and j <= i:
+                    if j < BLOCK * b or pairwise == Int32(0):
+                        s_out[i, j] = acc[e]
+            cute.arch.sync_threads()  # the left image is free again; the products are in place
+
+        # ---- the diagonal blocks pair by pair where a block's decay range is not safe
+        if pairwise != Int32(0):
+            warp = tid // 32
+            lane = tid % 32
+            for pi in cutlass.range(warp, BLOCKS * BLOCK * BLOCK, WARPS, unroll=1):
+                b = pi // (BLOCK * BLOCK)
+                i = BLOCK * b + (pi // BLOCK) % BLOCK
+                j = BLOCK * b + pi % BLOCK
+                if j <= i:
+                    part_kk = Float32(0.0)
+                    part_qk = Float32(0.0)
+                    for t in cutlass.range_constexpr(HEAD_DIM // 32):
+                        ch = lane + 32 * t
+                        e = cute.math.exp(s_gam[i, ch] - s_gam[j, ch])
+                        kj_e = Float32(s_k[j, ch]) * e
+                        part_kk = part_kk + Float32(s_k[i, ch]) * kj_e
+                        part_qk = part_qk + Float32(s_q[i, ch]) * kj_e
+                    for offset in cutlass.range_constexpr(5):
+                        part_kk = part_kk + cute.arch.shuffle_sync_bfly(part_kk, 16 >> offset)
+                        part_qk = part_qk + cute.arch.shuffle_sync_bfly(part_qk, 16 >> offset)
+                    if lane == 0:
+                        s_kk[i, j] = part_kk
+                        s_qk[i, j] = part_qk
+            cute.arch.sync_threads()
+
+        # ---- Aqk and kk out (zero above the diagonal), coalesced
+        for it in cutlass.range_constexpr(ROWS * ROWS // NTHREADS):
+            e_idx = tid + it * NTHREADS
+            i = e_idx // ROWS
+            j = e_idx % ROWS
+            a_ij = Float32(0.0)
+            k_ij = Float32(0.0)
+            if j <= i:
+                a_ij = scale * s_qk[i, j]
+                k_ij = s_kk[i, j]
+            mAttn[slot, h, i, j] = a_ij
+            mKK[slot, h, i, j] = k_ij
+        cute.arch.sync_threads()  # s_qk is T^-1 from here
+
+        # ---- T^-1, T = I + strictLower(beta_i kk_ij): diagonal blocks by forward substitution
+        # (thread = one column of one block), then the blocks below by block substitution.
+        for it in cutlass.range_constexpr(ROWS * ROWS // NTHREADS):
+            e_idx = tid + it * NTHREADS
+            i = e_idx // ROWS
+            j = e_idx % ROWS
+            s_tinv[i, j] = Float32(1.0) if i == j else Float32(0.0)
+        cute.arch.sync_threads()
+        if tid < ROWS:
+            b = tid // BLOCK
+            col = tid  # this thread's column of T^-1 within block b's diagonal block
+            for r in cutlass.range(col + 1, BLOCK * (b + 1), unroll=1):
+                x = Float32(0.0)
+                for m in cutlass.range(col, r, unroll=1):
+                    x = x - s_beta[r] * s_kk[r, m] * s_tinv[m, col]
+                s_tinv[r, col] = x
+        cute.arch.sync_threads()
+        for dist in cutlass.range_constexpr(1, BLOCKS):
+            count = (BLOCKS - dist) * BLOCK * BLOCK
+            # M_(b, c) = sum over rows m of blocks c .. b - 1 of L[b rows, m] T^-1[m, c cols]
+            for e_idx in cutlass.range(tid, count, NTHREADS, unroll=1):
+                pair = e_idx // (BLOCK * BLOCK)
+                r = (e_idx // BLOCK) % BLOCK
+                s = e_idx % BLOCK
+                b = pair + dist
+                cb = pair
+                row = BLOCK * b + r
+                x = Float32(0.0)
+                for m in cutlass.range(BLOCK * cb + s, BLOCK * b, unroll=4):
+                    x = x + s_kk[row, m] * s_tinv[m, BLOCK * cb + s]
+                s_m[pair, r, s] = s_beta[row] * x
+            cute.arch.sync_threads()
+            # T^-1_(b, c) = -D_b M_(b, c), D_b = T^-1_(b, b)
+            for e_idx in cutlass.range(tid, count, NTHREADS, unroll=1):
+                pair = e_idx // (BLOCK * BLOCK)
+                r = (e_idx // BLOCK) % BLOCK
+                s = e_idx % BLOCK
+                b = pair + dist
+                x = Float32(0.0)
+                for m in cutlass.range(r + 1, unroll=1):
+                    x = x - s_tinv[BLOCK * b + r, BLOCK * b + m] * s_m[pair, m, s]
+                s_tinv[BLOCK * b + r, BLOCK * pair + s] = x
+            cute.arch.sync_threads()
+
+        # ---- the solve's operand images: T^-1 (rows i, K = j) and R^T (rows = the 256 columns
+        # [beta k exp(Gamma) | beta v], K = token)
+        for it in cutlass.range_constexpr(ROWS * ROWS // NTHREADS):
+            e_idx = tid + it * NTHREADS
+            i = e_idx // ROWS
+            j = e_idx % ROWS
+            _put_split(s_tinv_img, i, j, ROWS, s_tinv[i, j])
+        for t in cutlass.range(ROWS, unroll=4):
+            row = c * ROWS + t
+            vv = Float32(0.0)
+            if active and row < seqlen:
+                vv = Float32(mV[bos + row, h, d])
+            b_t = s_beta[t]
+            _put_split(s_rt, d, t, ROWS, b_t * Float32(s_k[t, d]) * cute.math.exp(s_gam[t, d]))
+            _put_split(s_rt, HEAD_DIM + d, t, ROWS, b_t * vv)
+        cute.arch.fence_proxy("async.shared", space="cta")
+        cute.arch.sync_threads()
+
+        # ---- [W | U] = T^-1 R on tensor cores, straight out
+        thr_s = mma_solve.get_slice(tid)
+        f_tinv = mma_solve.make_fragment_A(thr_s.partition_A(s_tinv_img))
+        f_rt = mma_solve.make_fragment_B(thr_s.partition_B(s_rt))
+        c_solve = thr_s.partition_C(cute.make_identity_tensor((ROWS, 2 * HEAD_DIM)))
+        acc_s = cute.make_rmem_tensor(mma_solve.partition_shape_C((ROWS, 2 * HEAD_DIM)), Float32)
+        _split_product(mma_solve, acc_s, f_tinv, f_rt, ROWS // 16)
+        for e in cutlass.range_constexpr(cute.size(acc_s)):
+            i, n = c_solve[e]
+            if n < HEAD_DIM:
+                mW[slot, h, i, n] = acc_s[e]
+            else:
+                mU[slot, h, i, n - HEAD_DIM] = acc_s[e]
+
+        # ---- the elementwise operands
+        gam_last = s_gam[ROWS - 1, d]
+        for i in cutlass.range(ROWS, unroll=4):
+            gam_i = s_gam[i, d]
+            mQg[slot, h, i, d] = scale * Float32(s_q[i, d]) * cute.math.exp(gam_i)
+            mKd[slot, h, i, d] = Float32(s_k[i, d]) * cute.math.exp(gam_last - gam_i)
+            mGamma[slot, h, i, d] = gam_i
+        mDecay[slot, h, d] = cute.math.exp(gam_last)
