@@ -212,11 +212,12 @@ class ChunkOperandsSm90:
 
         active, bos, seqlen, c = slot_owner(mCu, slot, SCAN_CHUNK)
 
-        # ---- the chunk, thread d = channel d; Gamma = cumsum g; zero past the end
+        # ---- the chunk, thread d = channel d; Gamma = cumsum g; zero past the end (unrolled by
+        # 16 so that the global loads of 16 rows are in flight together)
         if tid == 0:
             s_flag[0] = Int32(0)
         gam = Float32(0.0)
-        for i in cutlass.range(ROWS, unroll=4):
+        for i in cutlass.range(ROWS, unroll=16):
             row = c * ROWS + i
             gv = Float32(0.0)
             qv = BFloat16(0.0)
@@ -381,7 +382,7 @@ class ChunkOperandsSm90:
             i = e_idx // ROWS
             j = e_idx % ROWS
             _put_split(s_tinv_img, i, j, ROWS, s_tinv[i, j])
-        for t in cutlass.range(ROWS, unroll=4):
+        for t in cutlass.range(ROWS, unroll=16):
             row = c * ROWS + t
             vv = Float32(0.0)
             if active and row < seqlen:
