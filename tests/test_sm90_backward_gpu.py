@@ -27,7 +27,7 @@ from jax_kda.oracle import (
     rms_ratio,
 )
 from jax_kda.sm90.ffi_call import cute_call, register
-from jax_kda.sm90.plan import SCAN_V_SLICES
+from jax_kda.sm90.kernels.layout import SCAN_V_SLICES
 
 pytestmark = pytest.mark.gpu
 
