@@ -27,7 +27,7 @@ from jax_kda.oracle import (
     rms_ratio,
 )
 from jax_kda.sm90.ffi_call import cute_call, register
-from jax_kda.sm90.plan import SCAN_V_SLICES
+from jax_kda.sm90.kernels.layout import SCAN_V_SLICES, SCAN_WGMMA_V_SLICE
 
 pytestmark = pytest.mark.gpu
 
@@ -68,7 +68,10 @@ def test_scan_kernel_matches_xla_scan(name, reverse, v_slice):
     err_final = rms_ratio(final, ref_final)
     print(f"{name} reverse={reverse} v{v_slice}: states {err_states:.1e} final {err_final:.1e}")
     assert not np.isnan(np.asarray(states)).any() and not np.isnan(np.asarray(final)).any()
-    assert err_states <= 1e-5 and err_final <= 1e-5
+    # The SIMT kernel's float32 FMAs match XLA to 1e-5; the tensor-core one's products are
+    # bfloat16 hi/lo splits (about 2^-16 each): 2e-6 to 3.7e-5 on the H200 (3000 tokens the most).
+    bar = 1e-4 if v_slice == SCAN_WGMMA_V_SLICE else 1e-5
+    assert err_states <= bar and err_final <= bar
     np.testing.assert_array_equal(np.asarray(states) == 0, np.asarray(ref_states) == 0)
     for s, n in enumerate(SCAN_LENGTHS[name]):
         if n == 0:

@@ -18,7 +18,8 @@ from jax_kda import sm90
 from jax_kda.oracle import production_inputs
 from jax_kda.sm90 import export as cute_export
 from jax_kda.sm90.ffi_call import TARGET
-from jax_kda.sm90.plan import SCAN_V_SLICES, plan_prefill
+from jax_kda.sm90.kernels.layout import SCAN_V_SLICES
+from jax_kda.sm90.plan import plan_prefill
 
 # Heads from SPEC's shapes and the small/many-sequence cases; every one is a separate variant.
 VARIANT_HEADS = [1, 2, 4, 32]

@@ -186,8 +186,18 @@ def state_scan_artifact(reverse: bool, v_slice: int):
 
     from jax_kda.sm90.export import export, row_major_fake
     from jax_kda.sm90.kernels.kda_state_scan_sm90 import ChunkStateScanSm90, ScanConfig
+    from jax_kda.sm90.kernels.kda_state_scan_wgmma_sm90 import (
+        ChunkStateScanWgmmaSm90,
+        WgmmaScanConfig,
+    )
+    from jax_kda.sm90.kernels.layout import SCAN_WGMMA_V_SLICE
 
-    config = ScanConfig(reverse=reverse, v_slice=v_slice)
+    if v_slice == SCAN_WGMMA_V_SLICE:
+        config = WgmmaScanConfig(reverse=reverse)
+        kernel = ChunkStateScanWgmmaSm90(config)
+    else:
+        config = ScanConfig(reverse=reverse, v_slice=v_slice)
+        kernel = ChunkStateScanSm90(config)
     slots, heads, seqs = cute.sym_int32(), cute.sym_int32(), cute.sym_int32()
     chunk_shape = (slots, heads, SCAN_CHUNK, HEAD_DIM)
     square = (HEAD_DIM, HEAD_DIM)
@@ -203,7 +213,7 @@ def state_scan_artifact(reverse: bool, v_slice: int):
     }
     direction = "rev" if reverse else "fwd"
     return export(
-        ChunkStateScanSm90(config),
+        kernel,
         fakes,
         prefix=f"kda_state_scan_sm90_{direction}_v{v_slice}",
         config={"reverse": reverse, "v_slice": v_slice},

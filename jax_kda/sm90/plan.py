@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from jax_kda.constants import HEAD_DIM, SCAN_CHUNK
-from jax_kda.sm90.kernels.layout import CHUNK, CHUNK_RECORD_BYTES, SCAN_V_SLICES
+from jax_kda.sm90.kernels.layout import CHUNK, CHUNK_RECORD_BYTES, SCAN_SIMT_V_SLICES
 
 # The cost model of the serial part, in microseconds, fitted to benchmarks.kernel_profile on the
 # H200 (2026-11-30: 1024x4x1, 2048x12x1, 4096x12x1 and 8192x16x1, each cut into 1..16 segments).
@@ -179,7 +179,7 @@ def plan_prefill(
 def scan_v_slice(num_heads: int, num_sequences: int, sm_count: int | None) -> int:
     """Columns of the state per state-scan CTA: 32 when (128 / 32) CTAs per (sequence, head)
     already fill the SMs, else 16 (twice the CTAs, each re-reading the chunk's operands from L2)."""
-    wide = max(SCAN_V_SLICES)
+    wide = max(SCAN_SIMT_V_SLICES)
     if sm_count is None or (HEAD_DIM // wide) * num_heads * num_sequences >= sm_count:
         return wide
-    return min(SCAN_V_SLICES)
+    return min(SCAN_SIMT_V_SLICES)

@@ -36,7 +36,7 @@ from cutlass.cute.nvgpu import cpasync
 from cutlass.memory import SmemAllocator
 
 from jax_kda.constants import HEAD_DIM, SCAN_CHUNK
-from jax_kda.sm90.kernels.layout import SCAN_V_SLICES
+from jax_kda.sm90.kernels.layout import SCAN_SIMT_V_SLICES
 from jax_kda.sm90.kernels.varlen import sequence_slots
 
 NTHREADS = 128
@@ -50,8 +50,8 @@ class ScanConfig:
     v_slice: int = 32
 
     def __post_init__(self):
-        if self.v_slice not in SCAN_V_SLICES:
-            raise ValueError(f"v_slice must be one of {SCAN_V_SLICES}, got {self.v_slice}")
+        if self.v_slice not in SCAN_SIMT_V_SLICES:
+            raise ValueError(f"v_slice must be one of {SCAN_SIMT_V_SLICES}, got {self.v_slice}")
 
     @property
     def addend_rows(self) -> int:

@@ -10,5 +10,12 @@ CHUNK_RECORD_BYTES = 21504
 """Bytes PREP writes per (chunk slot, head) for EXPAND: -wt, qg, kg^T (bf16 swizzled wgmma tiles,
 4 KiB each), Z (bf16 16x16), a = exp(gamma) (f32 [128]) and ut^T (f32 [128, 16])."""
 
-SCAN_V_SLICES = (16, 32)
-"""State columns one CTA of the backward's state scan may own (kda_state_scan_sm90.py)."""
+SCAN_SIMT_V_SLICES = (16, 32)
+"""State columns one CTA of the SIMT state scan may own (kda_state_scan_sm90.py)."""
+
+SCAN_WGMMA_V_SLICE = 64
+"""State columns one CTA of the tensor-core state scan owns (kda_state_scan_wgmma_sm90.py): the
+M of its wgmma products."""
+
+SCAN_V_SLICES = (*SCAN_SIMT_V_SLICES, SCAN_WGMMA_V_SLICE)
+"""Every state-scan variant, by the state columns one CTA owns."""
