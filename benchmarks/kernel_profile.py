@@ -9,7 +9,8 @@ behind it; the sum of the kernel durations is the busy time within it.
 breakdown for jax_kda's sm90 backend on the harness's shapes, as planned for this device or cut
 into each given segment count, or (--train) for a training step: forward and backward (a
 diagnostic for kernel work and for plan.py's cost model; the results tables come from
-``benchmarks.run``).
+``benchmarks.run``). ``--train-variants base,core,v64,core+v64`` profiles the backward's
+recompute and backward with the kernels under development switched in.
 """
 
 from __future__ import annotations
@@ -133,10 +134,22 @@ def _main():
         action="store_true",
         help="profile a training step (jax.vjp of o and the final state, all six gradients)",
     )
+    parser.add_argument(
+        "--train-variants",
+        type=_variants,
+        default=None,
+        help="instead, profile the sm90 backward's recompute and backward (jax.vjp of "
+        "sm90.training_forward) for each variant: comma-separated 'base' (the default), 'core' "
+        "(the chunk-core kernel's operands), 'v16'/'v32'/'v64' (the state-scan variant), "
+        "joined by '+' (e.g. base,core,v64,core+v64)",
+    )
     options = parser.parse_args()
     if options.train and options.segments:
         parser.error("--train profiles the planned call; forced --segments have no backward")
     shapes, _ = select(parse_only(options.only), ALL_SHAPES, [])
+    if options.train_variants:
+        _profile_variants(options.train_variants, shapes)
+        return
     register()  # sm90.forward is called directly below, not through prefill
 
     def call_for(segments):
@@ -175,6 +188,54 @@ def _main():
                 f"span {times.span_us:.1f} us, {times.launches} launches"
             )
             for kernel, us in sorted(times.kernels_us.items(), key=lambda kv: -kv[1]):
+                print(f"    {us:9.1f} us  {_short_name(kernel)}")
+
+
+def _variants(text: str) -> list[tuple[str, dict]]:
+    """'base,core+v64' -> [('base', {}), ('core+v64', {'chunk_core': True, 'scan_v_slice': 64})]."""
+    out = []
+    for name in text.split(","):
+        options = {}
+        for part in name.split("+"):
+            if part == "core":
+                options["chunk_core"] = True
+            elif part in ("v16", "v32", "v64"):
+                options["scan_v_slice"] = int(part[1:])
+            elif part != "base":
+                raise argparse.ArgumentTypeError(f"unknown variant part {part!r} in {name!r}")
+        out.append((name, options))
+    return out
+
+
+def _profile_variants(variants, shapes):
+    """GPU kernel times of jax.vjp of sm90.training_forward (what the sm90 backward runs) per
+    variant, on the harness's production data with a non-zero initial state."""
+    import jax.numpy as jnp
+
+    from jax_kda import sm90
+    from jax_kda.constants import default_scale
+    from jax_kda.oracle import production_inputs
+    from jax_kda.sm90.ffi_call import register
+
+    register()
+    for shape in shapes:
+        x = [jnp.asarray(a) for a in production_inputs(list(shape.lengths), shape.heads, seed=0)]
+        x += [jnp.ones_like(x[0]), jnp.ones_like(x[-1])]  # the cotangents of o and the state
+        for name, options in variants:
+
+            @jax.jit
+            def step(q, k, v, g, beta, cu, state, d_o, d_final, options=options):
+                def forward(q, k, v, g, beta, state):
+                    return sm90.training_forward(
+                        q, k, v, g, beta, cu, state, default_scale(), **options
+                    )
+
+                out, pullback = jax.vjp(forward, q, k, v, g, beta, state)
+                return out, pullback((d_o, d_final))
+
+            times = kernel_times(step, *x)
+            print(f"{shape.name} {name}: span {times.span_us:.1f} us, {times.launches} launches")
+            for kernel, us in sorted(times.kernels_us.items(), key=lambda kv: -kv[1])[:6]:
                 print(f"    {us:9.1f} us  {_short_name(kernel)}")
 
 

@@ -1,5 +1,7 @@
 """benchmarks.kernel_profile: grouping profiler events into calls (no GPU needed)."""
 
+import argparse
+
 import jax
 import jax.numpy as jnp
 import pytest
@@ -51,3 +53,16 @@ def test_a_call_count_the_gaps_do_not_show_is_an_error():
 def test_no_gpu_events_is_an_error_that_says_so():
     with pytest.raises(RuntimeError, match="no GPU stream events"):
         kernel_times(jax.jit(lambda x: x * 2), jnp.ones(4), calls=1)
+
+
+def test_train_variants_parse_into_training_forward_options():
+    from benchmarks.kernel_profile import _variants
+
+    assert _variants("base,core,v64,core+v64") == [
+        ("base", {}),
+        ("core", {"chunk_core": True}),
+        ("v64", {"scan_v_slice": 64}),
+        ("core+v64", {"chunk_core": True, "scan_v_slice": 64}),
+    ]
+    with pytest.raises(argparse.ArgumentTypeError, match="unknown variant part 'v8'"):
+        _variants("core+v8")

@@ -218,6 +218,32 @@ def test_grad_lowers_to_the_backward_kernels_and_no_loop():
     assert "stablehlo.while" not in text
 
 
+def test_training_forward_variants_lower_to_their_kernels():
+    """The backward's variants under development (benchmarks.kernel_profile --train-variants):
+    the chunk-core kernel's operands and the tensor-core state scan lower for CUDA, both
+    directions of the scan, and no XLA loop."""
+    x = production_inputs([300, 0, 77], 2, seed=8)
+
+    def step(q, k, v, g, beta, cu, state):
+        def forward(q, k, v, g, beta, state):
+            return sm90.training_forward(
+                q, k, v, g, beta, cu, state, 0.3, chunk_core=True, scan_v_slice=64
+            )
+
+        out, pullback = jax.vjp(forward, q, k, v, g, beta, state)
+        return pullback(out)
+
+    text = _lower(step, *x)
+    prefixes = set(re.findall(r'prefix = "(\w+)"', text))
+    assert {p.rsplit("_", 1)[0] for p in prefixes} == {
+        "kda_chunk_operands_sm90",
+        "kda_state_scan_sm90_fwd",
+        "kda_state_scan_sm90_rev",
+    }, prefixes
+    assert {"kda_state_scan_sm90_fwd_v64", "kda_state_scan_sm90_rev_v64"} <= prefixes
+    assert "stablehlo.while" not in text
+
+
 def test_training_lowers_under_scan_over_layers_checkpoint_and_vmap():
     """A model's training step: layers in lax.scan, each rematerialised (jax.checkpoint), and a
     vmapped batch; every form lowers to the forward kernel and both state-scan kernels."""

@@ -220,12 +220,14 @@ def state_scan_artifact(reverse: bool, v_slice: int):
     )
 
 
-def state_scan_kernel(a_op, b_op, decay, addend, cu_seqlens, y0, *, reverse: bool):
-    """xla.state_scan's contract, run by the sm90 state-scan kernel (no autodiff rule)."""
+def state_scan_kernel(a_op, b_op, decay, addend, cu_seqlens, y0, *, reverse: bool, v_slice=None):
+    """xla.state_scan's contract, run by the sm90 state-scan kernel (no autodiff rule).
+    v_slice: the variant (kernels/layout.py SCAN_V_SLICES); None: the plan's."""
     from jax_kda.sm90.ffi_call import cute_call
 
     num_heads, num_sequences = y0.shape[1], y0.shape[0]
-    v_slice = scan_v_slice(num_heads, num_sequences, device_sm_count())
+    if v_slice is None:
+        v_slice = scan_v_slice(num_heads, num_sequences, device_sm_count())
 
     results = [
         jax.ShapeDtypeStruct((a_op.shape[0], *y0.shape[1:]), jnp.float32),
@@ -366,10 +368,20 @@ def differentiable_chunk_operands(run):
     return operands
 
 
-def training_forward(q, k, v, g, beta, cu_seqlens, initial_state, scale):
+def training_forward(
+    q, k, v, g, beta, cu_seqlens, initial_state, scale, *, chunk_core=False, scan_v_slice=None
+):
     """The forward the sm90 backward differentiates, exact for any g <= 0: the XLA path's
     parallel per-chunk parts (their backward written out, xla._chunk_operands_bwd) around the
-    state-scan kernel, whose backward is the reverse scan. (The chunk-core kernel replaces the
-    per-chunk operands once it is measured faster than XLA's.)"""
-    scan = differentiable_state_scan(state_scan_kernel)
+    state-scan kernel, whose backward is the reverse scan.
+
+    Diagnostics (benchmarks.kernel_profile --train-variants) until the kernels are measured on
+    the GPU: chunk_core=True takes the per-chunk operands from the chunk-core kernel;
+    scan_v_slice picks the state-scan variant (None: the plan's)."""
+    scan = differentiable_state_scan(functools.partial(state_scan_kernel, v_slice=scan_v_slice))
+    if chunk_core:
+        operands = differentiable_chunk_operands(chunk_core_kernel)
+        return xla.forward(
+            q, k, v, g, beta, cu_seqlens, initial_state, scale, scan=scan, operands=operands
+        )
     return xla.forward(q, k, v, g, beta, cu_seqlens, initial_state, scale, scan=scan)
