@@ -41,6 +41,8 @@ SCAN_LENGTHS = {
     "long": [3000],
     "all-empty": [0, 0],
     "gaps": [64, 10, 128, 0, 65],
+    "three-and-five-chunks": [192, 320],  # both stages' last EMPTY hand-over (wgmma variant)
+    "four-chunks": [256],
 }
 
 

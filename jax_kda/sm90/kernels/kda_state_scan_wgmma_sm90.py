@@ -14,8 +14,8 @@ Forward Xt comes out as -X^T and reverse as +X^T; product 2 takes -Xt in both, w
 Y = Diag(a) Y + B^T X (forward) and Y = Diag(a) Y - B^T X + Q (reverse).
 
 Warp-specialised, 256 threads: warpgroup 0 produces (reads chunk j's float32 A and B from global
-memory, writes their bf16 hi/lo images, B transposed, and copies the addend's V half and the
-decay into stage j % 2), warpgroup 1 consumes (the two products and the state). Named barriers
+memory, writes their bf16 hi/lo images, B transposed, while cp.async copies the addend's V half
+and the decay into stage j % 2), warpgroup 1 consumes (the two products and the state). Named barriers
 FULL[s] (images of stage s written) and EMPTY[s] (stage s read) pass the two stages between them,
 so the conversion of chunk j + 1 runs while chunk j is multiplied. Grid (2, H, N): the two V
 halves of the state of one (head, sequence) are independent. A first version with one warpgroup
@@ -33,12 +33,14 @@ import cutlass.cute as cute
 import cutlass.cute.nvgpu.warpgroup as warpgroup
 import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import BFloat16, Float32, Int32
+from cutlass.cute.nvgpu import cpasync
 from cutlass.memory import SmemAllocator
 
 from jax_kda.constants import HEAD_DIM, SCAN_CHUNK
 from jax_kda.sm90.kernels.layout import SCAN_WGMMA_V_SLICE
 from jax_kda.sm90.kernels.varlen import sequence_slots
 
+ADD_ROW = SCAN_WGMMA_V_SLICE + 4  # padded addend rows in shared memory: conflict-free reads
 NTHREADS = 256  # warpgroup 0 produces, warpgroup 1 multiplies
 WG = 128
 FULL = (1, 2)  # named barrier ids per stage (0 is __syncthreads)
@@ -78,6 +80,11 @@ def _image_layout(n: int, k: int):
         (n, k),
         order=(0, 1),
     )
+
+
+def _vec(ptr, n: int = 4):
+    """n consecutive float32 at ptr (16-byte aligned) as one tensor, alignment made known."""
+    return cute.make_tensor(ptr.align(16), cute.make_layout(n))
 
 
 def _split_a_operands(mma: cute.TiledMma, acc: cute.Tensor, kdim: int, negate: bool):
@@ -150,9 +157,8 @@ class ChunkStateScanWgmmaSm90:
                    for _ in range(2)]  # fmt: skip
         s_b_img = [smem.allocate_tensor(BFloat16, lay_b.outer, 1024, swizzle=lay_b.inner)
                    for _ in range(2)]  # fmt: skip
-        s_add = smem.allocate_tensor(
-            Float32, cute.make_layout((ADD_ROWS, VS, 2), stride=(VS, 1, ADD_ROWS * VS)), 16
-        )
+        add_layout = cute.make_layout((ADD_ROWS, VS, 2), stride=(ADD_ROW, 1, ADD_ROWS * ADD_ROW))
+        s_add = smem.allocate_tensor(Float32, add_layout, 16)
         s_decay = smem.allocate_tensor(
             Float32, cute.make_layout((HEAD_DIM, 2), stride=(1, HEAD_DIM)), 16
         )
@@ -269,8 +275,22 @@ class ChunkStateScanWgmmaSm90:
     @cute.jit
     def _produce(self, mA, mB, mDecay, mAdd, slot, h, vbase, stage: cutlass.Constexpr[int],
                  s_a_img, s_b_img, s_add, s_decay, t):  # fmt: skip
-        """One chunk's operands into `stage`: A and B^T as bf16 hi/lo images (thread t = channel
-        t, all 64 tokens' loads in flight together), the addend's V half and the decay."""
+        """One chunk's operands into `stage`: the addend's V half and the decay by cp.async
+        (issued first, waited for last), A and B^T as bf16 hi/lo images (thread t = channel t)."""
+        atom = cute.make_copy_atom(
+            cpasync.CopyG2SOp(cpasync.LoadCacheMode.GLOBAL), Float32, num_bits_per_copy=128
+        )
+        add_vec_row = VS // 4
+        for it in cutlass.range_constexpr(self.addend_rows * add_vec_row // WG):
+            e = t + it * WG
+            row = e // add_vec_row
+            col = (e % add_vec_row) * 4
+            src = mAdd[slot, h, row, None].iterator + (vbase + col)
+            cute.copy(atom, _vec(src), _vec(s_add[row, None, stage].iterator + col))
+        if t < HEAD_DIM // 4:
+            src = mDecay[slot, h, None].iterator + 4 * t
+            cute.copy(atom, _vec(src), _vec(s_decay[None, stage].iterator + 4 * t))
+        cute.arch.cp_async_commit_group()
         # Two halves of 32 tokens, the half a loop variable: its 64 loads are in flight together,
         # and the swizzled store addresses are computed in the loop, not hoisted out of the
         # chunk loop (256 live addresses spilled to local memory when fully unrolled).
@@ -291,9 +311,4 @@ class ChunkStateScanWgmmaSm90:
                 b_hi = b.to(BFloat16)
                 s_b_img[t, tok] = b_hi
                 s_b_img[t, SCAN_CHUNK + tok] = (b - b_hi.to(Float32)).to(BFloat16)
-        for it in cutlass.range_constexpr(self.addend_rows * VS // WG):
-            e = t + it * WG
-            row = e // VS
-            col = e % VS
-            s_add[row, col, stage] = mAdd[slot, h, row, vbase + col]
-        s_decay[t, stage] = mDecay[slot, h, t]
+        cute.arch.cp_async_wait_group(0)
