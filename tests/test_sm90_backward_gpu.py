@@ -243,8 +243,9 @@ CORE_CASES = {
     "ragged": ([130, 0, 70, 1], "production"),
     "gaps": ([64, 10, 128, 0, 65], "production"),
     "long-memory": ([3000, 257], "long-memory"),
-    "near-the-anchor-limit": ([300, 17], "-3.9"),
     "gate-bound": ([300, 17], "-5"),
+    "near-the-anchor-limit": ([300, 17], "-7.4"),
+    "past-the-anchor-limit": ([300, 17], "-8"),
     "harsh": ([300, 17], "-30"),
     "reset": ([300, 17], "-inf"),
 }
@@ -254,15 +255,15 @@ CORE_CASES = {
 def test_chunk_core_kernel_matches_xla(case):
     """The exact 64-token chunk core (kernels/kda_chunk_operands_sm90.py) against
     xla._chunk_operands_with_residuals on the same slots: every output, NaN-poisoned. The cases
-    cover both ways the kernel takes a diagonal block: anchored (production, long memory, -3.9
-    everywhere: a block's decay range of 58.5, just under SAFE_RANGE) and pair by pair (-5
-    everywhere: 75; -30 and -inf on some tokens)."""
+    cover both anchors: the blocks' middle rows (production, long memory, -5 everywhere, and
+    -7.4: a half block's decay of 59.2, just under SAFE_RANGE) and their first rows with the
+    diagonal blocks pair by pair (-8 everywhere: 64; -30 and -inf on some tokens)."""
     register()
     lengths, data = CORE_CASES[case]
     x = (long_memory_inputs if data == "long-memory" else production_inputs)(
         lengths, 3, seed=SEED + len(case)
     )
-    if data in ("-3.9", "-5"):
+    if data in ("-5", "-7.4", "-8"):
         x = x._replace(g=np.full_like(np.asarray(x.g), float(data)))
     elif data in ("-30", "-inf"):
         g = np.array(x.g)

@@ -330,7 +330,11 @@ def chunk_core_kernel(q, k, v, g, beta, cu_seqlens, num_slots, scale):
         jax.ShapeDtypeStruct(chunk, f32),  # gamma
         jax.ShapeDtypeStruct(pairs, f32),  # kk
     ]
-    inputs = [q, k, v, g, beta, jnp.asarray(cu_seqlens, jnp.int32)]
+    if any(x.dtype != jnp.bfloat16 for x in (q, k, v)):
+        raise TypeError(f"the chunk-core kernel takes bfloat16 q, k, v; got {q.dtype}")
+    if num_slots == 0:  # no tokens and no sequences: nothing to launch (an empty grid)
+        return tuple(jnp.zeros(r.shape, r.dtype) for r in results)
+    inputs = [q, k, v, g.astype(f32), beta.astype(f32), jnp.asarray(cu_seqlens, jnp.int32)]
     return tuple(cute_call(chunk_operands_artifact(scale), inputs, results))
 
 

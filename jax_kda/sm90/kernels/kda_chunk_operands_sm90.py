@@ -9,13 +9,13 @@ with Gamma the in-chunk cumsum of g (gates below constants.GATE_FLOOR taken as i
   [W | U] = (I + L)^-1 [beta k exp(Gamma) | beta v]
   Qg = scale q exp(Gamma), Kd = k exp(Gamma_last - Gamma), a = exp(Gamma_last)
 
-The decay split. Row i of 16-row block I (first row n_I) is anchored at n_I: kk_ij =
-sum_d (k_id exp(Gamma_id - Gamma_{n_I,d})) (k_jd exp(Gamma_{n_I,d} - Gamma_jd)). For j in an
-earlier block both factors are <= 1, for any g <= 0. For j in block I itself the right factor is
-at most exp(Gamma_{n_I} - Gamma_{n_I + 15}) (the block's decay range): where that stays under
-exp(SAFE_RANGE) in every channel of every block (a uniform test per CTA) the diagonal blocks take
-the same product; otherwise they are taken pair by pair (exp(Gamma_i - Gamma_j) <= 1 itself), so
-nothing overflows whatever the gate.
+The decay split. Row i of 16-row block I is anchored at one row m_I of its block: kk_ij =
+sum_d (k_id exp(Gamma_id - Gamma_{m_I,d})) (k_jd exp(Gamma_{m_I,d} - Gamma_jd)). With m_I the
+block's middle row, every factor stays under exp(SAFE_RANGE) wherever the decay over each half
+block does (a uniform test per CTA; gates >= -7.5 always pass), and every pair j <= i, the
+diagonal blocks included, is one product. Otherwise m_I is the block's first row: for j in an
+earlier block both factors are <= 1 for any g <= 0, and the diagonal blocks are taken pair by
+pair (exp(Gamma_i - Gamma_j) <= 1 itself), so nothing overflows whatever the gate.
 
 The products, on one warpgroup's wgmma with bfloat16 hi/lo splits (hi*hi + lo*hi + hi*lo, about
 2^-16 relative, float32 accumulation):
@@ -50,12 +50,14 @@ WARPS = NTHREADS // 32
 ROWS = SCAN_CHUNK  # 64 tokens a chunk
 BLOCK = 16  # rows of a block: one anchor each
 BLOCKS = ROWS // BLOCK
+MIDDLE = BLOCK // 2  # the anchor's row within its block, where the decay allows it
 PACKED = BLOCK * BLOCKS * (BLOCKS + 1) // 2  # 160 right-operand rows: block I pairs with 16(I+1)
 PAIR_ROW = ROWS + 1  # padded rows of the float32 pair matrices in shared memory
 SAFE_RANGE = 60.0
-"""A block whose decay range (Gamma at its first row minus Gamma at its last, per channel) stays
-under this in every channel takes its diagonal pairs through the anchored product: the right
-factor is then below exp(60) = 1.1e26, far inside float32 and bfloat16's range."""
+"""Where the decay over each half of every block (Gamma at its first row minus Gamma at its
+middle, and the middle minus the last, per channel) stays under this, rows are anchored at their
+block's middle row and the diagonal blocks take the anchored product too: every factor is then
+below exp(60) = 1.1e26, far inside float32 and bfloat16's range (gates >= -7.5 always pass)."""
 
 # Byte offsets inside the reused operand region (1024-byte aligned, for the 128-byte swizzle).
 LEFT_BYTES = ROWS * 2 * HEAD_DIM * 2  # left image [64, 256] bf16: 32 KiB
@@ -239,18 +241,27 @@ class ChunkOperandsSm90:
                 s_beta[i] = bv
         cute.arch.sync_threads()
 
-        # ---- is every block's decay range safe for the anchored diagonal? (uniform per CTA)
+        # ---- may the blocks be anchored at their middle rows? (uniform per CTA) The decay over
+        # either half of every block must stay under SAFE_RANGE in every channel; else rows are
+        # anchored at their block's first row (every factor of an off-diagonal pair <= 1) and
+        # the diagonal blocks go pair by pair.
         unsafe = Int32(0)
         for b in cutlass.range_constexpr(BLOCKS):
-            if s_gam[BLOCK * b, d] - s_gam[BLOCK * b + BLOCK - 1, d] > Float32(SAFE_RANGE):
+            first = s_gam[BLOCK * b, d]
+            middle = s_gam[BLOCK * b + MIDDLE, d]
+            last = s_gam[BLOCK * b + BLOCK - 1, d]
+            if first - middle > Float32(SAFE_RANGE) or middle - last > Float32(SAFE_RANGE):
                 unsafe = Int32(1)
         if unsafe != Int32(0):
             s_flag[0] = Int32(1)
         cute.arch.sync_threads()
         pairwise = s_flag[0]  # nonzero: the diagonal blocks go pair by pair
+        shift = Int32(MIDDLE)  # the anchor's row within its block
+        if pairwise != Int32(0):
+            shift = Int32(0)
         # ---- the right operand: block I's anchor with rows j < 16 (I + 1), packed
         for b in cutlass.range_constexpr(BLOCKS):
-            anchor = s_gam[BLOCK * b, d]
+            anchor = s_gam[BLOCK * b + shift, d]
             for j in cutlass.range(BLOCK * (b + 1), unroll=4):
                 x = Float32(s_k[j, d]) * cute.math.exp(anchor - s_gam[j, d])
                 if j >= BLOCK * b and pairwise != Int32(0):
@@ -263,10 +274,10 @@ class ChunkOperandsSm90:
         f_right = mma_pairs.make_fragment_B(thr.partition_B(s_right))
         c_pairs = thr.partition_C(cute.make_identity_tensor((ROWS, PACKED)))
         acc = cute.make_rmem_tensor(mma_pairs.partition_shape_C((ROWS, PACKED)), Float32)
-        # ---- kk, then qk: the left operand (k or q anchored at its block's first row) x right
+        # ---- kk, then qk: the left operand (k or q anchored at its block's anchor) x right
         for which in cutlass.range_constexpr(2):
             for i in cutlass.range(ROWS, unroll=4):
-                anchor_row = (i // BLOCK) * BLOCK
+                anchor_row = (i // BLOCK) * BLOCK + shift
                 x = s_k[i, d]
                 if cutlass.const_expr(which == 1):
                     x = s_q[i, d]
@@ -331,6 +342,13 @@ class ChunkOperandsSm90:
             mKK[slot, h, i, j] = k_ij
         cute.arch.sync_threads()  # s_qk is T^-1 from here
 
+        # v (channel d of the 64 rows) loads now, in registers, so the T^-1 phase hides them
+        r_v = cute.make_rmem_tensor((ROWS,), Float32)
+        for t in cutlass.range_constexpr(ROWS):
+            r_v[t] = Float32(0.0)
+            if active and c * ROWS + t < seqlen:
+                r_v[t] = Float32(mV[bos + c * ROWS + t, h, d])
+
         # ---- T^-1, T = I + strictLower(beta_i kk_ij): diagonal blocks by forward substitution
         # (thread = one column of one block), then the blocks below by block substitution.
         for it in cutlass.range_constexpr(ROWS * ROWS // NTHREADS):
@@ -382,14 +400,10 @@ class ChunkOperandsSm90:
             i = e_idx // ROWS
             j = e_idx % ROWS
             _put_split(s_tinv_img, i, j, ROWS, s_tinv[i, j])
-        for t in cutlass.range(ROWS, unroll=16):
-            row = c * ROWS + t
-            vv = Float32(0.0)
-            if active and row < seqlen:
-                vv = Float32(mV[bos + row, h, d])
+        for t in cutlass.range_constexpr(ROWS):
             b_t = s_beta[t]
             _put_split(s_rt, d, t, ROWS, b_t * Float32(s_k[t, d]) * cute.math.exp(s_gam[t, d]))
-            _put_split(s_rt, HEAD_DIM + d, t, ROWS, b_t * vv)
+            _put_split(s_rt, HEAD_DIM + d, t, ROWS, b_t * r_v[t])
         cute.arch.fence_proxy("async.shared", space="cta")
         cute.arch.sync_threads()
 

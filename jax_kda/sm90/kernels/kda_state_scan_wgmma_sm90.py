@@ -14,9 +14,9 @@ Forward Xt comes out as -X^T and reverse as +X^T; product 2 takes -Xt in both, w
 Y = Diag(a) Y + B^T X (forward) and Y = Diag(a) Y - B^T X + Q (reverse).
 
 Warp-specialised, 256 threads: warpgroup 0 produces (reads chunk j's float32 A and B from global
-memory, writes their bf16 hi/lo images, B transposed, while cp.async copies the addend's V half
-and the decay into stage j % 2), warpgroup 1 consumes (the two products and the state). Named barriers
-FULL[s] (images of stage s written) and EMPTY[s] (stage s read) pass the two stages between them,
+memory and writes their bf16 hi/lo images, B transposed, while cp.async copies the addend's V
+half and the decay into stage j % 2), warpgroup 1 consumes (the two products and the state).
+Named barriers FULL[s] (stage s written) and EMPTY[s] (stage s read) pass the stages between them,
 so the conversion of chunk j + 1 runs while chunk j is multiplied. Grid (2, H, N): the two V
 halves of the state of one (head, sequence) are independent. A first version with one warpgroup
 doing both in turn took 7.7 us a chunk on the H200 (2048x12x1: 507 us for both directions,
