@@ -186,18 +186,12 @@ def state_scan_artifact(reverse: bool, v_slice: int):
 
     from jax_kda.sm90.export import export, row_major_fake
     from jax_kda.sm90.kernels.kda_state_scan_sm90 import ChunkStateScanSm90, ScanConfig
-    from jax_kda.sm90.kernels.kda_state_scan_wgmma_sm90 import (
-        ChunkStateScanWgmmaSm90,
-        WgmmaScanConfig,
-    )
+    from jax_kda.sm90.kernels.kda_state_scan_wgmma_sm90 import ChunkStateScanWgmmaSm90
     from jax_kda.sm90.kernels.layout import SCAN_WGMMA_V_SLICE
 
-    if v_slice == SCAN_WGMMA_V_SLICE:
-        config = WgmmaScanConfig(reverse=reverse)
-        kernel = ChunkStateScanWgmmaSm90(config)
-    else:
-        config = ScanConfig(reverse=reverse, v_slice=v_slice)
-        kernel = ChunkStateScanSm90(config)
+    config = ScanConfig(reverse=reverse, v_slice=v_slice)
+    wgmma = v_slice == SCAN_WGMMA_V_SLICE
+    kernel = (ChunkStateScanWgmmaSm90 if wgmma else ChunkStateScanSm90)(config)
     slots, heads, seqs = cute.sym_int32(), cute.sym_int32(), cute.sym_int32()
     chunk_shape = (slots, heads, SCAN_CHUNK, HEAD_DIM)
     square = (HEAD_DIM, HEAD_DIM)

@@ -38,12 +38,12 @@ import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
 import cutlass.cute.nvgpu.warpgroup as warpgroup
-import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import BFloat16, Float32, Int32
 from cutlass.memory import SmemAllocator
 
 from jax_kda.constants import GATE_FLOOR, HEAD_DIM, SCAN_CHUNK
 from jax_kda.sm90.kernels.varlen import slot_owner
+from jax_kda.sm90.kernels.wgmma import bf16_tiled_mma, gemm_bf16x3, image_layout, put_split, view
 
 NTHREADS = 128
 WARPS = NTHREADS // 32
@@ -77,56 +77,14 @@ class ChunkOperandsConfig:
     scale: float
 
 
-def _image_layout(n: int, k: int):
-    """A wgmma operand image (rows n, K = k) in shared memory: K-major, 128-byte swizzle."""
-    return cute.tile_to_shape(
-        warpgroup.make_smem_layout_atom(warpgroup.SmemLayoutAtomKind.K_SW128, BFloat16),
-        (n, k),
-        order=(0, 1),
-    )
-
-
-def _view(raw, byte_off: int, layout):
-    """bf16 view of a composed (swizzled) image layout placed at raw (Int32 pointer) + byte_off."""
-    ptr = cute.recast_ptr(raw + byte_off // 4, layout.inner, dtype=BFloat16)
-    return cute.make_tensor(ptr, layout.outer)
-
-
-def _tiled_mma(tile_n: int):
-    """One-warpgroup m64nN wgmma, both operands bf16 K-major from shared memory, float32
-    accumulator."""
-    return sm90_utils.make_trivial_tiled_mma(
-        BFloat16,
-        BFloat16,
-        cute.nvgpu.OperandMajorMode.K,
-        cute.nvgpu.OperandMajorMode.K,
-        Float32,
-        (1, 1, 1),
-        (ROWS, tile_n),
-        warpgroup.OperandSource.SMEM,
-    )
-
-
 @cute.jit
-def _put_split(image: cute.Tensor, row, col, half: cutlass.Constexpr[int], x: Float32):
-    """x as bf16 hi at (row, col) and lo at (row, half + col) of an image."""
-    x_hi = x.to(BFloat16)
-    image[row, col] = x_hi
-    image[row, half + col] = (x - x_hi.to(Float32)).to(BFloat16)
-
-
-@cute.jit
-def _split_product(mma: cute.TiledMma, acc: cute.Tensor, f_a: cute.Tensor, f_b: cute.Tensor,
-                   k_blocks: cutlass.Constexpr[int]):  # fmt: skip
-    """acc = A B^T over images whose K holds [hi | lo] halves of k_blocks 16-wide blocks each:
-    hi*hi + lo*hi + hi*lo."""
+def _product(mma: cute.TiledMma, acc: cute.Tensor, f_a: cute.Tensor, f_b: cute.Tensor,
+             k_blocks: cutlass.Constexpr[int]):  # fmt: skip
+    """acc = A B^T over [hi | lo] images (three bf16 products per K-block), waited for."""
+    acc.fill(0.0)
     cute.nvgpu.warpgroup.fence()
-    for kb in cutlass.range_constexpr(k_blocks):
-        mma.set(warpgroup.Field.ACCUMULATE, kb != 0)
-        cute.gemm(mma, acc, f_a[None, None, kb], f_b[None, None, kb], acc)
-        mma.set(warpgroup.Field.ACCUMULATE, True)
-        cute.gemm(mma, acc, f_a[None, None, k_blocks + kb], f_b[None, None, kb], acc)
-        cute.gemm(mma, acc, f_a[None, None, kb], f_b[None, None, k_blocks + kb], acc)
+    mma.set(warpgroup.Field.ACCUMULATE, True)
+    gemm_bf16x3(mma, acc, f_a, f_a, k_blocks, f_b, k_blocks)
     cute.nvgpu.warpgroup.commit_group()
     cute.nvgpu.warpgroup.wait_group(0)
 
@@ -156,8 +114,8 @@ class ChunkOperandsSm90:
     ):
         n_slots = w.shape[0]
         heads = w.shape[1]
-        mma_pairs = _tiled_mma(PACKED)
-        mma_solve = _tiled_mma(2 * HEAD_DIM)
+        mma_pairs = bf16_tiled_mma((ROWS, PACKED), warpgroup.OperandSource.SMEM)
+        mma_solve = bf16_tiled_mma((ROWS, 2 * HEAD_DIM), warpgroup.OperandSource.SMEM)
         self.kernel(
             q, k, v, g, beta, cu_seqlens, w, u, qg, attn, kd, decay, gamma, kk, mma_pairs,
             mma_solve,
@@ -206,10 +164,10 @@ class ChunkOperandsSm90:
         s_flag = smem.allocate_tensor(Int32, cute.make_layout(1), 4)
 
         raw = s_region.iterator
-        s_left = _view(raw, 0, _image_layout(ROWS, 2 * HEAD_DIM))
-        s_right = _view(raw, LEFT_BYTES, _image_layout(PACKED, 2 * HEAD_DIM))
-        s_rt = _view(raw, 0, _image_layout(2 * HEAD_DIM, 2 * ROWS))
-        s_tinv_img = _view(raw, RT_BYTES, _image_layout(ROWS, 2 * ROWS))
+        s_left = view(raw, 0, image_layout(ROWS, 2 * HEAD_DIM))
+        s_right = view(raw, LEFT_BYTES, image_layout(PACKED, 2 * HEAD_DIM))
+        s_rt = view(raw, 0, image_layout(2 * HEAD_DIM, 2 * ROWS))
+        s_tinv_img = view(raw, RT_BYTES, image_layout(ROWS, 2 * ROWS))
         s_tinv = s_qk
 
         active, bos, seqlen, c = slot_owner(mCu, slot, SCAN_CHUNK)
@@ -266,7 +224,7 @@ class ChunkOperandsSm90:
                 x = Float32(s_k[j, d]) * cute.math.exp(anchor - s_gam[j, d])
                 if j >= BLOCK * b and pairwise != Int32(0):
                     x = Float32(0.0)  # the pairwise path fills the diagonal block
-                _put_split(s_right, _block_offset(b) + j, d, HEAD_DIM, x)
+                put_split(s_right, _block_offset(b) + j, d, HEAD_DIM, x)
         cute.arch.sync_threads()
 
         thr = mma_pairs.get_slice(tid)
@@ -282,10 +240,10 @@ class ChunkOperandsSm90:
                 if cutlass.const_expr(which == 1):
                     x = s_q[i, d]
                 r = Float32(x) * cute.math.exp(s_gam[i, d] - s_gam[anchor_row, d])
-                _put_split(s_left, i, d, HEAD_DIM, r)
+                put_split(s_left, i, d, HEAD_DIM, r)
             cute.arch.fence_proxy("async.shared", space="cta")
             cute.arch.sync_threads()
-            _split_product(mma_pairs, acc, f_left, f_right, HEAD_DIM // 16)
+            _product(mma_pairs, acc, f_left, f_right, HEAD_DIM // 16)
             s_out = s_kk if cutlass.const_expr(which == 0) else s_qk
             for e in cutlass.range_constexpr(cute.size(acc)):
                 i, p = c_pairs[e]
@@ -399,11 +357,11 @@ class ChunkOperandsSm90:
             e_idx = tid + it * NTHREADS
             i = e_idx // ROWS
             j = e_idx % ROWS
-            _put_split(s_tinv_img, i, j, ROWS, s_tinv[i, j])
+            put_split(s_tinv_img, i, j, ROWS, s_tinv[i, j])
         for t in cutlass.range_constexpr(ROWS):
             b_t = s_beta[t]
-            _put_split(s_rt, d, t, ROWS, b_t * Float32(s_k[t, d]) * cute.math.exp(s_gam[t, d]))
-            _put_split(s_rt, HEAD_DIM + d, t, ROWS, b_t * r_v[t])
+            put_split(s_rt, d, t, ROWS, b_t * Float32(s_k[t, d]) * cute.math.exp(s_gam[t, d]))
+            put_split(s_rt, HEAD_DIM + d, t, ROWS, b_t * r_v[t])
         cute.arch.fence_proxy("async.shared", space="cta")
         cute.arch.sync_threads()
 
@@ -413,7 +371,7 @@ class ChunkOperandsSm90:
         f_rt = mma_solve.make_fragment_B(thr_s.partition_B(s_rt))
         c_solve = thr_s.partition_C(cute.make_identity_tensor((ROWS, 2 * HEAD_DIM)))
         acc_s = cute.make_rmem_tensor(mma_solve.partition_shape_C((ROWS, 2 * HEAD_DIM)), Float32)
-        _split_product(mma_solve, acc_s, f_tinv, f_rt, ROWS // 16)
+        _product(mma_solve, acc_s, f_tinv, f_rt, ROWS // 16)
         for e in cutlass.range_constexpr(cute.size(acc_s)):
             i, n = c_solve[e]
             if n < HEAD_DIM:

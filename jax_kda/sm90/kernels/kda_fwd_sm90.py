@@ -37,7 +37,6 @@ import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
 import cutlass.cute.nvgpu.warpgroup as warpgroup
-import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import BFloat16, Float32, Int32
 from cutlass.cute.nvgpu import cpasync
 from cutlass.memory import SmemAllocator
@@ -45,6 +44,14 @@ from cutlass.memory import SmemAllocator
 from jax_kda.constants import HEAD_DIM
 from jax_kda.sm90.kernels.layout import CHUNK, CHUNK_RECORD_BYTES
 from jax_kda.sm90.kernels.varlen import sequence_slots, slot_owner
+from jax_kda.sm90.kernels.wgmma import (
+    acc_to_a_operand,
+    bf16_tiled_mma,
+    image_layout,
+    split_a_operands,
+    vec4,
+    view,
+)
 
 NTHREADS = 128
 VS = 64  # V rows per EXPAND CTA
@@ -95,47 +102,6 @@ def _b_layouts():
     return lay_nk128, lay_z, lay_kg
 
 
-def _operator_layout():
-    """A segment operator Mt [128 kk, 128 col] as a wgmma B operand: (N = col, K = kk), K-major,
-    128-byte swizzle; one bf16 image of it is 32 KiB."""
-    return cute.tile_to_shape(
-        warpgroup.make_smem_layout_atom(warpgroup.SmemLayoutAtomKind.K_SW128, BFloat16),
-        (HEAD_DIM, HEAD_DIM),
-        order=(0, 1),
-    )
-
-
-def _bf16_tiled_mma(tile_mn, a_source):
-    """One-warpgroup wgmma, bf16 K-major operands, float32 accumulator; A from shared memory or
-    registers."""
-    return sm90_utils.make_trivial_tiled_mma(
-        BFloat16,
-        BFloat16,
-        cute.nvgpu.OperandMajorMode.K,
-        cute.nvgpu.OperandMajorMode.K,
-        Float32,
-        (1, 1, 1),
-        tile_mn,
-        a_source,
-    )
-
-
-def _view(raw_i32_ptr, byte_off: int, comp_layout, nstages: int = 0, stage_bytes: int = 0):
-    """bf16 (swizzled) view of a composed wgmma smem layout placed at raw + byte_off; with
-    nstages > 0 an extra trailing stage mode of stride stage_bytes."""
-    ptr = cute.recast_ptr(raw_i32_ptr + byte_off // 4, comp_layout.inner, dtype=BFloat16)
-    outer = comp_layout.outer
-    if nstages > 0:
-        outer = cute.append(outer, cute.make_layout(nstages, stride=stage_bytes // 2))
-    return cute.make_tensor(ptr, outer)
-
-
-def _vec4(ptr):
-    """Four 4-byte elements at ptr as one 16-byte vector, its alignment made known to the
-    compiler (every record, stage and state vector is 16-byte aligned; dynamic indices hide it)."""
-    return cute.make_tensor(ptr.align(16), cute.make_layout(4))
-
-
 @cute.jit
 def _load_stage(atom, g_rec, s_raw, stage, vslab, tid):
     """Issue this thread's cp.async copies of one chunk record into shared-memory stage `stage`:
@@ -146,9 +112,7 @@ def _load_stage(atom, g_rec, s_raw, stage, vslab, tid):
             src = idx
             if idx >= COMMON_VEC:
                 src = idx + vslab * UT_VEC
-            cute.copy(
-                atom, _vec4(g_rec[src, None].iterator), _vec4(s_raw[idx, None, stage].iterator)
-            )
+            cute.copy(atom, vec4(g_rec[src, None].iterator), vec4(s_raw[idx, None, stage].iterator))
 
 
 @cute.jit
@@ -168,11 +132,11 @@ def _load_operator(atom, mSegOps, nseg, p, n, h, vbase, s_raw, buf, tid):
     )
     for it in cutlass.range_constexpr(OPERATOR_VEC // NTHREADS):
         idx = tid + it * NTHREADS
-        cute.copy(atom, _vec4(g_m[idx, None].iterator), _vec4(s_raw[idx, None, buf].iterator))
+        cute.copy(atom, vec4(g_m[idx, None].iterator), vec4(s_raw[idx, None, buf].iterator))
     for it in cutlass.range_constexpr(CT_SLAB_VEC // NTHREADS):
         idx = tid + it * NTHREADS
         dst = s_raw[OPERATOR_VEC + idx, None, buf].iterator
-        cute.copy(atom, _vec4(g_ct[idx, None].iterator), _vec4(dst))
+        cute.copy(atom, vec4(g_ct[idx, None].iterator), vec4(dst))
 
 
 class KdaForwardSm90:
@@ -202,9 +166,9 @@ class KdaForwardSm90:
         n_seq = cu_seqlens.shape[0] - 1
         n_slots = ws_rec.shape[0]
         nseg = seg_states.shape[0]  # segments per sequence; 1: no BUILD / COMBINE
-        mma_prep = _bf16_tiled_mma((64, CHUNK), warpgroup.OperandSource.SMEM)
-        mma_n16 = _bf16_tiled_mma((VS, CHUNK), warpgroup.OperandSource.RMEM)
-        mma_n128 = _bf16_tiled_mma((VS, HEAD_DIM), warpgroup.OperandSource.RMEM)
+        mma_prep = bf16_tiled_mma((64, CHUNK), warpgroup.OperandSource.SMEM)
+        mma_n16 = bf16_tiled_mma((VS, CHUNK), warpgroup.OperandSource.RMEM)
+        mma_n128 = bf16_tiled_mma((VS, HEAD_DIM), warpgroup.OperandSource.RMEM)
         assert str(mma_n16.tv_layout_A) == str(mma_n16.tv_layout_C), "wgmma C/A TV layouts differ"
         # +1: never a 0-sized grid (N = 0 / T = 0); the extra CTAs find no chunk and exit
         self.prep_kernel(q, k, v, g, beta, cu_seqlens, ws_rec, mma_prep).launch(
@@ -225,25 +189,6 @@ class KdaForwardSm90:
         self.chain_kernel(*args, build).launch(
             grid=[2, self.H, ctas_per_slab_and_head], block=[NTHREADS, 1, 1], stream=stream
         )
-
-    @staticmethod
-    def _acc_to_a_operand(mma: cute.TiledMma, acc: cute.Tensor, m: int, kdim: int) -> cute.Tensor:
-        """bf16 copy of an m64nN f32 accumulator as the RS A operand (identical C/A TV layouts)."""
-        frag = mma.make_fragment_A(mma.partition_shape_A((m, kdim)))
-        frag_as_acc = cute.make_tensor(frag.iterator, acc.layout)
-        frag_as_acc.store(acc.load().to(BFloat16))
-        return frag
-
-    @staticmethod
-    def _acc_to_split_a_operands(mma: cute.TiledMma, acc: cute.Tensor, m: int, kdim: int):
-        """(hi, lo) bf16 RS A operands of an f32 accumulator, hi + lo = acc to about 2^-16."""
-        hi = mma.make_fragment_A(mma.partition_shape_A((m, kdim)))
-        lo = mma.make_fragment_A(mma.partition_shape_A((m, kdim)))
-        x = acc.load()
-        x_hi = x.to(BFloat16)
-        cute.make_tensor(hi.iterator, acc.layout).store(x_hi)
-        cute.make_tensor(lo.iterator, acc.layout).store((x - x_hi.to(Float32)).to(BFloat16))
-        return hi, lo
 
     # ------------------------------------------------------------------ PREP
     @cute.kernel
@@ -282,10 +227,10 @@ class KdaForwardSm90:
         )
         lay_nk128, lay_z, lay_kg = _b_layouts()
         raw = s_rec.iterator
-        s_wt = _view(raw, OFF_WT, lay_nk128)
-        s_qg = _view(raw, OFF_QG, lay_nk128)
-        s_kg = _view(raw, OFF_KG, lay_kg)
-        s_z = _view(raw, OFF_Z, lay_z)
+        s_wt = view(raw, OFF_WT, lay_nk128)
+        s_qg = view(raw, OFF_QG, lay_nk128)
+        s_kg = view(raw, OFF_KG, lay_kg)
+        s_z = view(raw, OFF_Z, lay_z)
         s_a = cute.make_tensor(
             cute.recast_ptr(raw + OFF_A // 4, dtype=Float32), cute.make_layout(HEAD_DIM)
         )
@@ -409,7 +354,7 @@ class KdaForwardSm90:
             for it in cutlass.range_constexpr((REC_VEC + NTHREADS - 1) // NTHREADS):
                 idx = tid + it * NTHREADS
                 if idx < REC_VEC:
-                    _vec4(g_rec[idx, None].iterator).store(_vec4(s_rec[idx, None].iterator).load())
+                    vec4(g_rec[idx, None].iterator).store(vec4(s_rec[idx, None].iterator).load())
 
     # ------------------------------------------------------------------ EXPAND
     @cute.kernel
@@ -456,10 +401,10 @@ class KdaForwardSm90:
         )
         raw = s_raw.iterator
         lay_nk128, lay_z, lay_kg = _b_layouts()
-        s_wt = _view(raw, OFF_WT, lay_nk128, P, STAGE_BYTES)
-        s_qg = _view(raw, OFF_QG, lay_nk128, P, STAGE_BYTES)
-        s_kg = _view(raw, OFF_KG, lay_kg, P, STAGE_BYTES)
-        s_z = _view(raw, OFF_Z, lay_z, P, STAGE_BYTES)
+        s_wt = view(raw, OFF_WT, lay_nk128, P, STAGE_BYTES)
+        s_qg = view(raw, OFF_QG, lay_nk128, P, STAGE_BYTES)
+        s_kg = view(raw, OFF_KG, lay_kg, P, STAGE_BYTES)
+        s_z = view(raw, OFF_Z, lay_z, P, STAGE_BYTES)
         s_a = cute.make_tensor(
             cute.recast_ptr(raw + OFF_A // 4, dtype=Float32),
             cute.make_layout((HEAD_DIM, P), stride=(1, STAGE_BYTES // 4)),
@@ -522,7 +467,7 @@ class KdaForwardSm90:
                     _load_stage(atom, g_rec, s_raw, nstage, vslab, tid)
                 cute.arch.cp_async_commit_group()
 
-                a_st = self._acc_to_a_operand(mma_n128, acc_s, VS, HEAD_DIM)
+                a_st = acc_to_a_operand(mma_n128, acc_s, VS, HEAD_DIM)
                 for i in cutlass.range_constexpr(cute.size(acc_r)):
                     m, jj = c16[i]
                     acc_r[i] = Float32(0.0)
@@ -552,7 +497,7 @@ class KdaForwardSm90:
                 else:
                     cute.nvgpu.warpgroup.wait_group(0)
 
-                a_rt = self._acc_to_a_operand(mma_n128, acc_r, VS, CHUNK)
+                a_rt = acc_to_a_operand(mma_n128, acc_r, VS, CHUNK)
                 for i in cutlass.range_constexpr(cute.size(acc_s)):
                     m, col = c128[i]
                     acc_s[i] = acc_s[i] * s_a[col, stage]
@@ -583,9 +528,9 @@ class KdaForwardSm90:
                     # COMBINE copies back into shared memory. A K half of an image is its
                     # 16 KiB half (the layout's K mode is the outer one).
                     cute.arch.sync_threads()  # every thread is done with the stages
-                    lay_m = _operator_layout()
-                    s_hi = _view(raw, 0, lay_m)
-                    s_lo = _view(raw, IMAGE_BYTES, lay_m)
+                    lay_m = image_layout(HEAD_DIM, HEAD_DIM)
+                    s_hi = view(raw, 0, lay_m)
+                    s_lo = view(raw, IMAGE_BYTES, lay_m)
                     for i in cutlass.range_constexpr(cute.size(acc_s)):
                         m, col = c128[i]
                         x = acc_s[i]
@@ -604,8 +549,8 @@ class KdaForwardSm90:
                     for image in cutlass.range_constexpr(2):
                         for it in cutlass.range_constexpr(half_vec // NTHREADS):
                             idx = image * 2 * half_vec + vslab * half_vec + tid + it * NTHREADS
-                            _vec4(g_vec[idx, None].iterator).store(
-                                _vec4(s_vec[idx, None].iterator).load()
+                            vec4(g_vec[idx, None].iterator).store(
+                                vec4(s_vec[idx, None].iterator).load()
                             )
                 else:
                     for i in cutlass.range_constexpr(cute.size(acc_s)):
@@ -651,9 +596,9 @@ class KdaForwardSm90:
         )
         raw = s_raw.iterator
         buffer_bytes = COMBINE_BUFFER_VEC * 16
-        lay_m = _operator_layout()
-        s_hi = _view(raw, 0, lay_m, 2, buffer_bytes)
-        s_lo = _view(raw, IMAGE_BYTES, lay_m, 2, buffer_bytes)
+        lay_m = image_layout(HEAD_DIM, HEAD_DIM)
+        s_hi = view(raw, 0, lay_m, 2, buffer_bytes)
+        s_lo = view(raw, IMAGE_BYTES, lay_m, 2, buffer_bytes)
         s_ct = cute.make_tensor(
             cute.recast_ptr(raw + 2 * IMAGE_BYTES // 4, dtype=Float32),
             cute.make_layout((VS, HEAD_DIM, 2), stride=(HEAD_DIM, 1, buffer_bytes // 4)),
@@ -686,7 +631,7 @@ class KdaForwardSm90:
             cute.arch.cp_async_commit_group()
 
             if p * seg_chunks < nchunks:  # segment p holds chunks (uniform per CTA)
-                a_hi, a_lo = self._acc_to_split_a_operands(mma, acc, VS, HEAD_DIM)
+                a_hi, a_lo = split_a_operands(mma, acc, VS, HEAD_DIM)
                 for i in cutlass.range_constexpr(cute.size(acc)):
                     m, col = c128[i]
                     acc[i] = s_ct[m, col, buf]

@@ -31,13 +31,14 @@ import dataclasses
 import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
-from cutlass import Float32, Int32
+from cutlass import Float32
 from cutlass.cute.nvgpu import cpasync
 from cutlass.memory import SmemAllocator
 
 from jax_kda.constants import HEAD_DIM, SCAN_CHUNK
-from jax_kda.sm90.kernels.layout import SCAN_SIMT_V_SLICES
-from jax_kda.sm90.kernels.varlen import sequence_slots
+from jax_kda.sm90.kernels.layout import SCAN_SIMT_V_SLICES, SCAN_V_SLICES
+from jax_kda.sm90.kernels.varlen import scan_slots
+from jax_kda.sm90.kernels.wgmma import vec4
 
 NTHREADS = 128
 A_ROW = HEAD_DIM + 4  # padded row of A in shared memory: phase 1's row reads fall in other banks
@@ -50,8 +51,8 @@ class ScanConfig:
     v_slice: int = 32
 
     def __post_init__(self):
-        if self.v_slice not in SCAN_SIMT_V_SLICES:
-            raise ValueError(f"v_slice must be one of {SCAN_SIMT_V_SLICES}, got {self.v_slice}")
+        if self.v_slice not in SCAN_V_SLICES:
+            raise ValueError(f"v_slice must be one of {SCAN_V_SLICES}, got {self.v_slice}")
 
     @property
     def addend_rows(self) -> int:
@@ -59,14 +60,11 @@ class ScanConfig:
         return HEAD_DIM if self.reverse else SCAN_CHUNK
 
 
-def _vec(ptr, n: int = 4):
-    """n consecutive float32 at ptr (16-byte aligned) as one tensor, alignment made known."""
-    return cute.make_tensor(ptr.align(16), cute.make_layout(n))
-
-
 class ChunkStateScanSm90:
     def __init__(self, config: ScanConfig):
         self.reverse = config.reverse
+        if config.v_slice not in SCAN_SIMT_V_SLICES:
+            raise ValueError(f"the SIMT scan owns 16 or 32 state columns, got {config.v_slice}")
         self.vs = config.v_slice
         self.addend_rows = config.addend_rows
 
@@ -109,7 +107,6 @@ class ChunkStateScanSm90:
         tid, _, _ = cute.arch.thread_idx()
         vsl, h, n = cute.arch.block_idx()
         vbase = vsl * VS
-        n_seq = mCu.shape[0] - 1
         n_slots = mStates.shape[0]
         sign_a = Float32(1.0) if cutlass.const_expr(self.reverse) else Float32(-1.0)
         sign_b = Float32(-1.0) if cutlass.const_expr(self.reverse) else Float32(1.0)
@@ -143,17 +140,7 @@ class ChunkStateScanSm90:
             cpasync.CopyG2SOp(cpasync.LoadCacheMode.GLOBAL), Float32, num_bits_per_copy=128
         )
 
-        bos, seqlen, nch, slot0 = sequence_slots(mCu, n, SCAN_CHUNK)
-        gap_end = n_slots  # the next sequence's first slot
-        if n + 1 < n_seq:
-            gap_end = (bos + seqlen) // SCAN_CHUNK + n + 1
-        # Valid boundaries give 0 <= slot0 <= slot0 + nch <= gap_end <= n_slots; clamped, bad
-        # ones (cu[0] != 0, decreasing, cu[N] != T) give garbage but no access out of bounds.
-        slot0 = cutlass.min(cutlass.max(slot0, Int32(0)), n_slots)
-        chunks_end = cutlass.min(cutlass.min(slot0 + cutlass.max(nch, Int32(0)), gap_end), n_slots)
-        chunks_end = cutlass.max(chunks_end, slot0)
-        nch = chunks_end - slot0
-        gap_end = cutlass.min(cutlass.max(gap_end, chunks_end), n_slots)
+        slot0, nch, gap_end = scan_slots(mCu, n, n_slots, SCAN_CHUNK)
 
         # phase 2 / register layout of Y: rows 4 * yk + r, columns YV * yq + c
         yk = tid // 4
@@ -223,10 +210,10 @@ class ChunkStateScanSm90:
                 a_rows = cute.make_rmem_tensor((XI, 4), Float32)
                 y_rows = cute.make_rmem_tensor((4, 4), Float32)
                 for r in cutlass.range_constexpr(XI):
-                    src = _vec(s_a[XI * xi + r, None, stage].iterator + k)
+                    src = vec4(s_a[XI * xi + r, None, stage].iterator + k)
                     cute.autovec_copy(src, a_rows[r, None])
                 for e in cutlass.range_constexpr(4):
-                    cute.autovec_copy(_vec(s_y[k + e, None].iterator + 4 * xg), y_rows[e, None])
+                    cute.autovec_copy(vec4(s_y[k + e, None].iterator + 4 * xg), y_rows[e, None])
                 for r in cutlass.range_constexpr(XI):
                     for e in cutlass.range_constexpr(4):
                         ae = sign_a * a_rows[r, e]
@@ -247,9 +234,9 @@ class ChunkStateScanSm90:
             for i in cutlass.range(SCAN_CHUNK, unroll=8):
                 b_col = cute.make_rmem_tensor((4,), Float32)
                 x_row = cute.make_rmem_tensor((YV // 4, 4), Float32)
-                cute.autovec_copy(_vec(s_b[i, None, stage].iterator + 4 * yk), b_col)
+                cute.autovec_copy(vec4(s_b[i, None, stage].iterator + 4 * yk), b_col)
                 for c4 in cutlass.range_constexpr(YV // 4):
-                    src = _vec(s_x[i, None].iterator + (YV * yq + 4 * c4))
+                    src = vec4(s_x[i, None].iterator + (YV * yq + 4 * c4))
                     cute.autovec_copy(src, x_row[c4, None])
                 for r in cutlass.range_constexpr(4):
                     br = sign_b * b_col[r]
@@ -280,16 +267,16 @@ class ChunkStateScanSm90:
             row = idx // vec_per_row
             col = (idx % vec_per_row) * 4
             src = mA[slot, h, row, None].iterator + col
-            cute.copy(atom, _vec(src), _vec(s_a[row, None, stage].iterator + col))
+            cute.copy(atom, vec4(src), vec4(s_a[row, None, stage].iterator + col))
             src = mB[slot, h, row, None].iterator + col
-            cute.copy(atom, _vec(src), _vec(s_b[row, None, stage].iterator + col))
+            cute.copy(atom, vec4(src), vec4(s_b[row, None, stage].iterator + col))
         add_vec_row = VS // 4
         for it in cutlass.range_constexpr(ADD_ROWS * add_vec_row // NTHREADS):
             idx = tid + it * NTHREADS
             row = idx // add_vec_row
             col = (idx % add_vec_row) * 4
             src = mAdd[slot, h, row, None].iterator + (vbase + col)
-            cute.copy(atom, _vec(src), _vec(s_add[row, None, stage].iterator + col))
+            cute.copy(atom, vec4(src), vec4(s_add[row, None, stage].iterator + col))
         if tid < vec_per_row:
             src = mDecay[slot, h, None].iterator + 4 * tid
-            cute.copy(atom, _vec(src), _vec(s_decay[None, stage].iterator + 4 * tid))
+            cute.copy(atom, vec4(src), vec4(s_decay[None, stage].iterator + 4 * tid))

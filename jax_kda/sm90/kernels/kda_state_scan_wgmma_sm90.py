@@ -25,20 +25,25 @@ against the SIMT kernel's 288).
 
 from __future__ import annotations
 
-import dataclasses
-
 import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
 import cutlass.cute.nvgpu.warpgroup as warpgroup
-import cutlass.utils.hopper_helpers as sm90_utils
-from cutlass import BFloat16, Float32, Int32
+from cutlass import BFloat16, Float32
 from cutlass.cute.nvgpu import cpasync
 from cutlass.memory import SmemAllocator
 
 from jax_kda.constants import HEAD_DIM, SCAN_CHUNK
+from jax_kda.sm90.kernels.kda_state_scan_sm90 import ScanConfig
 from jax_kda.sm90.kernels.layout import SCAN_WGMMA_V_SLICE
-from jax_kda.sm90.kernels.varlen import sequence_slots
+from jax_kda.sm90.kernels.varlen import scan_slots
+from jax_kda.sm90.kernels.wgmma import (
+    bf16_tiled_mma,
+    gemm_bf16x3,
+    image_layout,
+    split_a_operands,
+    vec4,
+)
 
 ADD_ROW = SCAN_WGMMA_V_SLICE + 4  # padded addend rows in shared memory: conflict-free reads
 NTHREADS = 256  # warpgroup 0 produces, warpgroup 1 multiplies
@@ -48,61 +53,10 @@ EMPTY = (3, 4)
 VS = SCAN_WGMMA_V_SLICE  # state columns per CTA: the wgmma M of both products
 
 
-@dataclasses.dataclass(frozen=True)
-class WgmmaScanConfig:
-    reverse: bool
-
-    @property
-    def addend_rows(self) -> int:
-        """Rows of the addend per slot: P_c (64 tokens) forward, Q_c (128 K rows) reverse."""
-        return HEAD_DIM if self.reverse else SCAN_CHUNK
-
-
-def _tiled_mma(tile_n: int):
-    """One-warpgroup m64nN wgmma: A from registers, B from shared memory, both bf16 K-major,
-    float32 accumulator."""
-    return sm90_utils.make_trivial_tiled_mma(
-        BFloat16,
-        BFloat16,
-        cute.nvgpu.OperandMajorMode.K,
-        cute.nvgpu.OperandMajorMode.K,
-        Float32,
-        (1, 1, 1),
-        (VS, tile_n),
-        warpgroup.OperandSource.RMEM,
-    )
-
-
-def _image_layout(n: int, k: int):
-    """A wgmma B operand image (N = n, K = k) in shared memory: K-major, 128-byte swizzle."""
-    return cute.tile_to_shape(
-        warpgroup.make_smem_layout_atom(warpgroup.SmemLayoutAtomKind.K_SW128, BFloat16),
-        (n, k),
-        order=(0, 1),
-    )
-
-
-def _vec(ptr, n: int = 4):
-    """n consecutive float32 at ptr (16-byte aligned) as one tensor, alignment made known."""
-    return cute.make_tensor(ptr.align(16), cute.make_layout(n))
-
-
-def _split_a_operands(mma: cute.TiledMma, acc: cute.Tensor, kdim: int, negate: bool):
-    """(hi, lo) bf16 register A operands (K = kdim) of an m64 float32 accumulator (its TV layout
-    is the A operand's), hi + lo = (-)acc to about 2^-16."""
-    hi = mma.make_fragment_A(mma.partition_shape_A((VS, kdim)))
-    lo = mma.make_fragment_A(mma.partition_shape_A((VS, kdim)))
-    x = acc.load()
-    if cutlass.const_expr(negate):
-        x = -x
-    x_hi = x.to(BFloat16)
-    cute.make_tensor(hi.iterator, acc.layout).store(x_hi)
-    cute.make_tensor(lo.iterator, acc.layout).store((x - x_hi.to(Float32)).to(BFloat16))
-    return hi, lo
-
-
 class ChunkStateScanWgmmaSm90:
-    def __init__(self, config: WgmmaScanConfig):
+    def __init__(self, config: ScanConfig):
+        if config.v_slice != VS:
+            raise ValueError(f"the tensor-core scan owns {VS} state columns, got {config.v_slice}")
         self.reverse = config.reverse
         self.addend_rows = config.addend_rows
 
@@ -121,8 +75,8 @@ class ChunkStateScanWgmmaSm90:
     ):
         n_seq = cu_seqlens.shape[0] - 1
         heads = y0.shape[1]
-        mma_x = _tiled_mma(SCAN_CHUNK)
-        mma_y = _tiled_mma(HEAD_DIM)
+        mma_x = bf16_tiled_mma((VS, SCAN_CHUNK), warpgroup.OperandSource.RMEM)
+        mma_y = bf16_tiled_mma((VS, HEAD_DIM), warpgroup.OperandSource.RMEM)
         self.kernel(a_op, b_op, decay, addend, cu_seqlens, y0, states, final, mma_x, mma_y).launch(
             grid=[HEAD_DIM // VS, heads, n_seq], block=[NTHREADS, 1, 1], stream=stream
         )
@@ -145,14 +99,13 @@ class ChunkStateScanWgmmaSm90:
         tid, _, _ = cute.arch.thread_idx()
         vsl, h, n = cute.arch.block_idx()
         vbase = vsl * VS
-        n_seq = mCu.shape[0] - 1
         n_slots = mStates.shape[0]
         wg = cute.arch.make_warp_uniform(tid // WG)
         t = tid % WG
 
         smem = SmemAllocator()
-        lay_a = _image_layout(SCAN_CHUNK, 2 * HEAD_DIM)  # A: N = token, K = [hi | lo] channel
-        lay_b = _image_layout(HEAD_DIM, 2 * SCAN_CHUNK)  # B^T: N = channel, K = [hi | lo] token
+        lay_a = image_layout(SCAN_CHUNK, 2 * HEAD_DIM)  # A: N = token, K = [hi | lo] channel
+        lay_b = image_layout(HEAD_DIM, 2 * SCAN_CHUNK)  # B^T: N = channel, K = [hi | lo] token
         s_a_img = [smem.allocate_tensor(BFloat16, lay_a.outer, 1024, swizzle=lay_a.inner)
                    for _ in range(2)]  # fmt: skip
         s_b_img = [smem.allocate_tensor(BFloat16, lay_b.outer, 1024, swizzle=lay_b.inner)
@@ -163,24 +116,12 @@ class ChunkStateScanWgmmaSm90:
             Float32, cute.make_layout((HEAD_DIM, 2), stride=(1, HEAD_DIM)), 16
         )
 
-        bos, seqlen, nch, slot0 = sequence_slots(mCu, n, SCAN_CHUNK)
-        gap_end = n_slots  # the next sequence's first slot
-        if n + 1 < n_seq:
-            gap_end = (bos + seqlen) // SCAN_CHUNK + n + 1
-        # Valid boundaries give 0 <= slot0 <= slot0 + nch <= gap_end <= n_slots; clamped, bad
-        # ones give garbage but no access out of bounds.
-        slot0 = cutlass.min(cutlass.max(slot0, Int32(0)), n_slots)
-        chunks_end = cutlass.min(cutlass.min(slot0 + cutlass.max(nch, Int32(0)), gap_end), n_slots)
-        chunks_end = cutlass.max(chunks_end, slot0)
-        nch = chunks_end - slot0
-        gap_end = cutlass.min(cutlass.max(gap_end, chunks_end), n_slots)
+        slot0, nch, gap_end = scan_slots(mCu, n, n_slots, SCAN_CHUNK)
 
         if wg == 0:
             # ---------------- producer: thread t = channel t of A and B
             for j in cutlass.range(nch, unroll=1):
-                slot = slot0 + j
-                if cutlass.const_expr(self.reverse):
-                    slot = slot0 + nch - 1 - j
+                slot = self._slot(slot0, nch, j)
                 for s in cutlass.range_constexpr(2):
                     if j % 2 == s:
                         if j >= 2:
@@ -213,9 +154,7 @@ class ChunkStateScanWgmmaSm90:
                 acc_y[i] = mY0[n, h, kk, vbase + v]
 
             for j in cutlass.range(nch, unroll=1):
-                slot = slot0 + j
-                if cutlass.const_expr(self.reverse):
-                    slot = slot0 + nch - 1 - j
+                slot = self._slot(slot0, nch, j)
                 for s in cutlass.range_constexpr(2):
                     if j % 2 == s:
                         cute.arch.barrier(barrier_id=FULL[s], number_of_threads=NTHREADS)
@@ -230,6 +169,14 @@ class ChunkStateScanWgmmaSm90:
                 mFinal[n, h, kk, vbase + v] = acc_y[i]
 
     @cute.jit
+    def _slot(self, slot0, nch, j):
+        """The slot of step j: forward in slot order, reverse from the last."""
+        slot = slot0 + j
+        if cutlass.const_expr(self.reverse):
+            slot = slot0 + nch - 1 - j
+        return slot
+
+    @cute.jit
     def _consume(self, mma_x, mma_y, acc_x, acc_y, c_x, c_y, rB_a, rB_b, s_add, s_decay,
                  stage: cutlass.Constexpr[int], mStates, slot, h, vbase):  # fmt: skip
         """One chunk: store the state entering it, then the two products."""
@@ -238,18 +185,14 @@ class ChunkStateScanWgmmaSm90:
             mStates[slot, h, kk, vbase + v] = acc_y[i]
 
         # ---- product 1: Xt = St A^T (- P^T forward), K = 128 channels
-        y_hi, y_lo = _split_a_operands(mma_y, acc_y, HEAD_DIM, negate=False)
+        y_hi, y_lo = split_a_operands(mma_y, acc_y, VS, HEAD_DIM)
         for i in cutlass.range_constexpr(cute.size(acc_x)):
             acc_x[i] = Float32(0.0)
             if cutlass.const_expr(not self.reverse):
                 v, tok = c_x[i]
                 acc_x[i] = -s_add[tok, v, stage]
         cute.nvgpu.warpgroup.fence()
-        klo = HEAD_DIM // 16
-        for kb in cutlass.range_constexpr(HEAD_DIM // 16):
-            cute.gemm(mma_x, acc_x, y_hi[None, None, kb], rB_a[None, None, kb], acc_x)
-            cute.gemm(mma_x, acc_x, y_lo[None, None, kb], rB_a[None, None, kb], acc_x)
-            cute.gemm(mma_x, acc_x, y_hi[None, None, kb], rB_a[None, None, klo + kb], acc_x)
+        gemm_bf16x3(mma_x, acc_x, y_hi, y_lo, 0, rB_a, HEAD_DIM // 16)
         cute.nvgpu.warpgroup.commit_group()
 
         # meanwhile: St = Diag(a) St (+ Q^T reverse)
@@ -262,13 +205,9 @@ class ChunkStateScanWgmmaSm90:
         cute.nvgpu.warpgroup.wait_group(0)
 
         # ---- product 2: St += (-Xt) B, K = 64 tokens
-        x_hi, x_lo = _split_a_operands(mma_x, acc_x, SCAN_CHUNK, negate=True)
+        x_hi, x_lo = split_a_operands(mma_x, acc_x, VS, SCAN_CHUNK, negate=True)
         cute.nvgpu.warpgroup.fence()
-        tlo = SCAN_CHUNK // 16
-        for kb in cutlass.range_constexpr(SCAN_CHUNK // 16):
-            cute.gemm(mma_y, acc_y, x_hi[None, None, kb], rB_b[None, None, kb], acc_y)
-            cute.gemm(mma_y, acc_y, x_lo[None, None, kb], rB_b[None, None, kb], acc_y)
-            cute.gemm(mma_y, acc_y, x_hi[None, None, kb], rB_b[None, None, tlo + kb], acc_y)
+        gemm_bf16x3(mma_y, acc_y, x_hi, x_lo, 0, rB_b, SCAN_CHUNK // 16)
         cute.nvgpu.warpgroup.commit_group()
         cute.nvgpu.warpgroup.wait_group(0)
 
@@ -286,10 +225,10 @@ class ChunkStateScanWgmmaSm90:
             row = e // add_vec_row
             col = (e % add_vec_row) * 4
             src = mAdd[slot, h, row, None].iterator + (vbase + col)
-            cute.copy(atom, _vec(src), _vec(s_add[row, None, stage].iterator + col))
+            cute.copy(atom, vec4(src), vec4(s_add[row, None, stage].iterator + col))
         if t < HEAD_DIM // 4:
             src = mDecay[slot, h, None].iterator + 4 * t
-            cute.copy(atom, _vec(src), _vec(s_decay[None, stage].iterator + 4 * t))
+            cute.copy(atom, vec4(src), vec4(s_decay[None, stage].iterator + 4 * t))
         cute.arch.cp_async_commit_group()
         # Two halves of 32 tokens, the half a loop variable: its 64 loads are in flight together,
         # and the swizzled store addresses are computed in the loop, not hoisted out of the

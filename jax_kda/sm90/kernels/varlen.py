@@ -43,3 +43,21 @@ def slot_owner(mCu: cute.Tensor, slot, chunk: cutlass.Constexpr[int]):
         nch = (seqlen + (chunk - 1)) // chunk
         active = c < nch
     return active, bos, seqlen, c
+
+
+@cute.jit
+def scan_slots(mCu: cute.Tensor, n, n_slots, chunk: cutlass.Constexpr[int]):
+    """Sequence n's chunk slots for a serial pass over them: (first slot, chunk count, end of
+    the gap slots after them (the next sequence's first slot)). Valid boundaries give
+    0 <= slot0 <= slot0 + nch <= gap_end <= n_slots; bad ones (cu[0] != 0, decreasing,
+    cu[N] != T) are clamped to that: garbage, but no access out of bounds."""
+    n_seq = mCu.shape[0] - 1
+    bos, seqlen, nch, slot0 = sequence_slots(mCu, n, chunk)
+    gap_end = n_slots
+    if n + 1 < n_seq:
+        gap_end = (bos + seqlen) // chunk + n + 1
+    slot0 = cutlass.min(cutlass.max(slot0, Int32(0)), n_slots)
+    chunks_end = cutlass.min(cutlass.min(slot0 + cutlass.max(nch, Int32(0)), gap_end), n_slots)
+    chunks_end = cutlass.max(chunks_end, slot0)
+    gap_end = cutlass.min(cutlass.max(gap_end, chunks_end), n_slots)
+    return slot0, chunks_end - slot0, gap_end

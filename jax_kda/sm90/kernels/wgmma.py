@@ -1,0 +1,106 @@
+"""The kernels' shared Hopper building blocks: one-warpgroup bf16 wgmma, its shared-memory operand
+images, and the bf16 hi/lo split that makes a product about float32-accurate.
+
+A float32 product A B runs as three bf16 products, A_hi B_hi + A_lo B_hi + A_hi B_lo (relative
+error about 2^-16, float32 accumulation). An operand image holds both halves along K: K-blocks
+[0, k_blocks) are the high parts, [k_blocks, 2 k_blocks) the low ones.
+"""
+
+from __future__ import annotations
+
+import cutlass
+import cutlass.cute as cute
+import cutlass.cute.nvgpu.warpgroup as warpgroup
+import cutlass.utils.hopper_helpers as sm90_utils
+from cutlass import BFloat16, Float32
+
+
+def bf16_tiled_mma(tile_mn, a_source):
+    """One-warpgroup wgmma, bf16 K-major operands, float32 accumulator; A from shared memory
+    (OperandSource.SMEM) or registers (OperandSource.RMEM)."""
+    return sm90_utils.make_trivial_tiled_mma(
+        BFloat16,
+        BFloat16,
+        cute.nvgpu.OperandMajorMode.K,
+        cute.nvgpu.OperandMajorMode.K,
+        Float32,
+        (1, 1, 1),
+        tile_mn,
+        a_source,
+    )
+
+
+def image_layout(n: int, k: int):
+    """A wgmma operand image (rows n, K = k) in shared memory: K-major, 128-byte swizzle."""
+    return cute.tile_to_shape(
+        warpgroup.make_smem_layout_atom(warpgroup.SmemLayoutAtomKind.K_SW128, BFloat16),
+        (n, k),
+        order=(0, 1),
+    )
+
+
+def view(raw_i32_ptr, byte_off: int, comp_layout, nstages: int = 0, stage_bytes: int = 0):
+    """bf16 (swizzled) view of a composed image layout placed at raw + byte_off (an Int32
+    shared-memory pointer, the image 1024-byte aligned); with nstages > 0 an extra trailing
+    stage mode of stride stage_bytes."""
+    ptr = cute.recast_ptr(raw_i32_ptr + byte_off // 4, comp_layout.inner, dtype=BFloat16)
+    outer = comp_layout.outer
+    if nstages > 0:
+        outer = cute.append(outer, cute.make_layout(nstages, stride=stage_bytes // 2))
+    return cute.make_tensor(ptr, outer)
+
+
+def vec4(ptr):
+    """Four 4-byte elements at ptr as one 16-byte vector, its alignment made known to the
+    compiler (dynamic indices hide it)."""
+    return cute.make_tensor(ptr.align(16), cute.make_layout(4))
+
+
+def acc_to_a_operand(mma: cute.TiledMma, acc: cute.Tensor, m: int, kdim: int) -> cute.Tensor:
+    """bf16 copy of an m64nN float32 accumulator as the register A operand (K = kdim): the C and
+    A TV layouts of a one-warpgroup wgmma are the same."""
+    frag = mma.make_fragment_A(mma.partition_shape_A((m, kdim)))
+    cute.make_tensor(frag.iterator, acc.layout).store(acc.load().to(BFloat16))
+    return frag
+
+
+def split_a_operands(mma: cute.TiledMma, acc: cute.Tensor, m: int, kdim: int, negate=False):
+    """(hi, lo) bf16 register A operands (K = kdim) of an m64 float32 accumulator,
+    hi + lo = (-)acc to about 2^-16."""
+    hi = mma.make_fragment_A(mma.partition_shape_A((m, kdim)))
+    lo = mma.make_fragment_A(mma.partition_shape_A((m, kdim)))
+    x = acc.load()
+    if cutlass.const_expr(negate):
+        x = -x
+    x_hi = x.to(BFloat16)
+    cute.make_tensor(hi.iterator, acc.layout).store(x_hi)
+    cute.make_tensor(lo.iterator, acc.layout).store((x - x_hi.to(Float32)).to(BFloat16))
+    return hi, lo
+
+
+@cute.jit
+def put_split(image: cute.Tensor, row, col, half: cutlass.Constexpr[int], x: Float32):
+    """x as bf16 hi at (row, col) and lo at (row, half + col) of an image."""
+    x_hi = x.to(BFloat16)
+    image[row, col] = x_hi
+    image[row, half + col] = (x - x_hi.to(Float32)).to(BFloat16)
+
+
+@cute.jit
+def gemm_bf16x3(
+    mma: cute.TiledMma,
+    acc: cute.Tensor,
+    a_hi: cute.Tensor,
+    a_lo: cute.Tensor,
+    a_lo_at: cutlass.Constexpr[int],
+    b: cute.Tensor,
+    k_blocks: cutlass.Constexpr[int],
+):
+    """Issue acc += A_hi B_hi + A_lo B_hi + A_hi B_lo over k_blocks 16-wide K-blocks (no fence,
+    commit or wait: the caller's). b holds [hi | lo] halves; A's low part is K-block
+    a_lo_at + kb of a_lo (a_lo = a_hi and a_lo_at = k_blocks for a [hi | lo] image, or separate
+    register fragments and 0). The ACCUMULATE field is the caller's too."""
+    for kb in cutlass.range_constexpr(k_blocks):
+        cute.gemm(mma, acc, a_hi[None, None, kb], b[None, None, kb], acc)
+        cute.gemm(mma, acc, a_lo[None, None, a_lo_at + kb], b[None, None, kb], acc)
+        cute.gemm(mma, acc, a_hi[None, None, kb], b[None, None, k_blocks + kb], acc)
