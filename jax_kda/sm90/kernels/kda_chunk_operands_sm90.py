@@ -9,13 +9,9 @@ with Gamma the in-chunk cumsum of g (gates below constants.GATE_FLOOR taken as i
   [W | U] = (I + L)^-1 [beta k exp(Gamma) | beta v]
   Qg = scale q exp(Gamma), Kd = k exp(Gamma_last - Gamma), a = exp(Gamma_last)
 
-The decay split. Row i of 16-row block I is anchored at one row m_I of its block: kk_ij =
-sum_d (k_id exp(Gamma_id - Gamma_{m_I,d})) (k_jd exp(Gamma_{m_I,d} - Gamma_jd)). With m_I the
-block's middle row, every factor stays under exp(SAFE_RANGE) wherever the decay over each half
-block does (a uniform test per CTA; gates >= -7.5 always pass), and every pair j <= i, the
-diagonal blocks included, is one product. Otherwise m_I is the block's first row: for j in an
-earlier block both factors are <= 1 for any g <= 0, and the diagonal blocks are taken pair by
-pair (exp(Gamma_i - Gamma_j) <= 1 itself), so nothing overflows whatever the gate.
+The decay split (chunk64.py): rows anchored at their block's middle row wherever the decay
+allows (every pair j <= i one product), else at its first row with the diagonal blocks taken
+pair by pair; no factor can overflow, whatever the gate.
 
 The products, on one warpgroup's wgmma with bfloat16 hi/lo splits (hi*hi + lo*hi + hi*lo, about
 2^-16 relative, float32 accumulation):
@@ -42,22 +38,21 @@ from cutlass import BFloat16, Float32, Int32
 from cutlass.memory import SmemAllocator
 
 from jax_kda.constants import GATE_FLOOR, HEAD_DIM, SCAN_CHUNK
+from jax_kda.sm90.kernels.chunk64 import (
+    BLOCK,
+    BLOCKS,
+    PACKED,
+    PAIR_ROW,
+    ROWS,
+    block_offset,
+    choose_anchors,
+    packed_row,
+)
 from jax_kda.sm90.kernels.varlen import slot_owner
 from jax_kda.sm90.kernels.wgmma import bf16_tiled_mma, gemm_bf16x3, image_layout, put_split, view
 
 NTHREADS = 128
 WARPS = NTHREADS // 32
-ROWS = SCAN_CHUNK  # 64 tokens a chunk
-BLOCK = 16  # rows of a block: one anchor each
-BLOCKS = ROWS // BLOCK
-MIDDLE = BLOCK // 2  # the anchor's row within its block, where the decay allows it
-PACKED = BLOCK * BLOCKS * (BLOCKS + 1) // 2  # 160 right-operand rows: block I pairs with 16(I+1)
-PAIR_ROW = ROWS + 1  # padded rows of the float32 pair matrices in shared memory
-SAFE_RANGE = 60.0
-"""Where the decay over each half of every block (Gamma at its first row minus Gamma at its
-middle, and the middle minus the last, per channel) stays under this, rows are anchored at their
-block's middle row and the diagonal blocks take the anchored product too: every factor is then
-below exp(60) = 1.1e26, far inside float32 and bfloat16's range (gates >= -7.5 always pass)."""
 
 # Byte offsets inside the reused operand region (1024-byte aligned, for the 128-byte swizzle).
 LEFT_BYTES = ROWS * 2 * HEAD_DIM * 2  # left image [64, 256] bf16: 32 KiB
@@ -65,11 +60,6 @@ RIGHT_BYTES = PACKED * 2 * HEAD_DIM * 2  # right image [160, 256] bf16: 80 KiB
 REGION_BYTES = LEFT_BYTES + RIGHT_BYTES
 RT_BYTES = 2 * HEAD_DIM * 2 * ROWS * 2  # R^T image [256, 128] bf16: 64 KiB (after the products)
 TINV_BYTES = ROWS * 2 * ROWS * 2  # T^-1 image [64, 128] bf16: 16 KiB
-
-
-def _block_offset(block):
-    """First packed right-operand row of `block`'s anchor: 16 * I (I + 1) / 2."""
-    return BLOCK * block * (block + 1) // 2
 
 
 @dataclasses.dataclass(frozen=True)
@@ -199,24 +189,8 @@ class ChunkOperandsSm90:
                 s_beta[i] = bv
         cute.arch.sync_threads()
 
-        # ---- may the blocks be anchored at their middle rows? (uniform per CTA) The decay over
-        # either half of every block must stay under SAFE_RANGE in every channel; else rows are
-        # anchored at their block's first row (every factor of an off-diagonal pair <= 1) and
-        # the diagonal blocks go pair by pair.
-        unsafe = Int32(0)
-        for b in cutlass.range_constexpr(BLOCKS):
-            first = s_gam[BLOCK * b, d]
-            middle = s_gam[BLOCK * b + MIDDLE, d]
-            last = s_gam[BLOCK * b + BLOCK - 1, d]
-            if first - middle > Float32(SAFE_RANGE) or middle - last > Float32(SAFE_RANGE):
-                unsafe = Int32(1)
-        if unsafe != Int32(0):
-            s_flag[0] = Int32(1)
-        cute.arch.sync_threads()
-        pairwise = s_flag[0]  # nonzero: the diagonal blocks go pair by pair
-        shift = Int32(MIDDLE)  # the anchor's row within its block
-        if pairwise != Int32(0):
-            shift = Int32(0)
+        # ---- middle-row anchors where the decay allows, else first-row ones (chunk64.py)
+        pairwise, shift = choose_anchors(s_gam, s_flag, d)
         # ---- the right operand: block I's anchor with rows j < 16 (I + 1), packed
         for b in cutlass.range_constexpr(BLOCKS):
             anchor = s_gam[BLOCK * b + shift, d]
@@ -224,7 +198,7 @@ class ChunkOperandsSm90:
                 x = Float32(s_k[j, d]) * cute.math.exp(anchor - s_gam[j, d])
                 if j >= BLOCK * b and pairwise != Int32(0):
                     x = Float32(0.0)  # the pairwise path fills the diagonal block
-                put_split(s_right, _block_offset(b) + j, d, HEAD_DIM, x)
+                put_split(s_right, block_offset(b) + j, d, HEAD_DIM, x)
         cute.arch.sync_threads()
 
         thr = mma_pairs.get_slice(tid)
@@ -247,15 +221,7 @@ class ChunkOperandsSm90:
             s_out = s_kk if cutlass.const_expr(which == 0) else s_qk
             for e in cutlass.range_constexpr(cute.size(acc)):
                 i, p = c_pairs[e]
-                # packed column p -> (block, j): blocks start at 0, 16, 48, 96
-                b = Int32(0)
-                if p >= _block_offset(1):
-                    b = Int32(1)
-                if p >= _block_offset(2):
-                    b = Int32(2)
-                if p >= _block_offset(3):
-                    b = Int32(3)
-                j = p - BLOCK * b * (b + 1) // 2
+                b, j = packed_row(p)
                 if i // BLOCK == b and j <= i:
                     if j < BLOCK * b or pairwise == Int32(0):
                         s_out[i, j] = acc[e]

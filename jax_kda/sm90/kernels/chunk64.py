@@ -1,0 +1,75 @@
+"""The exact 64-token chunk math the kernels share: how the in-chunk decay exp(Gamma_i - Gamma_j)
+(i >= j, Gamma the in-chunk cumsum of g) is split into two factors that cannot overflow.
+
+Rows come in four 16-row blocks. Row i of block I is anchored at one row m_I of its block:
+exp(Gamma_i - Gamma_j) = exp(Gamma_i - Gamma_{m_I}) * exp(Gamma_{m_I} - Gamma_j), per channel.
+  - Middle anchors (m_I = 16 I + 8) where the decay over each half of every block stays under
+    SAFE_RANGE in every channel (gates >= -7.5 always do): every factor of every pair j <= i is
+    below exp(SAFE_RANGE), the diagonal blocks included, so every pair is one product.
+  - Otherwise first-row anchors (m_I = 16 I): for j in an earlier block both factors are <= 1
+    for any g <= 0, and the diagonal blocks are taken pair by pair (exp(Gamma_i - Gamma_j) <= 1).
+The choice is uniform per chunk (one CTA).
+
+The right factors of all anchors sit in one packed operand: block I's anchor with the rows
+j < 16 (I + 1) it pairs with, at packed rows block_offset(I) + j: 16 + 32 + 48 + 64 = 160.
+"""
+
+from __future__ import annotations
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32, Int32
+
+from jax_kda.constants import SCAN_CHUNK
+
+ROWS = SCAN_CHUNK  # 64 tokens a chunk
+BLOCK = 16  # rows of a block: one anchor each
+BLOCKS = ROWS // BLOCK
+MIDDLE = BLOCK // 2  # the anchor's row within its block, where the decay allows it
+PACKED = BLOCK * BLOCKS * (BLOCKS + 1) // 2  # 160 packed right-factor rows
+PAIR_ROW = ROWS + 1  # padded rows of float32 [64, 64] pair matrices in shared memory
+SAFE_RANGE = 60.0
+"""The most decay (in e-folds) either factor may carry: exp(60) = 1.1e26, far inside float32 and
+bfloat16's range, whatever the product's other operand."""
+
+
+def block_offset(block):
+    """First packed row of `block`'s anchor: 16 * I (I + 1) / 2."""
+    return BLOCK * block * (block + 1) // 2
+
+
+@cute.jit
+def packed_row(p):
+    """Packed row p -> (block I, row j): blocks start at 0, 16, 48, 96."""
+    b = Int32(0)
+    if p >= block_offset(1):
+        b = Int32(1)
+    if p >= block_offset(2):
+        b = Int32(2)
+    if p >= block_offset(3):
+        b = Int32(3)
+    return b, p - BLOCK * b * (b + 1) // 2
+
+
+@cute.jit
+def choose_anchors(s_gam: cute.Tensor, s_flag: cute.Tensor, d):
+    """Whether this chunk's blocks may be anchored at their middle rows, from Gamma in shared
+    memory ([64, 128] float32, channel d this thread's; all threads call it). s_flag[0] must be
+    0 and visible to all before the call. Returns (pairwise, shift): pairwise nonzero means
+    first-row anchors with the diagonal blocks pair by pair; shift is the anchor's row in its
+    block. Synchronises the CTA."""
+    unsafe = Int32(0)
+    for b in cutlass.range_constexpr(BLOCKS):
+        first = s_gam[BLOCK * b, d]
+        middle = s_gam[BLOCK * b + MIDDLE, d]
+        last = s_gam[BLOCK * b + BLOCK - 1, d]
+        if first - middle > Float32(SAFE_RANGE) or middle - last > Float32(SAFE_RANGE):
+            unsafe = Int32(1)
+    if unsafe != Int32(0):
+        s_flag[0] = Int32(1)
+    cute.arch.sync_threads()
+    pairwise = s_flag[0]
+    shift = Int32(MIDDLE)
+    if pairwise != Int32(0):
+        shift = Int32(0)
+    return pairwise, shift
