@@ -9,7 +9,7 @@ behind it; the sum of the kernel durations is the busy time within it.
 breakdown for jax_kda's sm90 backend on the harness's shapes, as planned for this device or cut
 into each given segment count, or (--train) for a training step: forward and backward (a
 diagnostic for kernel work and for plan.py's cost model; the results tables come from
-``benchmarks.run``). ``--train-variants base,core,v64,core+v64`` profiles the backward's
+``benchmarks.run``). ``--train-variants base,core,v64,core+dbwd+v64`` profiles the backward's
 recompute and backward with the kernels under development switched in.
 """
 
@@ -140,8 +140,9 @@ def _main():
         default=None,
         help="instead, profile the sm90 backward's recompute and backward (jax.vjp of "
         "sm90.training_forward) for each variant: comma-separated 'base' (the default), 'core' "
-        "(the chunk-core kernel's operands), 'v16'/'v32'/'v64' (the state-scan variant), "
-        "joined by '+' (e.g. base,core,v64,core+v64)",
+        "(the chunk-core kernel's operands), 'dbwd' (with core: their backward's decayed "
+        "products on their kernel), 'v16'/'v32'/'v64' (the state-scan variant), joined by '+' "
+        "(e.g. base,core,v64,core+dbwd+v64)",
     )
     options = parser.parse_args()
     if options.train and options.segments:
@@ -199,6 +200,8 @@ def _variants(text: str) -> list[tuple[str, dict]]:
         for part in name.split("+"):
             if part == "core":
                 options["chunk_core"] = True
+            elif part == "dbwd":
+                options["decayed_bwd"] = True
             elif part in ("v16", "v32", "v64"):
                 options["scan_v_slice"] = int(part[1:])
             elif part != "base":

@@ -299,14 +299,16 @@ def _chunk_operands_fwd(q, k, v, g, beta, scale):
     return _chunk_operands_with_residuals(q, k, v, g, beta, scale)
 
 
-def _chunk_operands_bwd(scale, residuals, cotangents):
+def _chunk_operands_bwd(scale, residuals, cotangents, decayed_bwd=None):
     """With Gamma the in-chunk cumsum of g, E = exp(Gamma), T = I + L (L = strictLower(beta kk)):
     [W | U] = T^-1 [beta k E | beta v], Qg = scale q E, Aqk = scale inclLower(qk),
     Kd = k exp(Gamma_last - Gamma), a = exp(Gamma_last). Backward:
       dRhs = T^-T [dW | dU];  dL = -strictLower(dRhs [W | U]^T)
       dkk = beta dL, dbeta = rowsum(dL kk) + rowsum(dRhs [k E | v])
       (dq, dk, dGamma) += decayed products' backward of (dkk, scale dAqk)
-      then the elementwise terms of E, Qg, Kd and a, and dg = the reverse cumsum of dGamma."""
+      then the elementwise terms of E, Qg, Kd and a, and dg = the reverse cumsum of dGamma.
+    decayed_bwd: the decayed products' backward (_decayed_products_bwd's contract), for the
+    sm90 kernel of it; None: this module's."""
     q, k, v, beta, gamma, kk, lower, solved, qg, kd, decay_chunk = residuals
     d_w, d_u, d_qg, d_attn, d_kd, d_decay = cotangents
     d_solved = jnp.concatenate([d_w, d_u], axis=-1)
@@ -317,7 +319,7 @@ def _chunk_operands_bwd(scale, residuals, cotangents):
     d_lower = jnp.where(_LOWER_STRICT, d_lower, 0.0)
     d_kk = beta[..., :, None] * d_lower
     d_qk = jnp.where(_LOWER_INCL, scale * d_attn, 0.0)
-    d_q, d_k, d_gamma = _decayed_products_bwd((q, k, gamma), (d_kk, d_qk))
+    d_q, d_k, d_gamma = (decayed_bwd or _decayed_products_bwd)((q, k, gamma), (d_kk, d_qk))
 
     e = jnp.exp(gamma)
     d_rhs_w, d_rhs_u = jnp.split(d_rhs, 2, axis=-1)

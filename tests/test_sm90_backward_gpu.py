@@ -302,3 +302,49 @@ def test_chunk_core_kernel_matches_xla(case):
         bar = 1e-4 if data in ("-30", "-inf") or name in ("w", "u", "attn", "kk") else 1e-5
         print(f"chunk core {case} {name}: {error:.1e} (bar {bar:.0e})")
         assert error <= bar, (name, error)
+
+
+@pytest.mark.parametrize("case", CORE_CASES)
+def test_decayed_bwd_kernel_matches_xla(case):
+    """The decayed products' backward (kernels/kda_decayed_bwd_sm90.py) against
+    xla._decayed_products_bwd on the same chunks and random cotangents, NaN-poisoned outputs;
+    the cases are the chunk core's (both anchors, the pairwise diagonal blocks)."""
+    register()
+    lengths, data = CORE_CASES[case]
+    x = (long_memory_inputs if data == "long-memory" else production_inputs)(
+        lengths, 3, seed=SEED + 7 * len(case)
+    )
+    g = np.array(x.g)
+    if data in ("-5", "-7.4", "-8"):
+        g[:] = float(data)
+    elif data in ("-30", "-inf"):
+        g[::7, :, ::3] = float(data)
+    tokens = x.q.shape[0]
+    num_slots = xla.chunk_slot_count(tokens, len(lengths))
+    _, rows = xla._token_slots(jnp.asarray(x.cu_seqlens), tokens)
+    q, k, g_c = (
+        xla._to_chunks(jnp.asarray(a, jnp.float32), rows, num_slots)
+        for a in (x.q, x.k, np.maximum(g, -100.0))
+    )
+    gamma = jnp.cumsum(g_c, axis=2)
+    rng = np.random.default_rng(SEED + len(case))
+    d_kk, d_qk = (
+        jnp.asarray(rng.standard_normal((*q.shape[:2], 64, 64)), jnp.float32) for _ in range(2)
+    )
+    shape = jax.ShapeDtypeStruct(q.shape, jnp.float32)
+
+    @jax.jit
+    def run(*inputs):
+        poison = [jnp.full(shape.shape, jnp.nan, jnp.float32) for _ in range(3)]
+        inputs = [inputs[0].astype(jnp.bfloat16), inputs[1].astype(jnp.bfloat16), *inputs[2:]]
+        return cute_call(sm90.decayed_bwd_artifact(), [*inputs, *poison], [shape] * 3,
+                         aliases={5: 0, 6: 1, 7: 2})  # fmt: skip
+
+    ours = run(q, k, gamma, d_kk, d_qk)
+    reference = jax.jit(xla._decayed_products_bwd)((q, k, gamma), (d_kk, d_qk))
+    for name, a, b in zip(("dq", "dk", "dgamma"), ours, reference, strict=True):
+        assert not np.isnan(np.asarray(a)).any(), name
+        error = rms_ratio(a, b)
+        # bf16 hi/lo products (about 2^-16 each) over sums with cancellation
+        print(f"decayed bwd {case} {name}: {error:.1e} (bar 1e-4)")
+        assert error <= 1e-4, (name, error)

@@ -220,15 +220,16 @@ def test_grad_lowers_to_the_backward_kernels_and_no_loop():
 
 def test_training_forward_variants_lower_to_their_kernels():
     """The backward's variants under development (benchmarks.kernel_profile --train-variants):
-    the chunk-core kernel's operands and the tensor-core state scan lower for CUDA, both
-    directions of the scan, and no XLA loop."""
+    the chunk-core kernel's operands, their backward's decayed products and the tensor-core
+    state scan lower for CUDA, both directions of the scan, and no XLA loop."""
     x = production_inputs([300, 0, 77], 2, seed=8)
 
     def step(q, k, v, g, beta, cu, state):
         def forward(q, k, v, g, beta, state):
             return sm90.training_forward(
-                q, k, v, g, beta, cu, state, 0.3, chunk_core=True, scan_v_slice=64
-            )
+                q, k, v, g, beta, cu, state, 0.3, chunk_core=True, decayed_bwd=True,
+                scan_v_slice=64,
+            )  # fmt: skip
 
         out, pullback = jax.vjp(forward, q, k, v, g, beta, state)
         return pullback(out)
@@ -237,6 +238,7 @@ def test_training_forward_variants_lower_to_their_kernels():
     prefixes = set(re.findall(r'prefix = "(\w+)"', text))
     assert {p.rsplit("_", 1)[0] for p in prefixes} == {
         "kda_chunk_operands_sm90",
+        "kda_decayed_bwd",
         "kda_state_scan_sm90_fwd",
         "kda_state_scan_sm90_rev",
     }, prefixes

@@ -332,9 +332,52 @@ def chunk_core_kernel(q, k, v, g, beta, cu_seqlens, num_slots, scale):
     return tuple(cute_call(chunk_operands_artifact(scale), inputs, results))
 
 
-def differentiable_chunk_operands(run):
+@functools.cache
+def decayed_bwd_artifact():
+    """The exported backward of the in-chunk decayed products (kernels/kda_decayed_bwd_sm90.py);
+    slots and heads symbolic."""
+    import cutlass.cute as cute
+    from cutlass import BFloat16, Float32
+
+    from jax_kda.sm90.export import export, row_major_fake
+    from jax_kda.sm90.kernels.kda_decayed_bwd_sm90 import DecayedBwdSm90
+
+    slots, heads = cute.sym_int32(), cute.sym_int32()
+    chunk = (slots, heads, SCAN_CHUNK, HEAD_DIM)
+    pairs = (slots, heads, SCAN_CHUNK, SCAN_CHUNK)
+    fakes = {
+        "q": row_major_fake(BFloat16, chunk),
+        "k": row_major_fake(BFloat16, chunk),
+        "gamma": row_major_fake(Float32, chunk),
+        "d_kk": row_major_fake(Float32, pairs),
+        "d_qk": row_major_fake(Float32, pairs),
+        **{name: row_major_fake(Float32, chunk) for name in ("dq", "dk", "dgamma")},
+    }
+    return export(DecayedBwdSm90(), fakes, prefix="kda_decayed_bwd_sm90", config={})
+
+
+def decayed_bwd_kernel(residuals, cotangents):
+    """xla._decayed_products_bwd's contract ((q, k, gamma), (d_kk, d_qk) -> dq, dk, dgamma,
+    float32 chunks) on the kernel; q and k are taken as bfloat16 (the sm90 path's are)."""
+    from jax_kda.sm90.ffi_call import cute_call
+
+    q, k, gamma = residuals
+    d_kk, d_qk = cotangents
+    if q.shape[0] == 0:
+        return tuple(jnp.zeros(q.shape, jnp.float32) for _ in range(3))
+    inputs = [
+        q.astype(jnp.bfloat16),
+        k.astype(jnp.bfloat16),
+        *(x.astype(jnp.float32) for x in (gamma, d_kk, d_qk)),
+    ]
+    results = [jax.ShapeDtypeStruct(q.shape, jnp.float32) for _ in range(3)]
+    return tuple(cute_call(decayed_bwd_artifact(), inputs, results))
+
+
+def differentiable_chunk_operands(run, decayed_bwd=None):
     """xla.chunk_operands's contract from `run` (chunk_core_kernel, or a stand-in in CPU tests),
-    with xla._chunk_operands_bwd (written out, parallel over chunks) as its backward."""
+    with xla._chunk_operands_bwd (written out, parallel over chunks) as its backward; its
+    decayed products' part by `decayed_bwd` (decayed_bwd_kernel) where given, else in XLA."""
 
     @functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8))
     def operands(q, k, v, g, beta, cu_seqlens, rows, num_slots, scale):
@@ -356,7 +399,7 @@ def differentiable_chunk_operands(run):
 
     def operands_bwd(num_slots, scale, saved, cotangents):
         residuals, rows, like = saved
-        d_chunked = xla._chunk_operands_bwd(scale, residuals, cotangents)
+        d_chunked = xla._chunk_operands_bwd(scale, residuals, cotangents, decayed_bwd=decayed_bwd)
         d_tokens = [
             xla.from_chunks(d, rows).astype(x.dtype) for d, x in zip(d_chunked, like, strict=True)
         ]
@@ -367,18 +410,24 @@ def differentiable_chunk_operands(run):
 
 
 def training_forward(
-    q, k, v, g, beta, cu_seqlens, initial_state, scale, *, chunk_core=False, scan_v_slice=None
-):
+    q, k, v, g, beta, cu_seqlens, initial_state, scale, *, chunk_core=False, decayed_bwd=False,
+    scan_v_slice=None,
+):  # fmt: skip
     """The forward the sm90 backward differentiates, exact for any g <= 0: the XLA path's
     parallel per-chunk parts (their backward written out, xla._chunk_operands_bwd) around the
     state-scan kernel, whose backward is the reverse scan.
 
     Diagnostics (benchmarks.kernel_profile --train-variants) until the kernels are measured on
-    the GPU: chunk_core=True takes the per-chunk operands from the chunk-core kernel;
+    the GPU: chunk_core=True takes the per-chunk operands from the chunk-core kernel, and
+    decayed_bwd=True (with it) their backward's decayed products from their kernel;
     scan_v_slice picks the state-scan variant (None: the plan's)."""
+    if decayed_bwd and not chunk_core:
+        raise ValueError("decayed_bwd=True needs chunk_core=True (the operands' backward it is in)")
     scan = differentiable_state_scan(functools.partial(state_scan_kernel, v_slice=scan_v_slice))
     if chunk_core:
-        operands = differentiable_chunk_operands(chunk_core_kernel)
+        operands = differentiable_chunk_operands(
+            chunk_core_kernel, decayed_bwd_kernel if decayed_bwd else None
+        )
         return xla.forward(
             q, k, v, g, beta, cu_seqlens, initial_state, scale, scan=scan, operands=operands
         )

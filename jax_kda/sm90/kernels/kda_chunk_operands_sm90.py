@@ -49,7 +49,13 @@ from jax_kda.sm90.kernels.chunk64 import (
     packed_row,
 )
 from jax_kda.sm90.kernels.varlen import slot_owner
-from jax_kda.sm90.kernels.wgmma import bf16_tiled_mma, gemm_bf16x3, image_layout, put_split, view
+from jax_kda.sm90.kernels.wgmma import (
+    bf16_tiled_mma,
+    image_layout,
+    product_bf16x3,
+    put_split,
+    view,
+)
 
 NTHREADS = 128
 WARPS = NTHREADS // 32
@@ -65,18 +71,6 @@ TINV_BYTES = ROWS * 2 * ROWS * 2  # T^-1 image [64, 128] bf16: 16 KiB
 @dataclasses.dataclass(frozen=True)
 class ChunkOperandsConfig:
     scale: float
-
-
-@cute.jit
-def _product(mma: cute.TiledMma, acc: cute.Tensor, f_a: cute.Tensor, f_b: cute.Tensor,
-             k_blocks: cutlass.Constexpr[int]):  # fmt: skip
-    """acc = A B^T over [hi | lo] images (three bf16 products per K-block), waited for."""
-    acc.fill(0.0)
-    cute.nvgpu.warpgroup.fence()
-    mma.set(warpgroup.Field.ACCUMULATE, True)
-    gemm_bf16x3(mma, acc, f_a, f_a, k_blocks, f_b, k_blocks)
-    cute.nvgpu.warpgroup.commit_group()
-    cute.nvgpu.warpgroup.wait_group(0)
 
 
 class ChunkOperandsSm90:
@@ -217,7 +211,7 @@ class ChunkOperandsSm90:
                 put_split(s_left, i, d, HEAD_DIM, r)
             cute.arch.fence_proxy("async.shared", space="cta")
             cute.arch.sync_threads()
-            _product(mma_pairs, acc, f_left, f_right, HEAD_DIM // 16)
+            product_bf16x3(mma_pairs, acc, f_left, f_right, HEAD_DIM // 16)
             s_out = s_kk if cutlass.const_expr(which == 0) else s_qk
             for e in cutlass.range_constexpr(cute.size(acc)):
                 i, p = c_pairs[e]
@@ -337,7 +331,7 @@ class ChunkOperandsSm90:
         f_rt = mma_solve.make_fragment_B(thr_s.partition_B(s_rt))
         c_solve = thr_s.partition_C(cute.make_identity_tensor((ROWS, 2 * HEAD_DIM)))
         acc_s = cute.make_rmem_tensor(mma_solve.partition_shape_C((ROWS, 2 * HEAD_DIM)), Float32)
-        _product(mma_solve, acc_s, f_tinv, f_rt, ROWS // 16)
+        product_bf16x3(mma_solve, acc_s, f_tinv, f_rt, ROWS // 16)
         for e in cutlass.range_constexpr(cute.size(acc_s)):
             i, n = c_solve[e]
             if n < HEAD_DIM:

@@ -104,3 +104,21 @@ def gemm_bf16x3(
         cute.gemm(mma, acc, a_hi[None, None, kb], b[None, None, kb], acc)
         cute.gemm(mma, acc, a_lo[None, None, a_lo_at + kb], b[None, None, kb], acc)
         cute.gemm(mma, acc, a_hi[None, None, kb], b[None, None, k_blocks + kb], acc)
+
+
+@cute.jit
+def product_bf16x3(
+    mma: cute.TiledMma,
+    acc: cute.Tensor,
+    f_a: cute.Tensor,
+    f_b: cute.Tensor,
+    k_blocks: cutlass.Constexpr[int],
+):
+    """acc = A B^T, both operands [hi | lo] images in shared memory (the caller fenced and
+    synchronised their writes), three bf16 products per K-block; waited for on return."""
+    acc.fill(0.0)
+    cute.nvgpu.warpgroup.fence()
+    mma.set(warpgroup.Field.ACCUMULATE, True)
+    gemm_bf16x3(mma, acc, f_a, f_a, k_blocks, f_b, k_blocks)
+    cute.nvgpu.warpgroup.commit_group()
+    cute.nvgpu.warpgroup.wait_group(0)

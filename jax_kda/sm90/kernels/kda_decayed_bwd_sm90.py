@@ -1,0 +1,253 @@
+"""The backward of the in-chunk decayed products, sm_90a CuTe DSL: xla._decayed_products_bwd on
+tensor cores, parallel over (chunk slot, head).
+
+With E_ijd = exp(Gamma_id - Gamma_jd) and the cotangents w = d_kk, d_qk [64, 64] (taken for
+j <= i only) of kk_ij = sum_d k_id k_jd E_ijd and qk_ij = sum_d q_id k_jd E_ijd:
+  P(w, x)_id = sum_j w_ij x_jd E_ijd,  P^T(w, x)_jd = sum_i w_ij x_id E_ijd
+  dq = P(d_qk, k);  dk = P(d_kk, k) + back;  dGamma = k P(d_kk, k) + q P(d_qk, k) - k back,
+  back = P^T(d_kk, k) + P^T(d_qk, q).
+
+The decay is split as in the chunk core (chunk64.py): with row i anchored at m(i),
+  P(w, x)_i = r_i * sum_p W_ip R_p, r_i = exp(Gamma_i - Gamma_m(i)), R the packed right factors
+    x_j exp(Gamma_m - Gamma_j) of the anchors and W the cotangent in the same packing: one
+    m64n128 product over K = 160 for each of d_kk and d_qk;
+  back_j = sum over blocks I of exp(Gamma_{m_I} - Gamma_j) * sum_{i in I} (d_kk_ij kl_i +
+    d_qk_ij ql_i), kl_i = k_i r_i and ql_i = q_i r_i: four m64n128 products over K = 32.
+Where the chunk's decay forbids middle anchors, the diagonal blocks are taken pair by pair
+(thread d = channel d) onto the outputs the products wrote. Products: bf16 hi/lo splits
+(three bf16 products, about 2^-16 relative, float32 accumulation).
+
+Inputs: q, k [slots, H, 64, 128] bfloat16 (the chunked tokens), gamma [slots, H, 64, 128]
+float32, d_kk, d_qk [slots, H, 64, 64] float32. Outputs: dq, dk, dgamma [slots, H, 64, 128]
+float32. One CTA of 128 threads a (slot, head). Not yet run on a GPU.
+"""
+
+from __future__ import annotations
+
+import cuda.bindings.driver as cuda
+import cutlass
+import cutlass.cute as cute
+import cutlass.cute.nvgpu.warpgroup as warpgroup
+from cutlass import BFloat16, Float32, Int32
+from cutlass.memory import SmemAllocator
+
+from jax_kda.constants import HEAD_DIM
+from jax_kda.sm90.kernels.chunk64 import (
+    BLOCK,
+    BLOCKS,
+    PACKED,
+    PAIR_ROW,
+    ROWS,
+    block_offset,
+    choose_anchors,
+    packed_row,
+)
+from jax_kda.sm90.kernels.wgmma import (
+    bf16_tiled_mma,
+    image_layout,
+    product_bf16x3,
+    put_split,
+    view,
+)
+
+NTHREADS = 128
+SIDE = 2 * BLOCK  # K of a back product: block I's 16 rows for d_kk, then for d_qk
+# The reused operand region (1024-byte aligned): R^T and the packed cotangent for the forward
+# products; then a back product's two images; then the pairwise pass's float32 scratch.
+RT_BYTES = HEAD_DIM * 2 * PACKED * 2  # R^T image [128, 320] bf16: 80 KiB
+W_BYTES = ROWS * 2 * PACKED * 2  # packed cotangent image [64, 320] bf16: 40 KiB
+REGION_BYTES = RT_BYTES + W_BYTES
+BACK_A_BYTES = ROWS * 2 * SIDE * 2  # [64, 64] bf16: 8 KiB
+
+
+class DecayedBwdSm90:
+    @cute.jit
+    def __call__(
+        self,
+        q: cute.Tensor,
+        k: cute.Tensor,
+        gamma: cute.Tensor,
+        d_kk: cute.Tensor,
+        d_qk: cute.Tensor,
+        dq: cute.Tensor,
+        dk: cute.Tensor,
+        dgamma: cute.Tensor,
+        stream: cuda.CUstream,
+    ):
+        n_slots = q.shape[0]
+        heads = q.shape[1]
+        mma = bf16_tiled_mma((ROWS, HEAD_DIM), warpgroup.OperandSource.SMEM)
+        self.kernel(q, k, gamma, d_kk, d_qk, dq, dk, dgamma, mma).launch(
+            grid=[n_slots, heads, 1], block=[NTHREADS, 1, 1], stream=stream
+        )
+
+    @cute.kernel
+    def kernel(
+        self,
+        mQ: cute.Tensor,
+        mK: cute.Tensor,
+        mGamma: cute.Tensor,
+        mDkk: cute.Tensor,
+        mDqk: cute.Tensor,
+        mDq: cute.Tensor,
+        mDk: cute.Tensor,
+        mDgamma: cute.Tensor,
+        mma: cute.TiledMma,
+    ):
+        tid, _, _ = cute.arch.thread_idx()
+        slot, h, _ = cute.arch.block_idx()
+        d = tid
+
+        smem = SmemAllocator()
+        row_major = cute.make_layout((ROWS, HEAD_DIM), stride=(HEAD_DIM, 1))
+        s_region = smem.allocate_tensor(Int32, cute.make_layout(REGION_BYTES // 4), 1024)
+        s_q = smem.allocate_tensor(BFloat16, row_major, 16)
+        s_k = smem.allocate_tensor(BFloat16, row_major, 16)
+        s_gam = smem.allocate_tensor(Float32, row_major, 16)
+        pairs = cute.make_layout((ROWS, ROWS), stride=(PAIR_ROW, 1))
+        s_dkk = smem.allocate_tensor(Float32, pairs, 16)
+        s_dqk = smem.allocate_tensor(Float32, pairs, 16)
+        s_flag = smem.allocate_tensor(Int32, cute.make_layout(1), 4)
+
+        raw = s_region.iterator
+        s_rt = view(raw, 0, image_layout(HEAD_DIM, 2 * PACKED))
+        s_w = view(raw, RT_BYTES, image_layout(ROWS, 2 * PACKED))
+        s_back_a = view(raw, 0, image_layout(ROWS, 2 * SIDE))
+        s_back_b = view(raw, BACK_A_BYTES, image_layout(HEAD_DIM, 2 * SIDE))
+        s_back = cute.make_tensor(cute.recast_ptr(raw, dtype=Float32), row_major)  # pairwise
+
+        # ---- the chunk into shared memory; the cotangents for j <= i only
+        if tid == 0:
+            s_flag[0] = Int32(0)
+        for i in cutlass.range(ROWS, unroll=16):
+            s_q[i, d] = mQ[slot, h, i, d]
+            s_k[i, d] = mK[slot, h, i, d]
+            s_gam[i, d] = mGamma[slot, h, i, d]
+        for it in cutlass.range_constexpr(ROWS * ROWS // NTHREADS):
+            e = tid + it * NTHREADS
+            i = e // ROWS
+            j = e % ROWS
+            w_kk = Float32(0.0)
+            w_qk = Float32(0.0)
+            if j <= i:
+                w_kk = mDkk[slot, h, i, j]
+                w_qk = mDqk[slot, h, i, j]
+            s_dkk[i, j] = w_kk
+            s_dqk[i, j] = w_qk
+        cute.arch.sync_threads()
+        pairwise, shift = choose_anchors(s_gam, s_flag, d)
+
+        # ---- R^T: the anchors' right factors k_j exp(Gamma_m - Gamma_j), packed, transposed
+        for b in cutlass.range_constexpr(BLOCKS):
+            anchor = s_gam[BLOCK * b + shift, d]
+            for j in cutlass.range(BLOCK * (b + 1), unroll=4):
+                x = Float32(s_k[j, d]) * cute.math.exp(anchor - s_gam[j, d])
+                if j >= BLOCK * b and pairwise != Int32(0):
+                    x = Float32(0.0)  # the pairwise pass takes the diagonal block
+                put_split(s_rt, d, block_offset(b) + j, PACKED, x)
+
+        thr = mma.get_slice(tid)
+        c_out = thr.partition_C(cute.make_identity_tensor((ROWS, HEAD_DIM)))  # (row, channel)
+        f_rt = mma.make_fragment_B(thr.partition_B(s_rt))
+        f_w = mma.make_fragment_A(thr.partition_A(s_w))
+        # Two accumulators live at a time (a third spilled): the products' results go out to
+        # dq, dk and dgamma as they come, and the back products' sum is added onto them last.
+        acc_x = cute.make_rmem_tensor(mma.partition_shape_C((ROWS, HEAD_DIM)), Float32)
+        acc_sum = cute.make_rmem_tensor(mma.partition_shape_C((ROWS, HEAD_DIM)), Float32)
+
+        # ---- P(d_kk, k) and P(d_qk, k): the cotangent in the packing of R, times R, times r_i
+        for which in cutlass.range_constexpr(2):
+            s_dw = s_dkk if cutlass.const_expr(which == 0) else s_dqk
+            for it in cutlass.range(ROWS * PACKED // NTHREADS, unroll=4):  # not hoisted
+                e = tid + it * NTHREADS
+                i = e // PACKED
+                p = e % PACKED
+                b, j = packed_row(p)
+                w = Float32(0.0)
+                if i // BLOCK == b and (j < BLOCK * b or pairwise == Int32(0)):
+                    w = s_dw[i, j]
+                put_split(s_w, i, p, PACKED, w)
+            cute.arch.fence_proxy("async.shared", space="cta")
+            cute.arch.sync_threads()
+            product_bf16x3(mma, acc_x, f_w, f_rt, PACKED // 16)
+            for e in cutlass.range_constexpr(cute.size(acc_x)):
+                i, ch = c_out[e]
+                anchor_row = (i // BLOCK) * BLOCK + shift
+                f = acc_x[e] * cute.math.exp(s_gam[i, ch] - s_gam[anchor_row, ch])
+                if cutlass.const_expr(which == 0):  # acc_sum: dgamma's forward terms
+                    mDk[slot, h, i, ch] = f
+                    acc_sum[e] = Float32(s_k[i, ch]) * f
+                else:
+                    mDq[slot, h, i, ch] = f
+                    mDgamma[slot, h, i, ch] = acc_sum[e] + Float32(s_q[i, ch]) * f
+            cute.arch.sync_threads()  # every wgmma read of the images is done
+
+        # ---- back: per block I, [d_kk | d_qk](rows of I, j)^T x [kl | ql](rows of I), times
+        # exp(Gamma_m - Gamma_j) for the rows j it pairs with
+        f_a = mma.make_fragment_A(thr.partition_A(s_back_a))
+        f_b = mma.make_fragment_B(thr.partition_B(s_back_b))
+        acc_sum.fill(0.0)  # from here: back
+        for b in cutlass.range_constexpr(BLOCKS):
+            for it in cutlass.range(ROWS * SIDE // NTHREADS, unroll=4):
+                e = tid + it * NTHREADS
+                j = e // SIDE
+                c = e % SIDE
+                i = BLOCK * b + c % BLOCK
+                w = Float32(0.0)
+                if j < BLOCK * b or (j < BLOCK * (b + 1) and pairwise == Int32(0)):
+                    w = s_dkk[i, j]
+                    if c >= BLOCK:
+                        w = s_dqk[i, j]
+                put_split(s_back_a, j, c, SIDE, w)
+            anchor = s_gam[BLOCK * b + shift, d]
+            for c in cutlass.range(BLOCK, unroll=4):
+                i = BLOCK * b + c
+                r = cute.math.exp(s_gam[i, d] - anchor)
+                put_split(s_back_b, d, c, SIDE, Float32(s_k[i, d]) * r)
+                put_split(s_back_b, d, BLOCK + c, SIDE, Float32(s_q[i, d]) * r)
+            cute.arch.fence_proxy("async.shared", space="cta")
+            cute.arch.sync_threads()
+            product_bf16x3(mma, acc_x, f_a, f_b, SIDE // 16)
+            for e in cutlass.range_constexpr(cute.size(acc_x)):
+                j, ch = c_out[e]
+                if j < BLOCK * b or (j < BLOCK * (b + 1) and pairwise == Int32(0)):
+                    s = cute.math.exp(s_gam[BLOCK * b + shift, ch] - s_gam[j, ch])
+                    acc_sum[e] = acc_sum[e] + s * acc_x[e]
+            cute.arch.sync_threads()  # the images are free for the next block
+
+        # back onto what the forward products wrote (this thread's own elements)
+        for e in cutlass.range_constexpr(cute.size(acc_sum)):
+            j, ch = c_out[e]
+            back = acc_sum[e]
+            mDk[slot, h, j, ch] = mDk[slot, h, j, ch] + back
+            mDgamma[slot, h, j, ch] = mDgamma[slot, h, j, ch] - Float32(s_k[j, ch]) * back
+
+        # ---- the diagonal blocks pair by pair where the chunk's decay forbids middle anchors:
+        # thread d = channel d adds them onto the rows the products wrote
+        if pairwise != Int32(0):
+            for i in cutlass.range(ROWS, unroll=1):
+                s_back[i, d] = Float32(0.0)
+            cute.arch.sync_threads()  # the products' global writes are visible to every thread
+            for i in cutlass.range(ROWS, unroll=1):
+                first = (i // BLOCK) * BLOCK
+                g_i = s_gam[i, d]
+                k_i = Float32(s_k[i, d])
+                q_i = Float32(s_q[i, d])
+                f_kk = Float32(0.0)
+                f_qk = Float32(0.0)
+                for j in cutlass.range(first, i + 1, unroll=1):
+                    decay = cute.math.exp(g_i - s_gam[j, d])
+                    t_kk = s_dkk[i, j] * decay
+                    t_qk = s_dqk[i, j] * decay
+                    k_j = Float32(s_k[j, d])
+                    f_kk = f_kk + t_kk * k_j
+                    f_qk = f_qk + t_qk * k_j
+                    s_back[j, d] = s_back[j, d] + t_kk * k_i + t_qk * q_i
+                mDq[slot, h, i, d] = mDq[slot, h, i, d] + f_qk
+                mDk[slot, h, i, d] = mDk[slot, h, i, d] + f_kk
+                mDgamma[slot, h, i, d] = mDgamma[slot, h, i, d] + k_i * f_kk + q_i * f_qk
+            for j in cutlass.range(ROWS, unroll=1):
+                k_j = Float32(s_k[j, d])
+                back = s_back[j, d]
+                mDk[slot, h, j, d] = mDk[slot, h, j, d] + back
+                mDgamma[slot, h, j, d] = mDgamma[slot, h, j, d] - k_j * back
