@@ -342,9 +342,16 @@ def test_decayed_bwd_kernel_matches_xla(case):
 
     ours = run(q, k, gamma, d_kk, d_qk)
     reference = jax.jit(xla._decayed_products_bwd)((q, k, gamma), (d_kk, d_qk))
+    # dgamma = k P(d_kk, k) + q P(d_qk, k) - k back nearly cancels where the gates are harsh
+    # (g = -8 everywhere: 6e-5 against terms of 0.3), so its error is measured against the
+    # terms' scale; bf16 hi/lo products (about 2^-16 each) then give about 1e-5 (numpy model).
+    terms = np.sqrt(np.mean(np.square(np.asarray(k * reference[1]))))
+    terms += np.sqrt(np.mean(np.square(np.asarray(q * reference[0]))))
     for name, a, b in zip(("dq", "dk", "dgamma"), ours, reference, strict=True):
         assert not np.isnan(np.asarray(a)).any(), name
-        error = rms_ratio(a, b)
-        # bf16 hi/lo products (about 2^-16 each) over sums with cancellation
+        if name == "dgamma":
+            error = float(np.sqrt(np.mean(np.square(np.asarray(a) - np.asarray(b)))) / terms)
+        else:
+            error = rms_ratio(a, b)
         print(f"decayed bwd {case} {name}: {error:.1e} (bar 1e-4)")
         assert error <= 1e-4, (name, error)
