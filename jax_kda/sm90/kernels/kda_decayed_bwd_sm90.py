@@ -137,56 +137,20 @@ class DecayedBwdSm90:
         cute.arch.sync_threads()
         pairwise, shift = choose_anchors(s_gam, s_flag, d)
 
-        # ---- R^T: the anchors' right factors k_j exp(Gamma_m - Gamma_j), packed, transposed
-        for b in cutlass.range_constexpr(BLOCKS):
-            anchor = s_gam[BLOCK * b + shift, d]
-            for j in cutlass.range(BLOCK * (b + 1), unroll=4):
-                x = Float32(s_k[j, d]) * cute.math.exp(anchor - s_gam[j, d])
-                if j >= BLOCK * b and pairwise != Int32(0):
-                    x = Float32(0.0)  # the pairwise pass takes the diagonal block
-                put_split(s_rt, d, block_offset(b) + j, PACKED, x)
-
         thr = mma.get_slice(tid)
         c_out = thr.partition_C(cute.make_identity_tensor((ROWS, HEAD_DIM)))  # (row, channel)
         f_rt = mma.make_fragment_B(thr.partition_B(s_rt))
         f_w = mma.make_fragment_A(thr.partition_A(s_w))
-        # Two accumulators live at a time (a third spilled): the products' results go out to
-        # dq, dk and dgamma as they come, and the back products' sum is added onto them last.
+        # Two accumulators live at a time (a third spilled): acc_sum holds back (the four back
+        # products first), then the forward products finish dq, dk and dgamma straight out.
         acc_x = cute.make_rmem_tensor(mma.partition_shape_C((ROWS, HEAD_DIM)), Float32)
         acc_sum = cute.make_rmem_tensor(mma.partition_shape_C((ROWS, HEAD_DIM)), Float32)
-
-        # ---- P(d_kk, k) and P(d_qk, k): the cotangent in the packing of R, times R, times r_i
-        for which in cutlass.range_constexpr(2):
-            s_dw = s_dkk if cutlass.const_expr(which == 0) else s_dqk
-            for it in cutlass.range(ROWS * PACKED // NTHREADS, unroll=4):  # not hoisted
-                e = tid + it * NTHREADS
-                i = e // PACKED
-                p = e % PACKED
-                b, j = packed_row(p)
-                w = Float32(0.0)
-                if i // BLOCK == b and (j < BLOCK * b or pairwise == Int32(0)):
-                    w = s_dw[i, j]
-                put_split(s_w, i, p, PACKED, w)
-            cute.arch.fence_proxy("async.shared", space="cta")
-            cute.arch.sync_threads()
-            product_bf16x3(mma, acc_x, f_w, f_rt, PACKED // 16)
-            for e in cutlass.range_constexpr(cute.size(acc_x)):
-                i, ch = c_out[e]
-                anchor_row = (i // BLOCK) * BLOCK + shift
-                f = acc_x[e] * cute.math.exp(s_gam[i, ch] - s_gam[anchor_row, ch])
-                if cutlass.const_expr(which == 0):  # acc_sum: dgamma's forward terms
-                    mDk[slot, h, i, ch] = f
-                    acc_sum[e] = Float32(s_k[i, ch]) * f
-                else:
-                    mDq[slot, h, i, ch] = f
-                    mDgamma[slot, h, i, ch] = acc_sum[e] + Float32(s_q[i, ch]) * f
-            cute.arch.sync_threads()  # every wgmma read of the images is done
 
         # ---- back: per block I, [d_kk | d_qk](rows of I, j)^T x [kl | ql](rows of I), times
         # exp(Gamma_m - Gamma_j) for the rows j it pairs with
         f_a = mma.make_fragment_A(thr.partition_A(s_back_a))
         f_b = mma.make_fragment_B(thr.partition_B(s_back_b))
-        acc_sum.fill(0.0)  # from here: back
+        acc_sum.fill(0.0)
         for b in cutlass.range_constexpr(BLOCKS):
             for it in cutlass.range(ROWS * SIDE // NTHREADS, unroll=4):
                 e = tid + it * NTHREADS
@@ -215,12 +179,42 @@ class DecayedBwdSm90:
                     acc_sum[e] = acc_sum[e] + s * acc_x[e]
             cute.arch.sync_threads()  # the images are free for the next block
 
-        # back onto what the forward products wrote (this thread's own elements)
-        for e in cutlass.range_constexpr(cute.size(acc_sum)):
-            j, ch = c_out[e]
-            back = acc_sum[e]
-            mDk[slot, h, j, ch] = mDk[slot, h, j, ch] + back
-            mDgamma[slot, h, j, ch] = mDgamma[slot, h, j, ch] - Float32(s_k[j, ch]) * back
+        # ---- R^T: the anchors' right factors k_j exp(Gamma_m - Gamma_j), packed, transposed
+        for b in cutlass.range_constexpr(BLOCKS):
+            anchor = s_gam[BLOCK * b + shift, d]
+            for j in cutlass.range(BLOCK * (b + 1), unroll=4):
+                x = Float32(s_k[j, d]) * cute.math.exp(anchor - s_gam[j, d])
+                if j >= BLOCK * b and pairwise != Int32(0):
+                    x = Float32(0.0)  # the pairwise pass takes the diagonal block
+                put_split(s_rt, d, block_offset(b) + j, PACKED, x)
+
+        # ---- P(d_kk, k) and P(d_qk, k): the cotangent in the packing of R, times R, times r_i
+        for which in cutlass.range_constexpr(2):
+            s_dw = s_dkk if cutlass.const_expr(which == 0) else s_dqk
+            for it in cutlass.range(ROWS * PACKED // NTHREADS, unroll=4):  # not hoisted
+                e = tid + it * NTHREADS
+                i = e // PACKED
+                p = e % PACKED
+                b, j = packed_row(p)
+                w = Float32(0.0)
+                if i // BLOCK == b and (j < BLOCK * b or pairwise == Int32(0)):
+                    w = s_dw[i, j]
+                put_split(s_w, i, p, PACKED, w)
+            cute.arch.fence_proxy("async.shared", space="cta")
+            cute.arch.sync_threads()
+            product_bf16x3(mma, acc_x, f_w, f_rt, PACKED // 16)
+            for e in cutlass.range_constexpr(cute.size(acc_x)):
+                i, ch = c_out[e]
+                anchor_row = (i // BLOCK) * BLOCK + shift
+                f = acc_x[e] * cute.math.exp(s_gam[i, ch] - s_gam[anchor_row, ch])
+                if cutlass.const_expr(which == 0):  # acc_sum: back, then k (f - back)
+                    back = acc_sum[e]
+                    mDk[slot, h, i, ch] = f + back
+                    acc_sum[e] = Float32(s_k[i, ch]) * (f - back)
+                else:
+                    mDq[slot, h, i, ch] = f
+                    mDgamma[slot, h, i, ch] = acc_sum[e] + Float32(s_q[i, ch]) * f
+            cute.arch.sync_threads()  # every wgmma read of the images is done
 
         # ---- the diagonal blocks pair by pair where the chunk's decay forbids middle anchors:
         # thread d = channel d adds them onto the rows the products wrote
