@@ -73,3 +73,60 @@ def choose_anchors(s_gam: cute.Tensor, s_flag: cute.Tensor, d):
     if pairwise != Int32(0):
         shift = Int32(0)
     return pairwise, shift
+
+
+@cute.jit
+def unit_lower_inverse(s_kk, s_beta, s_tinv, s_m, tid):
+    """T^-1 into s_tinv ([64, 64] float32; all of it written), T = I + strictLower(beta_i kk_ij),
+    from kk's strictly lower part in s_kk (nothing above the diagonal is read) and beta in
+    s_beta; s_m is [3, 16, 16] float32 scratch. 128 threads; synchronises the CTA.
+
+    The diagonal blocks by forward substitution (thread = one column of one block, the column in
+    registers), then the blocks below by block substitution by their distance from the diagonal:
+    T^-1_(b, c) = -T^-1_(b, b) sum over m in blocks c .. b - 1 of L_(b, m) T^-1_(m, c). Every loop
+    has a static trip count (zeros of T^-1 stand in for the triangle's bounds), so the shared
+    memory loads of a sum are issued together."""
+    for it in cutlass.range_constexpr(ROWS * ROWS // 128):
+        e = tid + it * 128
+        i = e // ROWS
+        j = e % ROWS
+        s_tinv[i, j] = Float32(1.0) if i == j else Float32(0.0)
+    cute.arch.sync_threads()
+    if tid < ROWS:
+        base = (tid // BLOCK) * BLOCK
+        lc = tid % BLOCK  # this thread's column within its diagonal block
+        x = cute.make_rmem_tensor((BLOCK,), Float32)
+        for mm in cutlass.range_constexpr(BLOCK):
+            x[mm] = Float32(1.0) if mm == lc else Float32(0.0)
+        for rr in cutlass.range_constexpr(1, BLOCK):
+            acc = Float32(0.0)
+            for mm in cutlass.range_constexpr(rr):  # x is zero above the column: no bound
+                acc = acc + s_kk[base + rr, base + mm] * x[mm]
+            if rr > lc:
+                x[rr] = -s_beta[base + rr] * acc
+        for rr in cutlass.range_constexpr(BLOCK):
+            s_tinv[base + rr, tid] = x[rr]
+    cute.arch.sync_threads()
+    for dist in cutlass.range_constexpr(1, BLOCKS):
+        for it in cutlass.range_constexpr(2 * (BLOCKS - dist)):  # 256 elements a block pair
+            pair = it // 2  # the block column c; the block row is c + dist
+            e = tid + (it % 2) * 128
+            r = e // BLOCK
+            s = e % BLOCK
+            row = BLOCK * (pair + dist) + r
+            acc = Float32(0.0)
+            for m in cutlass.range_constexpr(BLOCK * pair, BLOCK * (pair + dist)):
+                acc = acc + s_kk[row, m] * s_tinv[m, BLOCK * pair + s]
+            s_m[pair, r, s] = s_beta[row] * acc
+        cute.arch.sync_threads()
+        for it in cutlass.range_constexpr(2 * (BLOCKS - dist)):
+            pair = it // 2
+            e = tid + (it % 2) * 128
+            r = e // BLOCK
+            s = e % BLOCK
+            diag = BLOCK * (pair + dist)
+            acc = Float32(0.0)
+            for m in cutlass.range_constexpr(BLOCK):  # zero above the diagonal: no bound
+                acc = acc - s_tinv[diag + r, diag + m] * s_m[pair, m, s]
+            s_tinv[diag + r, BLOCK * pair + s] = acc
+        cute.arch.sync_threads()

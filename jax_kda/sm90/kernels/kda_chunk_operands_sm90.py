@@ -47,6 +47,7 @@ from jax_kda.sm90.kernels.chunk64 import (
     block_offset,
     choose_anchors,
     packed_row,
+    unit_lower_inverse,
 )
 from jax_kda.sm90.kernels.varlen import slot_owner
 from jax_kda.sm90.kernels.wgmma import (
@@ -267,49 +268,8 @@ class ChunkOperandsSm90:
             if active and c * ROWS + t < seqlen:
                 r_v[t] = Float32(mV[bos + c * ROWS + t, h, d])
 
-        # ---- T^-1, T = I + strictLower(beta_i kk_ij): diagonal blocks by forward substitution
-        # (thread = one column of one block), then the blocks below by block substitution.
-        for it in cutlass.range_constexpr(ROWS * ROWS // NTHREADS):
-            e_idx = tid + it * NTHREADS
-            i = e_idx // ROWS
-            j = e_idx % ROWS
-            s_tinv[i, j] = Float32(1.0) if i == j else Float32(0.0)
-        cute.arch.sync_threads()
-        if tid < ROWS:
-            b = tid // BLOCK
-            col = tid  # this thread's column of T^-1 within block b's diagonal block
-            for r in cutlass.range(col + 1, BLOCK * (b + 1), unroll=1):
-                x = Float32(0.0)
-                for m in cutlass.range(col, r, unroll=1):
-                    x = x - s_beta[r] * s_kk[r, m] * s_tinv[m, col]
-                s_tinv[r, col] = x
-        cute.arch.sync_threads()
-        for dist in cutlass.range_constexpr(1, BLOCKS):
-            count = (BLOCKS - dist) * BLOCK * BLOCK
-            # M_(b, c) = sum over rows m of blocks c .. b - 1 of L[b rows, m] T^-1[m, c cols]
-            for e_idx in cutlass.range(tid, count, NTHREADS, unroll=1):
-                pair = e_idx // (BLOCK * BLOCK)
-                r = (e_idx // BLOCK) % BLOCK
-                s = e_idx % BLOCK
-                b = pair + dist
-                cb = pair
-                row = BLOCK * b + r
-                x = Float32(0.0)
-                for m in cutlass.range(BLOCK * cb + s, BLOCK * b, unroll=4):
-                    x = x + s_kk[row, m] * s_tinv[m, BLOCK * cb + s]
-                s_m[pair, r, s] = s_beta[row] * x
-            cute.arch.sync_threads()
-            # T^-1_(b, c) = -D_b M_(b, c), D_b = T^-1_(b, b)
-            for e_idx in cutlass.range(tid, count, NTHREADS, unroll=1):
-                pair = e_idx // (BLOCK * BLOCK)
-                r = (e_idx // BLOCK) % BLOCK
-                s = e_idx % BLOCK
-                b = pair + dist
-                x = Float32(0.0)
-                for m in cutlass.range(r + 1, unroll=1):
-                    x = x - s_tinv[BLOCK * b + r, BLOCK * b + m] * s_m[pair, m, s]
-                s_tinv[BLOCK * b + r, BLOCK * pair + s] = x
-            cute.arch.sync_threads()
+        # ---- T^-1, T = I + strictLower(beta_i kk_ij), float32 by 16-row blocks (chunk64.py)
+        unit_lower_inverse(s_kk, s_beta, s_tinv, s_m, tid)
 
         # ---- the solve's operand images: T^-1 (rows i, K = j) and R^T (rows = the 256 columns
         # [beta k exp(Gamma) | beta v], K = token)
