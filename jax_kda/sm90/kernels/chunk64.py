@@ -20,7 +20,8 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32
 
-from jax_kda.constants import SCAN_CHUNK
+from jax_kda.constants import HEAD_DIM, SCAN_CHUNK
+from jax_kda.sm90.kernels.wgmma import put_split
 
 ROWS = SCAN_CHUNK  # 64 tokens a chunk
 BLOCK = 16  # rows of a block: one anchor each
@@ -130,3 +131,30 @@ def unit_lower_inverse(s_kk, s_beta, s_tinv, s_m, tid):
                 acc = acc - s_tinv[diag + r, diag + m] * s_m[pair, m, s]
             s_tinv[diag + r, BLOCK * pair + s] = acc
         cute.arch.sync_threads()
+
+
+@cute.jit
+def put_right_factors(
+    image: cute.Tensor,
+    s_k: cute.Tensor,
+    s_gam: cute.Tensor,
+    d,
+    shift,
+    pairwise,
+    transposed: cutlass.Constexpr[bool],
+):
+    """Channel d of the packed right factors k_j exp(Gamma_{m_I} - Gamma_j), block I's anchor
+    with the rows j < 16 (I + 1), as bf16 hi/lo into an image: at (packed row, d) with K = the
+    channels' [hi | lo], or transposed at (d, packed row) with K = the packed rows' [hi | lo].
+    With first-row anchors (pairwise) the diagonal blocks' entries are zero: the pairwise pass
+    takes them (their factors could overflow)."""
+    for b in cutlass.range_constexpr(BLOCKS):
+        anchor = s_gam[BLOCK * b + shift, d]
+        for j in cutlass.range(BLOCK * (b + 1), unroll=4):
+            x = Float32(s_k[j, d]) * cute.math.exp(anchor - s_gam[j, d])
+            if j >= BLOCK * b and pairwise != Int32(0):
+                x = Float32(0.0)
+            if cutlass.const_expr(transposed):
+                put_split(image, d, block_offset(b) + j, PACKED, x)
+            else:
+                put_split(image, block_offset(b) + j, d, HEAD_DIM, x)

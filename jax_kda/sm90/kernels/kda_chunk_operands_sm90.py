@@ -44,9 +44,9 @@ from jax_kda.sm90.kernels.chunk64 import (
     PACKED,
     PAIR_ROW,
     ROWS,
-    block_offset,
     choose_anchors,
     packed_row,
+    put_right_factors,
     unit_lower_inverse,
 )
 from jax_kda.sm90.kernels.varlen import slot_owner
@@ -186,14 +186,8 @@ class ChunkOperandsSm90:
 
         # ---- middle-row anchors where the decay allows, else first-row ones (chunk64.py)
         pairwise, shift = choose_anchors(s_gam, s_flag, d)
-        # ---- the right operand: block I's anchor with rows j < 16 (I + 1), packed
-        for b in cutlass.range_constexpr(BLOCKS):
-            anchor = s_gam[BLOCK * b + shift, d]
-            for j in cutlass.range(BLOCK * (b + 1), unroll=4):
-                x = Float32(s_k[j, d]) * cute.math.exp(anchor - s_gam[j, d])
-                if j >= BLOCK * b and pairwise != Int32(0):
-                    x = Float32(0.0)  # the pairwise path fills the diagonal block
-                put_split(s_right, block_offset(b) + j, d, HEAD_DIM, x)
+        # ---- the right operand: every anchor's factors, packed (chunk64.py)
+        put_right_factors(s_right, s_k, s_gam, d, shift, pairwise, transposed=False)
         cute.arch.sync_threads()
 
         thr = mma_pairs.get_slice(tid)

@@ -38,9 +38,9 @@ from jax_kda.sm90.kernels.chunk64 import (
     PACKED,
     PAIR_ROW,
     ROWS,
-    block_offset,
     choose_anchors,
     packed_row,
+    put_right_factors,
 )
 from jax_kda.sm90.kernels.wgmma import (
     bf16_tiled_mma,
@@ -179,14 +179,8 @@ class DecayedBwdSm90:
                     acc_sum[e] = acc_sum[e] + s * acc_x[e]
             cute.arch.sync_threads()  # the images are free for the next block
 
-        # ---- R^T: the anchors' right factors k_j exp(Gamma_m - Gamma_j), packed, transposed
-        for b in cutlass.range_constexpr(BLOCKS):
-            anchor = s_gam[BLOCK * b + shift, d]
-            for j in cutlass.range(BLOCK * (b + 1), unroll=4):
-                x = Float32(s_k[j, d]) * cute.math.exp(anchor - s_gam[j, d])
-                if j >= BLOCK * b and pairwise != Int32(0):
-                    x = Float32(0.0)  # the pairwise pass takes the diagonal block
-                put_split(s_rt, d, block_offset(b) + j, PACKED, x)
+        # ---- R^T: the anchors' right factors, packed, transposed (chunk64.py)
+        put_right_factors(s_rt, s_k, s_gam, d, shift, pairwise, transposed=True)
 
         # ---- P(d_kk, k) and P(d_qk, k): the cotangent in the packing of R, times R, times r_i
         for which in cutlass.range_constexpr(2):
