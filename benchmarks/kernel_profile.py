@@ -141,8 +141,8 @@ def _main():
         help="instead, profile the sm90 backward's recompute and backward (jax.vjp of "
         "sm90.training_forward) for each variant: comma-separated 'base' (the default), 'core' "
         "(the chunk-core kernel's operands), 'dbwd' (with core: their backward's decayed "
-        "products on their kernel), 'v16'/'v32'/'v64' (the state-scan variant), joined by '+' "
-        "(e.g. base,core,v64,core+dbwd+v64)",
+        "products on their kernel), 'x3' (the dense products around the scan as bf16x3), "
+        "'v16'/'v32'/'v64' (the state-scan variant), joined by '+' (e.g. base,core+dbwd+v64+x3)",
     )
     options = parser.parse_args()
     if options.train and options.segments:
@@ -202,6 +202,8 @@ def _variants(text: str) -> list[tuple[str, dict]]:
                 options["chunk_core"] = True
             elif part == "dbwd":
                 options["decayed_bwd"] = True
+            elif part == "x3":
+                options["dense_bf16x3"] = True
             elif part in ("v16", "v32", "v64"):
                 options["scan_v_slice"] = int(part[1:])
             elif part != "base":

@@ -398,10 +398,10 @@ def state_scan(a_op, b_op, decay, addend, cu_seqlens, y0, *, reverse: bool, emit
     return jnp.where(used[:, None, None, None], per_slot, 0.0), finals
 
 
-def _chunk_output(states, v_new, qg, attn):
+def _chunk_output(states, v_new, qg, attn, precision=_PRECISION):
     """O = Qg S + Aqk V_new for one slot or all of them (any leading dims)."""
-    out = jnp.einsum("...ik,...kv->...iv", qg, states, precision=_PRECISION)
-    return out + jnp.einsum("...ij,...jv->...iv", attn, v_new, precision=_PRECISION)
+    out = jnp.einsum("...ik,...kv->...iv", qg, states, precision=precision)
+    return out + jnp.einsum("...ij,...jv->...iv", attn, v_new, precision=precision)
 
 
 def chunk_operands(q, k, v, g, beta, cu_seqlens, rows, num_slots: int, scale: float):
@@ -419,8 +419,9 @@ def from_chunks(x: jax.Array, rows: jax.Array) -> jax.Array:
 
 
 def forward(
-    q, k, v, g, beta, cu_seqlens, initial_state, scale, *, scan=None, operands=chunk_operands
-):
+    q, k, v, g, beta, cu_seqlens, initial_state, scale, *, scan=None, operands=chunk_operands,
+    precision=_PRECISION,
+):  # fmt: skip
     """KDA forward, packed THD.
 
     Args:
@@ -434,6 +435,7 @@ def forward(
         the outputs are computed in parallel: the sm90 kernel (with its own backward) in the
         sm90 backend's training path.
       operands: chunk_operands's signature: this module's, or the sm90 kernel's.
+      precision: of the products around a `scan` (V_new and the outputs; default float32).
     Returns:
       o: [T, H, 128] in q's dtype; final_state: [N, H, 128(V), 128(K)] float32.
     """
@@ -452,7 +454,7 @@ def forward(
     else:
         # Everything but the state's chain is parallel over chunks: V_new = U - W S.
         states, finals = scan(*operands, reverse=False)
-        v_new = u - jnp.einsum("shik,shkv->shiv", w, states, precision=_PRECISION)
-        out = _chunk_output(states, v_new, qg, attn)
+        v_new = u - jnp.einsum("shik,shkv->shiv", w, states, precision=precision)
+        out = _chunk_output(states, v_new, qg, attn, precision)
     o = from_chunks(out, rows).astype(q.dtype)
     return o, jnp.swapaxes(finals, -1, -2)

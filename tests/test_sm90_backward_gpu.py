@@ -357,12 +357,17 @@ def test_decayed_bwd_kernel_matches_xla(case):
         assert error <= 1e-4, (name, error)
 
 
-@pytest.mark.parametrize("data", ["production", "long-memory", "-8", "-30"])
-def test_training_forward_with_the_new_kernels_matches_float64_oracle(data):
+@pytest.mark.parametrize(
+    "data, dense_bf16x3",
+    [("production", False), ("long-memory", False), ("-8", False), ("-30", False),
+     ("long-memory", True)],
+)  # fmt: skip
+def test_training_forward_with_the_new_kernels_matches_float64_oracle(data, dense_bf16x3):
     """sm90.training_forward with every kernel under development switched in (the chunk core's
-    operands, their backward's decayed products, the tensor-core state scan): its output and all
-    six gradients against the float64 oracle, at both anchors and harsh gates. Catches wiring
-    errors (residuals, cotangent order, dtypes) that the kernel-level tests cannot."""
+    operands, their backward's decayed products, the tensor-core state scan; and once the dense
+    products around the scan as bf16x3): its output and all six gradients against the float64
+    oracle, at both anchors and harsh gates. Catches wiring errors (residuals, cotangent order,
+    dtypes) that the kernel-level tests cannot."""
     register()
     make = long_memory_inputs if data == "long-memory" else production_inputs
     x = make([300, 0, 77, 130], 2, seed=SEED + 17)
@@ -374,7 +379,7 @@ def test_training_forward_with_the_new_kernels_matches_float64_oracle(data):
     def forward(q, k, v, g, beta, cu, state):
         return sm90.training_forward(
             q, k, v, g, beta, cu, state, 0.3, chunk_core=True, decayed_bwd=True,
-            scan_v_slice=64,
+            scan_v_slice=64, dense_bf16x3=dense_bf16x3,
         )  # fmt: skip
 
     o, final = jax.jit(forward)(*x)

@@ -228,7 +228,7 @@ def test_training_forward_variants_lower_to_their_kernels():
         def forward(q, k, v, g, beta, state):
             return sm90.training_forward(
                 q, k, v, g, beta, cu, state, 0.3, chunk_core=True, decayed_bwd=True,
-                scan_v_slice=64,
+                scan_v_slice=64, dense_bf16x3=True,
             )  # fmt: skip
 
         out, pullback = jax.vjp(forward, q, k, v, g, beta, state)

@@ -232,11 +232,12 @@ def state_scan_kernel(a_op, b_op, decay, addend, cu_seqlens, y0, *, reverse: boo
     return states, final
 
 
-def differentiable_state_scan(run):
+def differentiable_state_scan(run, precision=jax.lax.Precision.HIGHEST):
     """xla.state_scan's forward direction with a backward that is one more scan: `run` (the
     kernel, or xla.state_scan in CPU tests) over the chunks in reverse gives the state's
-    cotangent at every chunk's end, and the rest is parallel over chunks."""
-    highest = jax.lax.Precision.HIGHEST
+    cotangent at every chunk's end, and the rest is parallel over chunks (its products at
+    `precision`)."""
+    highest = precision
 
     @jax.custom_vjp
     def scan(w, kd, decay, u, cu_seqlens, y0):
@@ -411,7 +412,7 @@ def differentiable_chunk_operands(run, decayed_bwd=None):
 
 def training_forward(
     q, k, v, g, beta, cu_seqlens, initial_state, scale, *, chunk_core=False, decayed_bwd=False,
-    scan_v_slice=None,
+    scan_v_slice=None, dense_bf16x3=False,
 ):  # fmt: skip
     """The forward the sm90 backward differentiates, exact for any g <= 0: the XLA path's
     parallel per-chunk parts (their backward written out, xla._chunk_operands_bwd) around the
@@ -420,15 +421,24 @@ def training_forward(
     Diagnostics (benchmarks.kernel_profile --train-variants) until the kernels are measured on
     the GPU: chunk_core=True takes the per-chunk operands from the chunk-core kernel, and
     decayed_bwd=True (with it) their backward's decayed products from their kernel;
-    scan_v_slice picks the state-scan variant (None: the plan's)."""
+    scan_v_slice picks the state-scan variant (None: the plan's); dense_bf16x3=True runs the
+    dense products around the scan (V_new, the outputs, the scan's backward: float32 FMAs
+    without tensor cores at HIGHEST) as bf16x3 tensor-core products, the kernels' precision."""
     if decayed_bwd and not chunk_core:
         raise ValueError("decayed_bwd=True needs chunk_core=True (the operands' backward it is in)")
-    scan = differentiable_state_scan(functools.partial(state_scan_kernel, v_slice=scan_v_slice))
+    precision = (
+        jax.lax.DotAlgorithmPreset.BF16_BF16_F32_X3 if dense_bf16x3 else jax.lax.Precision.HIGHEST
+    )
+    kernel = functools.partial(state_scan_kernel, v_slice=scan_v_slice)
+    scan = differentiable_state_scan(kernel, precision)
     if chunk_core:
         operands = differentiable_chunk_operands(
             chunk_core_kernel, decayed_bwd_kernel if decayed_bwd else None
         )
         return xla.forward(
-            q, k, v, g, beta, cu_seqlens, initial_state, scale, scan=scan, operands=operands
-        )
-    return xla.forward(q, k, v, g, beta, cu_seqlens, initial_state, scale, scan=scan)
+            q, k, v, g, beta, cu_seqlens, initial_state, scale, scan=scan, operands=operands,
+            precision=precision,
+        )  # fmt: skip
+    return xla.forward(
+        q, k, v, g, beta, cu_seqlens, initial_state, scale, scan=scan, precision=precision
+    )
