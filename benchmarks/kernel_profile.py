@@ -10,7 +10,8 @@ breakdown for jax_kda's sm90 backend on the harness's shapes, as planned for thi
 into each given segment count, or (--train) for a training step: forward and backward (a
 diagnostic for kernel work and for plan.py's cost model; the results tables come from
 ``benchmarks.run``). ``--train-variants base,core,v64,core+dbwd+v64`` profiles the backward's
-recompute and backward with the kernels under development switched in.
+recompute and backward with the kernels under development switched in (with
+``--forward-only``, their forward alone: the no-bound forward).
 """
 
 from __future__ import annotations
@@ -144,12 +145,19 @@ def _main():
         "products on their kernel), 'x3' (the dense products around the scan as bf16x3), "
         "'v16'/'v32'/'v64' (the state-scan variant), joined by '+' (e.g. base,core+dbwd+v64+x3)",
     )
+    parser.add_argument(
+        "--forward-only",
+        action="store_true",
+        help="with --train-variants: profile the variants' forward alone",
+    )
     options = parser.parse_args()
+    if options.forward_only and not options.train_variants:
+        parser.error("--forward-only goes with --train-variants")
     if options.train and options.segments:
         parser.error("--train profiles the planned call; forced --segments have no backward")
     shapes, _ = select(parse_only(options.only), ALL_SHAPES, [])
     if options.train_variants:
-        _profile_variants(options.train_variants, shapes)
+        _profile_variants(options.train_variants, shapes, options.forward_only)
         return
     register()  # sm90.forward is called directly below, not through prefill
 
@@ -212,9 +220,10 @@ def _variants(text: str) -> list[tuple[str, dict]]:
     return out
 
 
-def _profile_variants(variants, shapes):
+def _profile_variants(variants, shapes, forward_only=False):
     """GPU kernel times of jax.vjp of sm90.training_forward (what the sm90 backward runs) per
-    variant, on the harness's production data with a non-zero initial state."""
+    variant, or (forward_only) of the forward alone (what a call without a gate bound runs), on
+    the harness's production data with a non-zero initial state."""
     import jax.numpy as jnp
 
     from jax_kda import sm90
@@ -235,11 +244,17 @@ def _profile_variants(variants, shapes):
                         q, k, v, g, beta, cu, state, default_scale(), **options
                     )
 
+                if forward_only:
+                    return forward(q, k, v, g, beta, state)
                 out, pullback = jax.vjp(forward, q, k, v, g, beta, state)
                 return out, pullback((d_o, d_final))
 
             times = kernel_times(step, *x)
-            print(f"{shape.name} {name}: span {times.span_us:.1f} us, {times.launches} launches")
+            what = "forward" if forward_only else "recompute + backward"
+            print(
+                f"{shape.name} {name} ({what}): span {times.span_us:.1f} us, "
+                f"{times.launches} launches"
+            )
             for kernel, us in sorted(times.kernels_us.items(), key=lambda kv: -kv[1])[:6]:
                 print(f"    {us:9.1f} us  {_short_name(kernel)}")
 
