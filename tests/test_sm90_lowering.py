@@ -349,3 +349,22 @@ def test_malformed_sm_count_variable_is_named(monkeypatch, value):
     monkeypatch.setenv(sm90.SM_COUNT_ENV, value)
     with pytest.raises(ValueError, match=rf"\$JAX_KDA_SM_COUNT: got '{re.escape(value)}'"):
         sm90.device_sm_count()
+
+
+def test_symbolic_token_count_exports_on_xla_and_sm90_says_why_not():
+    """jax.export with a symbolic T on a Hopper: "auto" exports the XLA path (the kernels plan
+    their launch from concrete sizes), and an explicit "sm90" raises with the reason."""
+    from jax import export
+
+    (tokens,) = export.symbolic_shape("T")
+    shapes = [jax.ShapeDtypeStruct((tokens, 2, 128), jnp.bfloat16)] * 3
+    shapes += [
+        jax.ShapeDtypeStruct((tokens, 2, 128), jnp.float32),
+        jax.ShapeDtypeStruct((tokens, 2), jnp.float32),
+        jax.ShapeDtypeStruct((4,), jnp.int32),
+        jax.ShapeDtypeStruct((3, 2, 128, 128), jnp.float32),
+    ]
+    exported = export.export(jax.jit(_prefill()), platforms=["cuda"])(*shapes)
+    assert TARGET not in exported.mlir_module()
+    with pytest.raises(jax_kda.BackendUnavailableError, match="T=T is symbolic"):
+        export.export(jax.jit(_prefill(backend="sm90")), platforms=["cuda"])(*shapes)

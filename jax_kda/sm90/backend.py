@@ -14,6 +14,7 @@ import os
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jax_kda import xla
 from jax_kda.constants import HEAD_DIM, SCAN_CHUNK
@@ -76,6 +77,17 @@ def unavailable_reason(q_dtype, total_tokens, num_heads, num_sequences) -> str |
         return (
             f"JAX's default device is {device.device_kind} ({device.platform}), not a Hopper "
             f"(sm90) GPU; set {ASSUME_SM90_ENV}=1 to lower for Hopper from this machine anyway"
+        )
+    symbolic = [
+        f"{name}={value}"
+        for name, value in (("T", total_tokens), ("N", num_sequences))
+        if not isinstance(value, (int, np.integer))
+    ]
+    if symbolic:
+        return (
+            f"{', '.join(symbolic)} is symbolic (jax.export with a symbolic shape); the kernels "
+            "plan their launch from concrete sizes: export with backend='xla', or with concrete "
+            "T and N"
         )
     plan = plan_prefill(total_tokens, num_heads, num_sequences, device_sm_count())
     sizes = {
