@@ -332,3 +332,48 @@ def test_symbolic_token_count_exports_on_xla_and_sm90_says_why_not():
     assert TARGET not in exported.mlir_module()
     with pytest.raises(jax_kda.BackendUnavailableError, match="T=T is symbolic"):
         export.export(jax.jit(_prefill(backend="sm90")), platforms=["cuda"])(*shapes)
+
+
+def test_grad_under_shard_map_with_check_vma_lowers():
+    """jax.grad of the sm90 path under shard_map over heads (default check_vma), four host
+    devices lowering for CUDA, in a fresh process: the custom calls' outputs are typed varying
+    like their inputs, so the backward's pullback takes their cotangents (an output typed
+    invariant made it raise a type mismatch)."""
+    script = textwrap.dedent(
+        """
+        import jax, jax.numpy as jnp, numpy as np
+        from jax.sharding import Mesh, PartitionSpec as P
+        import jax_kda
+        from jax_kda.oracle import production_inputs
+
+        mesh = Mesh(np.array(jax.devices()), ("x",))
+        x = production_inputs([100, 0, 30, 64], 4, seed=3)
+        cu = jnp.asarray(x.cu_seqlens)
+
+        def heads(q, k, v, g, beta, state):
+            return jax_kda.prefill(q, k, v, g, beta, cu_seqlens=cu, initial_state=state,
+                                   backend="sm90", gate_lower_bound=-5.0)
+
+        spec = P(None, "x")
+        by_heads = jax.shard_map(heads, mesh=mesh, in_specs=(spec,) * 6, out_specs=(spec, spec))
+
+        def loss(*a):
+            o, final = by_heads(*a)
+            return jnp.sum(o.astype(jnp.float32) ** 2) + jnp.sum(final ** 2)
+
+        grad = jax.jit(jax.grad(loss, argnums=range(6)))
+        text = grad.trace(*x[:5], x.initial_state).lower(lowering_platforms=("cuda",)).as_text()
+        assert "kda_state_scan_sm90_rev" in text and "kda_fwd_sm90" in text
+        print("ok")
+        """
+    )
+    env = {
+        **os.environ,
+        "XLA_FLAGS": "--xla_force_host_platform_device_count=4",
+        "JAX_PLATFORMS": "cpu",
+        "CUTE_DSL_ARCH": "sm_90a",
+        sm90.ASSUME_SM90_ENV: "1",
+        sm90.SM_COUNT_ENV: str(SM_COUNT),
+    }
+    run = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True)
+    assert run.returncode == 0 and run.stdout.strip().endswith("ok"), run.stderr[-3000:]
