@@ -117,11 +117,10 @@ def _resolve_backend(
 
 
 def _forward(call: _Call, q, k, v, g, beta, cu_seqlens, initial_state):
-    if call.backend == "sm90":
-        return _on_packed(sm90.forward, call, q, k, v, g, beta, cu_seqlens, initial_state)
-    if call.backend == "sm90_exact":
-        args = (q, k, v, g, beta, cu_seqlens, initial_state)
-        return _on_packed(sm90.training_forward, call, *args)
+    if call.backend in ("sm90", "sm90_exact"):
+        path = sm90.forward if call.backend == "sm90" else sm90.training_forward
+        run = _one_call_under_vmap(partial(_on_packed, path, call), call, num_token_like=5)
+        return run(q, k, v, g, beta, cu_seqlens, initial_state)
     if call.batched:
         row_cu = jnp.array([0, q.shape[1]], jnp.int32)
         per_row = partial(xla.forward, cu_seqlens=row_cu, scale=call.scale)
@@ -146,6 +145,48 @@ def _on_packed(kernel_path, call: _Call, q, k, v, g, beta, cu_seqlens, initial_s
     return o.reshape(q.shape), final_state
 
 
+def _one_call_under_vmap(fn, call: _Call, num_token_like: int):
+    """fn(*token_like, cu_seqlens, *state_like) with `num_token_like` arrays of q's leading
+    layout ([T, ...] packed, [B, T, ...] batched) and the rest per sequence ([N, ...]), wrapped
+    so that jax.vmap runs it once on the whole batch: a batch of V calls is one call on V times
+    the tokens, with each call's sequences as sequences of their own (cu_seqlens offset by
+    v * T), not V calls (the custom call's own vmap rule runs them one after another)."""
+
+    @jax.custom_batching.custom_vmap
+    def wrapped(*args):
+        return fn(*args)
+
+    @wrapped.def_vmap
+    def rule(axis_size, in_batched, *args):
+        args = [
+            a if batched else jnp.broadcast_to(a, (axis_size, *a.shape))
+            for a, batched in zip(args, in_batched, strict=True)
+        ]
+        tokens, cu_seqlens, per_sequence = (
+            args[:num_token_like],
+            args[num_token_like],
+            args[num_token_like + 1 :],
+        )
+        if _too_big_for_one_call(call, tokens[0], per_sequence[0]):
+            # The packed batch would pass the kernels' limits (32-bit indexing, grid extents):
+            # the same kernels, one batch element after another.
+            out = jax.lax.map(lambda xs: fn(*xs), tuple(args))
+            return out, tuple(True for _ in out)
+        merge = lambda x: x.reshape(axis_size * x.shape[1], *x.shape[2:])  # noqa: E731
+        if call.batched:  # [V, B, T, ...]: V * B rows; cu_seqlens unused
+            packed_cu = cu_seqlens[0]
+        else:  # [V, T, ...]: V * N sequences at offsets v * T
+            length = tokens[0].shape[1]
+            offsets = (jnp.arange(axis_size, dtype=jnp.int32) * length)[:, None]
+            starts = (cu_seqlens[:, :-1] + offsets).reshape(-1)
+            packed_cu = jnp.concatenate([starts, jnp.full((1,), axis_size * length, jnp.int32)])
+        out = fn(*map(merge, tokens), packed_cu, *map(merge, per_sequence))
+        split = lambda x: x.reshape(axis_size, x.shape[0] // axis_size, *x.shape[1:])  # noqa: E731
+        return tuple(map(split, out)), tuple(True for _ in out)
+
+    return wrapped
+
+
 @partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _prefill(call, q, k, v, g, beta, cu_seqlens, initial_state):
     return _forward(call, q, k, v, g, beta, cu_seqlens, initial_state)
@@ -160,17 +201,43 @@ def _prefill_bwd(call, residuals, cotangents):
     """Recompute from the inputs and pull the cotangents back: on sm90 through the state-scan
     kernels (forward and reverse) and the XLA path's parallel per-chunk parts, else through the
     XLA path. Both are exact for any g <= 0."""
-    *diff_args, cu_seqlens, initial_state = residuals
+    q, k, v, g, beta, cu_seqlens, initial_state = residuals
+    d_o, d_final = cotangents
+    if call.backend in ("sm90", "sm90_exact"):
+        # Under jax.vmap the whole backward runs once on the packed batch (the custom calls' own
+        # vmap rule would run them once per element).
+        run = _one_call_under_vmap(partial(_sm90_bwd, call), call, num_token_like=6)
+        dq, dk, dv, dg, dbeta, dstate = run(q, k, v, g, beta, d_o, cu_seqlens, initial_state,
+                                            d_final)  # fmt: skip
+        return dq, dk, dv, dg, dbeta, None, dstate
 
     def f(q, k, v, g, beta, initial_state):
-        if call.backend in ("sm90", "sm90_exact"):
-            args = (q, k, v, g, beta, cu_seqlens, initial_state)
-            return _on_packed(sm90.training_forward, call, *args)
         return _forward(call, q, k, v, g, beta, cu_seqlens, initial_state)
 
-    _, pullback = jax.vjp(f, *diff_args, initial_state)
+    _, pullback = jax.vjp(f, q, k, v, g, beta, initial_state)
     dq, dk, dv, dg, dbeta, dstate = pullback(cotangents)
     return dq, dk, dv, dg, dbeta, None, dstate
+
+
+def _too_big_for_one_call(call: _Call, q, state) -> bool:
+    """Whether the packed batch (q [V, T or B, ...], state [V, N or B, ...]) is past what the
+    sm90 kernels take in one call."""
+    rows = q.shape[0] * q.shape[1]
+    tokens = rows * q.shape[2] if call.batched else rows
+    sequences = state.shape[0] * state.shape[1]
+    return sm90.unavailable_reason(q.dtype, tokens, q.shape[-2], sequences) is not None
+
+
+def _sm90_bwd(call: _Call, q, k, v, g, beta, d_o, cu_seqlens, initial_state, d_final):
+    """The sm90 backward of one packed (or batched-form) call: the recompute through
+    sm90.training_forward, pulled back; (dq, dk, dv, dg, dbeta, d_initial_state)."""
+
+    def f(q, k, v, g, beta, initial_state):
+        args = (q, k, v, g, beta, cu_seqlens, initial_state)
+        return _on_packed(sm90.training_forward, call, *args)
+
+    _, pullback = jax.vjp(f, q, k, v, g, beta, initial_state)
+    return pullback((d_o, d_final))
 
 
 _prefill.defvjp(_prefill_fwd, _prefill_bwd)

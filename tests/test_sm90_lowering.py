@@ -11,6 +11,7 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 import jax_kda
@@ -105,19 +106,6 @@ def test_auto_picks_sm90_for_bf16_and_xla_for_float32():
     assert TARGET not in _lower(_prefill(), *x32)
     with pytest.raises(jax_kda.BackendUnavailableError, match="take bfloat16 q, k, v; got float32"):
         _lower(_prefill(backend="sm90"), *x32)
-
-
-def test_vmap_lowers_to_one_call_per_batch_element():
-    x = production_inputs([30, 2], 2, seed=5)
-    stacked = [jnp.stack([a, a]) for a in (*x[:5], x.initial_state)]
-
-    def batched(q, k, v, g, beta, state):
-        return jax.vmap(lambda *a: _prefill(backend="sm90")(*a[:5], x.cu_seqlens, a[5]))(
-            q, k, v, g, beta, state
-        )
-
-    text = _lower(batched, *stacked)
-    assert TARGET in text and "stablehlo.while" in text
 
 
 def test_calls_beyond_32_bit_indexing_go_to_xla_or_are_refused():
@@ -368,3 +356,141 @@ def test_symbolic_token_count_exports_on_xla_and_sm90_says_why_not():
     assert TARGET not in exported.mlir_module()
     with pytest.raises(jax_kda.BackendUnavailableError, match="T=T is symbolic"):
         export.export(jax.jit(_prefill(backend="sm90")), platforms=["cuda"])(*shapes)
+
+
+def test_grad_under_shard_map_with_check_vma_lowers():
+    """jax.grad of the sm90 path under shard_map over heads (default check_vma), four host
+    devices lowering for CUDA, in a fresh process: the custom calls' outputs are typed varying
+    like their inputs, so the backward's pullback takes their cotangents (an output typed
+    invariant made it raise a type mismatch)."""
+    script = textwrap.dedent(
+        """
+        import jax, jax.numpy as jnp, numpy as np
+        from jax.sharding import Mesh, PartitionSpec as P
+        import jax_kda
+        from jax_kda.oracle import production_inputs
+
+        mesh = Mesh(np.array(jax.devices()), ("x",))
+        x = production_inputs([100, 0, 30, 64], 4, seed=3)
+        cu = jnp.asarray(x.cu_seqlens)
+
+        def heads(q, k, v, g, beta, state):
+            return jax_kda.prefill(q, k, v, g, beta, cu_seqlens=cu, initial_state=state,
+                                   backend="sm90", gate_lower_bound=-5.0)
+
+        spec = P(None, "x")
+        by_heads = jax.shard_map(heads, mesh=mesh, in_specs=(spec,) * 6, out_specs=(spec, spec))
+
+        def loss(*a):
+            o, final = by_heads(*a)
+            return jnp.sum(o.astype(jnp.float32) ** 2) + jnp.sum(final ** 2)
+
+        grad = jax.jit(jax.grad(loss, argnums=range(6)))
+        text = grad.trace(*x[:5], x.initial_state).lower(lowering_platforms=("cuda",)).as_text()
+        assert "kda_state_scan_sm90_rev" in text and "kda_fwd_sm90" in text
+        print("ok")
+        """
+    )
+    env = {
+        **os.environ,
+        "XLA_FLAGS": "--xla_force_host_platform_device_count=4",
+        "JAX_PLATFORMS": "cpu",
+        "CUTE_DSL_ARCH": "sm_90a",
+        sm90.ASSUME_SM90_ENV: "1",
+        sm90.SM_COUNT_ENV: str(SM_COUNT),
+    }
+    run = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True)
+    assert run.returncode == 0 and run.stdout.strip().endswith("ok"), run.stderr[-3000:]
+
+
+def _vmapped_calls():
+    """Three packed calls of two sequences each, stacked for jax.vmap; and a loss."""
+    xs = [production_inputs([40, 24], 2, seed=20 + i) for i in range(3)]
+    stacked = [jnp.stack([jnp.asarray(x[i]) for x in xs]) for i in range(7)]
+    prefill = _prefill(backend="sm90")
+
+    def loss(q, k, v, g, beta, cu, state):
+        o, final = prefill(q, k, v, g, beta, cu, state)
+        return jnp.sum(o.astype(jnp.float32) ** 2) + jnp.sum(final**2)
+
+    return stacked, prefill, loss
+
+
+def test_vmap_runs_the_sm90_path_as_one_call():
+    """jax.vmap of the sm90 path, its gradient and a vmapped gradient each lower to one call of
+    every kernel (the batch packed as sequences) and no XLA loop."""
+    stacked, prefill, loss = _vmapped_calls()
+    grads = jax.grad(loss, argnums=range(5))
+    cases = {
+        "vmap": jax.vmap(prefill),
+        "grad of vmap": jax.grad(lambda *a: jax.vmap(loss)(*a).sum(), argnums=range(5)),
+        "vmap of grad": jax.vmap(grads),
+    }
+    for name, fn in cases.items():
+        text = _lower(fn, *stacked)
+        prefixes = re.findall(r'prefix = "(\w+)"', text)
+        kinds = sorted(p.rsplit("_", 1)[0] for p in prefixes)
+        expected = ["kda_fwd_sm90"] if name == "vmap" else [
+            "kda_fwd_sm90", "kda_state_scan_sm90_fwd", "kda_state_scan_sm90_rev"
+        ]  # fmt: skip
+        assert [k.rsplit("_", 1)[0] if k.startswith("kda_fwd") else k for k in kinds] == expected
+        assert "stablehlo.while" not in text, name
+
+
+def test_vmap_packing_gives_the_per_element_results(monkeypatch):
+    """The vmap rule's packing (sequences at offsets v * T, states and gradients split back),
+    run on the CPU with the XLA path standing in for the kernels: equal to one call per batch
+    element, for outputs, the gradient of a vmap and a vmapped gradient, packed and batched."""
+    from jax_kda import xla
+
+    def stand_in(q, k, v, g, beta, cu, state, scale, **_):
+        return xla.forward(q, k, v, g, beta, cu, state, scale)
+
+    monkeypatch.setattr(sm90, "forward", stand_in)
+    monkeypatch.setattr(sm90, "training_forward", stand_in)
+    stacked, prefill, loss = _vmapped_calls()
+    stacked = [a.astype(jnp.float32) if a.dtype == jnp.bfloat16 else a for a in stacked]
+    stacked[:3] = [a.astype(jnp.bfloat16) for a in stacked[:3]]
+    per_element = [prefill(*(a[i] for a in stacked)) for i in range(3)]
+    vmapped = jax.jit(jax.vmap(prefill))(*stacked)
+    for got, want in zip(vmapped, zip(*per_element, strict=True), strict=True):
+        np.testing.assert_allclose(
+            np.asarray(got, np.float32), np.asarray(jnp.stack(want), np.float32), rtol=1e-5,
+            atol=1e-6,
+        )  # fmt: skip
+    grads = jax.grad(loss, argnums=range(5))
+    want = [grads(*(a[i] for a in stacked)) for i in range(3)]
+    want = [np.stack([np.asarray(w[j], np.float32) for w in want]) for j in range(5)]
+    for got in (
+        jax.jit(jax.grad(lambda *a: jax.vmap(loss)(*a).sum(), argnums=range(5)))(*stacked),
+        jax.jit(jax.vmap(grads))(*stacked),
+    ):
+        for g_, w_ in zip(got, want, strict=True):
+            # float32 sums in another order: bfloat16 gradients may round one ulp apart
+            rtol = 8e-3 if g_.dtype == jnp.bfloat16 else 1e-4
+            np.testing.assert_allclose(np.asarray(g_, np.float32), w_, rtol=rtol, atol=1e-6)
+
+
+def test_vmap_packing_of_the_batched_form(monkeypatch):
+    """The same for calls of the batched [B, T, H, 128] form: V calls of B rows are V * B rows."""
+    from jax_kda import xla
+
+    def stand_in(q, k, v, g, beta, cu, state, scale, **_):
+        return xla.forward(q, k, v, g, beta, cu, state, scale)
+
+    monkeypatch.setattr(sm90, "forward", stand_in)
+    x = production_inputs([32] * 6, 2, seed=30)
+    rows = [jnp.asarray(a).reshape(3, 2, 32, *a.shape[1:]) for a in x[:5]]
+    states = jnp.asarray(x.initial_state).reshape(3, 2, *x.initial_state.shape[1:])
+
+    def call(q, k, v, g, beta, state):
+        return jax_kda.prefill(q, k, v, g, beta, initial_state=state, backend="sm90",
+                               gate_lower_bound=-5.0)  # fmt: skip
+
+    vmapped = jax.jit(jax.vmap(call))(*rows, states)
+    for i in range(3):
+        o, final = call(*(a[i] for a in rows), states[i])
+        np.testing.assert_allclose(np.asarray(vmapped[0][i], np.float32),
+                                   np.asarray(o, np.float32), rtol=8e-3, atol=1e-6)  # fmt: skip
+        np.testing.assert_allclose(np.asarray(vmapped[1][i]), np.asarray(final), rtol=1e-5,
+                                   atol=1e-6)  # fmt: skip

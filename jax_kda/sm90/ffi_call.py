@@ -88,7 +88,7 @@ def cute_call(
         input_layouts=[None] * len(inputs),  # None = row-major
         output_layouts=[None] * len(results),
     )
-    return call(
+    outputs = call(
         *inputs,
         module=artifact.object_bytes,
         key=artifact.object_sha256,
@@ -100,3 +100,32 @@ def cute_call(
         stride_bits=field("stride_bits"),
         aliased_rets=np.int64(sum(1 << j for j in aliases.values())),
     )
+    return _varying_like(outputs, inputs)
+
+
+def _varying_axes(x) -> frozenset:
+    """The shard_map mesh axes x varies over (empty outside shard_map): JAX's type of x records
+    them as manual_axis_type.varying (jax 0.10 and later) or vma (earlier)."""
+    aval = jax.typeof(x)
+    manual = getattr(aval, "manual_axis_type", None)
+    if manual is not None:
+        return frozenset(manual.varying)
+    return frozenset(getattr(aval, "vma", None) or ())
+
+
+def _varying_like(outputs, inputs):
+    """The custom call's outputs typed as varying over every mesh axis an input varies over.
+    Under shard_map with check_vma, XLA's own ops give that type, and an output typed invariant
+    made the sm90 backward's pullback (a jax.vjp of XLA ops on these inputs) reject its
+    cotangent."""
+    axes = frozenset().union(*(_varying_axes(x) for x in inputs))
+    if not axes:
+        return outputs
+    typed = []
+    for y in outputs:
+        missing = tuple(sorted(axes - _varying_axes(y)))
+        if missing:  # jax.lax.pcast since jax 0.8; pvary before
+            cast = getattr(jax.lax, "pcast", None)
+            y = cast(y, missing, to="varying") if cast else jax.lax.pvary(y, missing)
+        typed.append(y)
+    return typed
