@@ -323,10 +323,10 @@ def test_symbolic_token_count_exports_on_xla_and_sm90_says_why_not():
 
 
 def test_grad_under_shard_map_with_check_vma_lowers():
-    """jax.grad of the sm90 path under shard_map over heads (default check_vma), four host
-    devices lowering for CUDA, in a fresh process: the custom calls' outputs are typed varying
-    like their inputs, so the backward's pullback takes their cotangents (an output typed
-    invariant made it raise a type mismatch)."""
+    """jax.grad of the sm90 path under shard_map over heads and over sequences (the batched
+    form's rows; default check_vma), four host devices lowering for CUDA, in a fresh process:
+    the custom calls' outputs are typed varying like their inputs, so the backward's pullback
+    takes their cotangents (an output typed invariant made it raise a type mismatch)."""
     script = textwrap.dedent(
         """
         import jax, jax.numpy as jnp, numpy as np
@@ -352,6 +352,25 @@ def test_grad_under_shard_map_with_check_vma_lowers():
         grad = jax.jit(jax.grad(loss, argnums=range(6)))
         text = grad.trace(*x[:5], x.initial_state).lower(lowering_platforms=("cuda",)).as_text()
         assert "kda_state_scan_sm90_rev" in text and "kda_fwd_sm90" in text
+
+        # sequences: the batched [B, T, H, 128] form, rows sharded over the devices
+        rows = production_inputs([48] * 4, 2, seed=4)
+        batched = [a.reshape(4, 48, *a.shape[1:]) for a in rows[:5]]
+
+        def sequences(q, k, v, g, beta, state):
+            return jax_kda.prefill(q, k, v, g, beta, initial_state=state, backend="sm90",
+                                   gate_lower_bound=-5.0)
+
+        by_rows = jax.shard_map(sequences, mesh=mesh, in_specs=(P("x"),) * 6,
+                                out_specs=(P("x"), P("x")))
+
+        def row_loss(*a):
+            o, final = by_rows(*a)
+            return jnp.sum(o.astype(jnp.float32) ** 2) + jnp.sum(final ** 2)
+
+        grad = jax.jit(jax.grad(row_loss, argnums=range(6)))
+        text = grad.trace(*batched, rows.initial_state).lower(lowering_platforms=("cuda",))
+        assert "kda_state_scan_sm90_rev" in text.as_text()
         print("ok")
         """
     )
