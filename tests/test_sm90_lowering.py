@@ -477,3 +477,39 @@ def test_vmap_packing_of_the_batched_form(monkeypatch):
                                    np.asarray(o, np.float32), rtol=8e-3, atol=1e-6)  # fmt: skip
         np.testing.assert_allclose(np.asarray(vmapped[1][i]), np.asarray(final), rtol=1e-5,
                                    atol=1e-6)  # fmt: skip
+
+
+def test_vmap_edge_cases_lower():
+    """An empty vmapped batch lowers (no call); vmap of vmap packs both levels (no XLA loop);
+    a symbolic head count exports the XLA path under "auto"."""
+    stacked, prefill, loss = _vmapped_calls()
+    text = _lower(jax.vmap(prefill), *(a[:0] for a in stacked))
+    assert "stablehlo.while" not in text
+    nested = [jnp.stack([a, a]) for a in stacked]
+    for fn in (
+        jax.vmap(jax.vmap(prefill)),
+        jax.grad(lambda *a: jax.vmap(jax.vmap(loss))(*a).sum(), argnums=range(5)),
+    ):
+        text = _lower(fn, *nested)
+        assert "stablehlo.while" not in text and TARGET in text
+    from jax import export
+
+    (heads,) = export.symbolic_shape("H")
+    shapes = [jax.ShapeDtypeStruct((40, heads, 128), jnp.bfloat16)] * 3
+    shapes += [
+        jax.ShapeDtypeStruct((40, heads, 128), jnp.float32),
+        jax.ShapeDtypeStruct((40, heads), jnp.float32),
+        jax.ShapeDtypeStruct((2,), jnp.int32),
+        jax.ShapeDtypeStruct((1, heads, 128, 128), jnp.float32),
+    ]
+    exported = export.export(jax.jit(_prefill()), platforms=["cuda"])(*shapes)
+    assert TARGET not in exported.mlir_module()
+
+
+def test_chunk_states_past_32_bit_indexing_are_refused():
+    """The state-scan kernel indexes its chunk states in 32 bits: a call whose states would pass
+    that gets a reason (the no-bound forward and the backward use them); 262144 tokens of 32
+    heads in one sequence are 4097 slots (T / 64 + N) x 32 heads x 128 x 128 > 2^31 elements,
+    eight chunks fewer fit."""
+    assert sm90.scan_unavailable_reason(262144, 32, 1) is not None
+    assert sm90.scan_unavailable_reason(262144 - 64 * 8, 32, 1) is None
