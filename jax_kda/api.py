@@ -109,6 +109,8 @@ def _resolve_backend(
     if backend == "xla":
         return "xla"
     reason = sm90.unavailable_reason(dtype, total_tokens, num_heads, num_sequences)
+    if reason is None and gate_lower_bound is None:
+        reason = sm90.scan_unavailable_reason(total_tokens, num_heads, num_sequences)
     if reason is None:
         return "sm90" if gate_lower_bound is not None else "sm90_exact"
     if backend == "auto":
@@ -167,10 +169,10 @@ def _one_call_under_vmap(fn, call: _Call, num_token_like: int):
             args[num_token_like],
             args[num_token_like + 1 :],
         )
-        if _too_big_for_one_call(call, tokens[0], per_sequence[0]):
-            # The packed batch would pass the kernels' limits (32-bit indexing, grid extents):
-            # the same kernels, one batch element after another.
-            out = jax.lax.map(lambda xs: fn(*xs), tuple(args))
+        if axis_size == 0 or _too_big_for_one_call(call, tokens[0], per_sequence[0]):
+            # An empty batch, or one whose packing would pass the kernels' limits (32-bit
+            # indexing, grid extents): the same kernels, one batch element after another.
+            out = jax.lax.map(lambda xs: wrapped(*xs), tuple(args))
             return out, tuple(True for _ in out)
         merge = lambda x: x.reshape(axis_size * x.shape[1], *x.shape[2:])  # noqa: E731
         if call.batched:  # [V, B, T, ...]: V * B rows; cu_seqlens unused
@@ -180,7 +182,8 @@ def _one_call_under_vmap(fn, call: _Call, num_token_like: int):
             offsets = (jnp.arange(axis_size, dtype=jnp.int32) * length)[:, None]
             starts = (cu_seqlens[:, :-1] + offsets).reshape(-1)
             packed_cu = jnp.concatenate([starts, jnp.full((1,), axis_size * length, jnp.int32)])
-        out = fn(*map(merge, tokens), packed_cu, *map(merge, per_sequence))
+        # `wrapped`, not `fn`: an enclosing vmap (vmap of vmap) packs its batch again
+        out = wrapped(*map(merge, tokens), packed_cu, *map(merge, per_sequence))
         split = lambda x: x.reshape(axis_size, x.shape[0] // axis_size, *x.shape[1:])  # noqa: E731
         return tuple(map(split, out)), tuple(True for _ in out)
 
@@ -225,12 +228,20 @@ def _too_big_for_one_call(call: _Call, q, state) -> bool:
     rows = q.shape[0] * q.shape[1]
     tokens = rows * q.shape[2] if call.batched else rows
     sequences = state.shape[0] * state.shape[1]
-    return sm90.unavailable_reason(q.dtype, tokens, q.shape[-2], sequences) is not None
+    heads = q.shape[-2]
+    return (
+        sm90.unavailable_reason(q.dtype, tokens, heads, sequences) is not None
+        or sm90.scan_unavailable_reason(tokens, heads, sequences) is not None
+    )
 
 
 def _sm90_bwd(call: _Call, q, k, v, g, beta, d_o, cu_seqlens, initial_state, d_final):
     """The sm90 backward of one packed (or batched-form) call: the recompute through
     sm90.training_forward, pulled back; (dq, dk, dv, dg, dbeta, d_initial_state)."""
+    rows = q.shape[0] * q.shape[1] if call.batched else q.shape[0]
+    reason = sm90.scan_unavailable_reason(rows, q.shape[-2], initial_state.shape[0])
+    if reason is not None:
+        raise BackendUnavailableError(f"the sm90 backward cannot serve this call: {reason}")
 
     def f(q, k, v, g, beta, initial_state):
         args = (q, k, v, g, beta, cu_seqlens, initial_state)

@@ -359,10 +359,10 @@ def test_symbolic_token_count_exports_on_xla_and_sm90_says_why_not():
 
 
 def test_grad_under_shard_map_with_check_vma_lowers():
-    """jax.grad of the sm90 path under shard_map over heads (default check_vma), four host
-    devices lowering for CUDA, in a fresh process: the custom calls' outputs are typed varying
-    like their inputs, so the backward's pullback takes their cotangents (an output typed
-    invariant made it raise a type mismatch)."""
+    """jax.grad of the sm90 path under shard_map over heads and over sequences (the batched
+    form's rows; default check_vma), four host devices lowering for CUDA, in a fresh process:
+    the custom calls' outputs are typed varying like their inputs, so the backward's pullback
+    takes their cotangents (an output typed invariant made it raise a type mismatch)."""
     script = textwrap.dedent(
         """
         import jax, jax.numpy as jnp, numpy as np
@@ -388,6 +388,25 @@ def test_grad_under_shard_map_with_check_vma_lowers():
         grad = jax.jit(jax.grad(loss, argnums=range(6)))
         text = grad.trace(*x[:5], x.initial_state).lower(lowering_platforms=("cuda",)).as_text()
         assert "kda_state_scan_sm90_rev" in text and "kda_fwd_sm90" in text
+
+        # sequences: the batched [B, T, H, 128] form, rows sharded over the devices
+        rows = production_inputs([48] * 4, 2, seed=4)
+        batched = [a.reshape(4, 48, *a.shape[1:]) for a in rows[:5]]
+
+        def sequences(q, k, v, g, beta, state):
+            return jax_kda.prefill(q, k, v, g, beta, initial_state=state, backend="sm90",
+                                   gate_lower_bound=-5.0)
+
+        by_rows = jax.shard_map(sequences, mesh=mesh, in_specs=(P("x"),) * 6,
+                                out_specs=(P("x"), P("x")))
+
+        def row_loss(*a):
+            o, final = by_rows(*a)
+            return jnp.sum(o.astype(jnp.float32) ** 2) + jnp.sum(final ** 2)
+
+        grad = jax.jit(jax.grad(row_loss, argnums=range(6)))
+        text = grad.trace(*batched, rows.initial_state).lower(lowering_platforms=("cuda",))
+        assert "kda_state_scan_sm90_rev" in text.as_text()
         print("ok")
         """
     )
@@ -494,3 +513,39 @@ def test_vmap_packing_of_the_batched_form(monkeypatch):
                                    np.asarray(o, np.float32), rtol=8e-3, atol=1e-6)  # fmt: skip
         np.testing.assert_allclose(np.asarray(vmapped[1][i]), np.asarray(final), rtol=1e-5,
                                    atol=1e-6)  # fmt: skip
+
+
+def test_vmap_edge_cases_lower():
+    """An empty vmapped batch lowers (no call); vmap of vmap packs both levels (no XLA loop);
+    a symbolic head count exports the XLA path under "auto"."""
+    stacked, prefill, loss = _vmapped_calls()
+    text = _lower(jax.vmap(prefill), *(a[:0] for a in stacked))
+    assert "stablehlo.while" not in text
+    nested = [jnp.stack([a, a]) for a in stacked]
+    for fn in (
+        jax.vmap(jax.vmap(prefill)),
+        jax.grad(lambda *a: jax.vmap(jax.vmap(loss))(*a).sum(), argnums=range(5)),
+    ):
+        text = _lower(fn, *nested)
+        assert "stablehlo.while" not in text and TARGET in text
+    from jax import export
+
+    (heads,) = export.symbolic_shape("H")
+    shapes = [jax.ShapeDtypeStruct((40, heads, 128), jnp.bfloat16)] * 3
+    shapes += [
+        jax.ShapeDtypeStruct((40, heads, 128), jnp.float32),
+        jax.ShapeDtypeStruct((40, heads), jnp.float32),
+        jax.ShapeDtypeStruct((2,), jnp.int32),
+        jax.ShapeDtypeStruct((1, heads, 128, 128), jnp.float32),
+    ]
+    exported = export.export(jax.jit(_prefill()), platforms=["cuda"])(*shapes)
+    assert TARGET not in exported.mlir_module()
+
+
+def test_chunk_states_past_32_bit_indexing_are_refused():
+    """The state-scan kernel indexes its chunk states in 32 bits: a call whose states would pass
+    that gets a reason (the no-bound forward and the backward use them); 262144 tokens of 32
+    heads in one sequence are 4097 slots (T / 64 + N) x 32 heads x 128 x 128 > 2^31 elements,
+    eight chunks fewer fit."""
+    assert sm90.scan_unavailable_reason(262144, 32, 1) is not None
+    assert sm90.scan_unavailable_reason(262144 - 64 * 8, 32, 1) is None

@@ -68,6 +68,21 @@ INDEX_LIMIT = 2**31
 """The kernels are compiled with 32-bit sizes: no tensor of a call may hold this many elements."""
 
 
+def scan_unavailable_reason(total_tokens, num_heads, num_sequences) -> str | None:
+    """Why the state-scan kernels (the sm90 backward, and the forward without a gate bound)
+    cannot take this call's chunk states (32-bit indexing), or None."""
+    plan = plan_prefill(total_tokens, num_heads, num_sequences, device_sm_count())
+    too_big = {b.name: math.prod(b.shape) for b in plan.backward_buffers}
+    too_big = {name: size for name, size in too_big.items() if size >= INDEX_LIMIT}
+    if too_big:
+        return (
+            f"T={total_tokens}, H={num_heads}, N={num_sequences} needs {too_big} elements of "
+            f"chunk states, beyond the state-scan kernel's 32-bit indexing (< {INDEX_LIMIT}); "
+            "split the call"
+        )
+    return None
+
+
 def unavailable_reason(q_dtype, total_tokens, num_heads, num_sequences) -> str | None:
     """Why the sm90 kernels cannot serve this call here, or None if they can."""
     if jnp.dtype(q_dtype) != jnp.bfloat16:
@@ -80,14 +95,15 @@ def unavailable_reason(q_dtype, total_tokens, num_heads, num_sequences) -> str |
         )
     symbolic = [
         f"{name}={value}"
-        for name, value in (("T", total_tokens), ("N", num_sequences))
+        for name, value in (("T", total_tokens), ("H", num_heads), ("N", num_sequences))
         if not isinstance(value, (int, np.integer))
     ]
     if symbolic:
+        verb = "is" if len(symbolic) == 1 else "are"
         return (
-            f"{', '.join(symbolic)} is symbolic (jax.export with a symbolic shape); the kernels "
-            "plan their launch from concrete sizes: export with backend='xla', or with concrete "
-            "T and N"
+            f"{', '.join(symbolic)} {verb} symbolic (jax.export with a symbolic shape); the "
+            "kernels plan their launch from concrete sizes: export with backend='xla', or with "
+            "concrete T, H and N"
         )
     plan = plan_prefill(total_tokens, num_heads, num_sequences, device_sm_count())
     sizes = {
