@@ -416,9 +416,7 @@ def from_chunks(x: jax.Array, rows: jax.Array) -> jax.Array:
     return grid.reshape(grid.shape[0] * grid.shape[1], *grid.shape[2:])[rows]
 
 
-def forward(
-    q, k, v, g, beta, cu_seqlens, initial_state, scale, *, scan=None, operands=chunk_operands
-):
+def forward(q, k, v, g, beta, cu_seqlens, initial_state, scale, *, scan=None):
     """KDA forward, packed THD.
 
     Args:
@@ -431,7 +429,6 @@ def forward(
         state_scan's signature (forward direction) that returns every chunk's state, from which
         the outputs are computed in parallel: the sm90 kernel (with its own backward) in the
         sm90 backend's training path.
-      operands: chunk_operands's signature: this module's, or the sm90 kernel's.
     Returns:
       o: [T, H, 128] in q's dtype; final_state: [N, H, 128(V), 128(K)] float32.
     """
@@ -441,7 +438,9 @@ def forward(
     cu_seqlens = jnp.asarray(cu_seqlens, jnp.int32)
     _, rows = _token_slots(cu_seqlens, total_tokens)
     g = jnp.maximum(g, GATE_FLOOR)  # NaN stays NaN
-    w, u, qg, attn, kd, decay_chunk = operands(q, k, v, g, beta, cu_seqlens, rows, num_slots, scale)
+    w, u, qg, attn, kd, decay_chunk = chunk_operands(
+        q, k, v, g, beta, cu_seqlens, rows, num_slots, scale
+    )
 
     state_kv = jnp.swapaxes(initial_state.astype(jnp.float32), -1, -2)
     operands = (w, kd, decay_chunk, u, cu_seqlens, state_kv)
