@@ -388,3 +388,72 @@ def test_training_forward_with_the_new_kernels_matches_float64_oracle(data, dens
     assert rms_ratio(o, ref_o) <= RMS_RATIO_BAR and rms_ratio(final, ref_final) <= RMS_RATIO_BAR
     harsh = data in ("-8", "-30")  # dg of the gated channels far below its terms (see above)
     _check_grads(f"variants {data}", x, forward, scale=0.3, dg_scale_of_terms=harsh)
+
+
+def _stacked_calls(lengths, heads, count, seed):
+    """count packed calls of the same lengths, stacked on a leading axis for jax.vmap."""
+    xs = [production_inputs(lengths, heads, seed=seed + i) for i in range(count)]
+    return [jnp.stack([jnp.asarray(x[i]) for x in xs]) for i in range(7)]
+
+
+def test_vmap_runs_per_element_results_on_the_gpu():
+    """jax.vmap of the sm90 path (one packed call of every kernel) against one call per batch
+    element: outputs, the gradient of a vmap and a vmapped gradient. The same kernels see the
+    same sequences; only the forward's segment plan may differ, so the bar is rounding (1e-5),
+    and each element's gradients also meet the float64 oracle's bar."""
+    stacked = _stacked_calls([150, 0, 61], 2, 3, SEED + 30)
+
+    def prefill(q, k, v, g, beta, cu, state):
+        return jax_kda.prefill(q, k, v, g, beta, cu_seqlens=cu, initial_state=state,
+                               backend="sm90", gate_lower_bound=LB)  # fmt: skip
+
+    def loss(*a):
+        o, final = prefill(*a)
+        return jnp.sum(o.astype(jnp.float32) ** 2) + jnp.sum(final**2)
+
+    one = jax.jit(prefill)
+    per_element = [one(*(a[i] for a in stacked)) for i in range(3)]
+    vmapped = jax.jit(jax.vmap(prefill))(*stacked)
+    for got, want in zip(vmapped, zip(*per_element, strict=True), strict=True):
+        assert rms_ratio(got, jnp.stack(want)) <= 1e-5
+    grads = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4, 6)))
+    want = [grads(*(a[i] for a in stacked)) for i in range(3)]
+    want = [jnp.stack([w[j] for w in want]) for j in range(6)]
+    for name, fn in {
+        "grad of vmap": jax.grad(lambda *a: jax.vmap(loss)(*a).sum(), argnums=(0, 1, 2, 3, 4, 6)),
+        "vmap of grad": jax.vmap(jax.grad(loss, argnums=(0, 1, 2, 3, 4, 6))),
+    }.items():
+        got = jax.jit(fn)(*stacked)
+        for arg, g_, w_ in zip(NAMES, got, want, strict=True):
+            # bfloat16 gradients: float32 sums in another order may round one ulp apart
+            bar = 4e-3 if g_.dtype == jnp.bfloat16 else 1e-5
+            assert rms_ratio(g_, w_) <= bar, (name, arg, rms_ratio(g_, w_))
+
+
+def test_grads_under_shard_map_run_on_the_gpu():
+    """jax.grad of the sm90 path under shard_map (check_vma on, a one-device mesh: the
+    collectives' varying-value casts run for real) equals the same gradient without it."""
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    x = production_inputs([128] * 2, 2, seed=SEED + 40)
+    mesh = jax.make_mesh((1,), ("x",), axis_types=(jax.sharding.AxisType.Auto,))
+    rows = [
+        jax.device_put(a, NamedSharding(mesh, P("x")))
+        for a in (*(a.reshape(2, 128, *a.shape[1:]) for a in x[:5]), x.initial_state)
+    ]
+
+    def call(q, k, v, g, beta, state):
+        return jax_kda.prefill(q, k, v, g, beta, initial_state=state, backend="sm90",
+                               gate_lower_bound=LB)  # fmt: skip
+
+    def loss(fn):
+        def f(*a):
+            o, final = fn(*a)
+            return jnp.sum(o.astype(jnp.float32) ** 2) + jnp.sum(final**2)
+
+        return jax.jit(jax.grad(f, argnums=range(6)))
+
+    sharded = jax.shard_map(call, mesh=mesh, in_specs=(P("x"),) * 6, out_specs=(P("x"), P("x")))
+    for arg, a, b in zip(NAMES, loss(sharded)(*rows), loss(call)(*rows), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=arg)
