@@ -74,7 +74,13 @@ def test_scan_kernel_matches_xla_scan(name, reverse, v_slice):
     # bfloat16 hi/lo splits (about 2^-16 each): 2e-6 to 3.7e-5 on the H200 (3000 tokens the most).
     bar = 1e-4 if v_slice == SCAN_WGMMA_V_SLICE else 1e-5
     assert err_states <= bar and err_final <= bar
-    np.testing.assert_array_equal(np.asarray(states) == 0, np.asarray(ref_states) == 0)
+    # Slots no sequence reaches (and first chunks' entry states of zero) are all zero in both;
+    # single elements may round to zero in one and not the other.
+    slot_axes = tuple(range(1, states.ndim))
+    np.testing.assert_array_equal(
+        np.all(np.asarray(states) == 0, axis=slot_axes),
+        np.all(np.asarray(ref_states) == 0, axis=slot_axes),
+    )
     for s, n in enumerate(SCAN_LENGTHS[name]):
         if n == 0:
             np.testing.assert_array_equal(np.asarray(final[s]), np.asarray(y0[s]))
