@@ -150,7 +150,7 @@ def put_right_factors(
     takes them (their factors could overflow)."""
     for b in cutlass.range_constexpr(BLOCKS):
         anchor = s_gam[BLOCK * b + shift, d]
-        for j in cutlass.range(BLOCK * (b + 1), unroll=4):
+        for j in cutlass.range(BLOCK * (b + 1), unroll=8):
             x = Float32(s_k[j, d]) * cute.math.exp(anchor - s_gam[j, d])
             if j >= BLOCK * b and pairwise != Int32(0):
                 x = Float32(0.0)

@@ -60,6 +60,7 @@ from jax_kda.sm90.kernels.wgmma import (
 
 NTHREADS = 128
 WARPS = NTHREADS // 32
+LOAD_ROWS = 32  # rows of q, k, g, beta whose loads are issued together
 
 # Byte offsets inside the reused operand region (1024-byte aligned, for the 128-byte swizzle).
 LEFT_BYTES = ROWS * 2 * HEAD_DIM * 2  # left image [64, 256] bf16: 32 KiB
@@ -100,7 +101,9 @@ class ChunkOperandsSm90:
         n_slots = w.shape[0]
         heads = w.shape[1]
         mma_pairs = bf16_tiled_mma((ROWS, PACKED), warpgroup.OperandSource.SMEM)
-        mma_solve = bf16_tiled_mma((ROWS, 2 * HEAD_DIM), warpgroup.OperandSource.SMEM)
+        mma_solve = bf16_tiled_mma(
+            (ROWS, 2 * HEAD_DIM), warpgroup.OperandSource.SMEM, b_mn_major=True
+        )  # R^T written by channel: N-contiguous
         self.kernel(
             q, k, v, g, beta, cu_seqlens, w, u, qg, attn, kd, decay, gamma, kk, mma_pairs,
             mma_solve,
@@ -151,37 +154,52 @@ class ChunkOperandsSm90:
         raw = s_region.iterator
         s_left = view(raw, 0, image_layout(ROWS, 2 * HEAD_DIM))
         s_right = view(raw, LEFT_BYTES, image_layout(PACKED, 2 * HEAD_DIM))
-        s_rt = view(raw, 0, image_layout(2 * HEAD_DIM, 2 * ROWS))
+        s_rt = view(raw, 0, image_layout(2 * HEAD_DIM, 2 * ROWS, mn_major=True))
         s_tinv_img = view(raw, RT_BYTES, image_layout(ROWS, 2 * ROWS))
         s_tinv = s_qk
 
         active, bos, seqlen, c = slot_owner(mCu, slot, SCAN_CHUNK)
 
-        # ---- the chunk, thread d = channel d; Gamma = cumsum g; zero past the end (unrolled by
-        # 16 so that the global loads of 16 rows are in flight together)
+        # ---- the chunk, thread d = channel d; Gamma = cumsum g; zero past the end. The loads of
+        # LOAD_ROWS rows are unconditional (rows clamped into the tensor, zeroed afterwards) so
+        # that they are all in flight together.
         if tid == 0:
             s_flag[0] = Int32(0)
+        tokens = mQ.shape[0]
+        first = bos + c * ROWS
+        last_ok = cutlass.min(bos + seqlen, tokens) - 1  # the last row this slot may read
         gam = Float32(0.0)
-        for i in cutlass.range(ROWS, unroll=16):
-            row = c * ROWS + i
-            gv = Float32(0.0)
-            qv = BFloat16(0.0)
-            kv = BFloat16(0.0)
-            bv = Float32(0.0)
-            if active and row < seqlen:
-                token = bos + row
-                gv = mG[token, h, d]
-                if gv < Float32(GATE_FLOOR):  # as xla.py: g = -inf resets; NaN stays NaN
-                    gv = Float32(GATE_FLOOR)
-                qv = mQ[token, h, d]
-                kv = mK[token, h, d]
-                bv = mBeta[token, h]
-            gam = gam + gv
-            s_gam[i, d] = gam
-            s_q[i, d] = qv
-            s_k[i, d] = kv
-            if d == 0:
-                s_beta[i] = bv
+        for part in cutlass.range_constexpr(ROWS // LOAD_ROWS):
+            r_g = cute.make_rmem_tensor((LOAD_ROWS,), Float32)
+            r_q = cute.make_rmem_tensor((LOAD_ROWS,), BFloat16)
+            r_k = cute.make_rmem_tensor((LOAD_ROWS,), BFloat16)
+            r_b = cute.make_rmem_tensor((LOAD_ROWS,), Float32)
+            if tokens > 0:  # every sequence empty: slots but no rows to read
+                for r in cutlass.range_constexpr(LOAD_ROWS):
+                    token = cutlass.max(cutlass.min(first + part * LOAD_ROWS + r, last_ok), 0)
+                    r_g[r] = mG[token, h, d]
+                    r_q[r] = mQ[token, h, d]
+                    r_k[r] = mK[token, h, d]
+                    r_b[r] = mBeta[token, h]
+            for r in cutlass.range_constexpr(LOAD_ROWS):
+                i = part * LOAD_ROWS + r
+                gv = Float32(0.0)
+                qv = BFloat16(0.0)
+                kv = BFloat16(0.0)
+                bv = Float32(0.0)
+                if active and c * ROWS + i < seqlen:
+                    gv = r_g[r]
+                    if gv < Float32(GATE_FLOOR):  # as xla.py: g = -inf resets; NaN stays NaN
+                        gv = Float32(GATE_FLOOR)
+                    qv = r_q[r]
+                    kv = r_k[r]
+                    bv = r_b[r]
+                gam = gam + gv
+                s_gam[i, d] = gam
+                s_q[i, d] = qv
+                s_k[i, d] = kv
+                if d == 0:
+                    s_beta[i] = bv
         cute.arch.sync_threads()
 
         # ---- middle-row anchors where the decay allows, else first-row ones (chunk64.py)
@@ -197,7 +215,7 @@ class ChunkOperandsSm90:
         acc = cute.make_rmem_tensor(mma_pairs.partition_shape_C((ROWS, PACKED)), Float32)
         # ---- kk, then qk: the left operand (k or q anchored at its block's anchor) x right
         for which in cutlass.range_constexpr(2):
-            for i in cutlass.range(ROWS, unroll=4):
+            for i in cutlass.range(ROWS, unroll=16):
                 anchor_row = (i // BLOCK) * BLOCK + shift
                 x = s_k[i, d]
                 if cutlass.const_expr(which == 1):
@@ -259,8 +277,12 @@ class ChunkOperandsSm90:
         r_v = cute.make_rmem_tensor((ROWS,), Float32)
         for t in cutlass.range_constexpr(ROWS):
             r_v[t] = Float32(0.0)
-            if active and c * ROWS + t < seqlen:
-                r_v[t] = Float32(mV[bos + c * ROWS + t, h, d])
+        if tokens > 0:
+            for t in cutlass.range_constexpr(ROWS):
+                r_v[t] = Float32(mV[cutlass.max(cutlass.min(first + t, last_ok), 0), h, d])
+        for t in cutlass.range_constexpr(ROWS):
+            if not (active and c * ROWS + t < seqlen):
+                r_v[t] = Float32(0.0)
 
         # ---- T^-1, T = I + strictLower(beta_i kk_ij), float32 by 16-row blocks (chunk64.py)
         unit_lower_inverse(s_kk, s_beta, s_tinv, s_m, tid)

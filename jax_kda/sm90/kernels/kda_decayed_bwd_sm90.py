@@ -51,6 +51,7 @@ from jax_kda.sm90.kernels.wgmma import (
 )
 
 NTHREADS = 128
+GAM_ROW = HEAD_DIM + 8
 SIDE = 2 * BLOCK  # K of a back product: block I's 16 rows for d_kk, then for d_qk
 # The reused operand region (1024-byte aligned): R^T and the packed cotangent for the forward
 # products; then a back product's two images; then the pairwise pass's float32 scratch.
@@ -76,7 +77,8 @@ class DecayedBwdSm90:
     ):
         n_slots = q.shape[0]
         heads = q.shape[1]
-        mma = bf16_tiled_mma((ROWS, HEAD_DIM), warpgroup.OperandSource.SMEM)
+        # B operands (R^T, the back products' [kl | ql]) are written by channel: N-major
+        mma = bf16_tiled_mma((ROWS, HEAD_DIM), warpgroup.OperandSource.SMEM, b_mn_major=True)
         self.kernel(q, k, gamma, d_kk, d_qk, dq, dk, dgamma, mma).launch(
             grid=[n_slots, heads, 1], block=[NTHREADS, 1, 1], stream=stream
         )
@@ -103,17 +105,21 @@ class DecayedBwdSm90:
         s_region = smem.allocate_tensor(Int32, cute.make_layout(REGION_BYTES // 4), 1024)
         s_q = smem.allocate_tensor(BFloat16, row_major, 16)
         s_k = smem.allocate_tensor(BFloat16, row_major, 16)
-        s_gam = smem.allocate_tensor(Float32, row_major, 16)
+        # Gamma's rows padded to GAM_ROW: the products' epilogues read it at accumulator
+        # coordinates (8 rows x 4 column pairs a warp), 2-way instead of 8-way bank conflicts
+        s_gam = smem.allocate_tensor(
+            Float32, cute.make_layout((ROWS, HEAD_DIM), stride=(GAM_ROW, 1)), 16
+        )
         pairs = cute.make_layout((ROWS, ROWS), stride=(PAIR_ROW, 1))
         s_dkk = smem.allocate_tensor(Float32, pairs, 16)
         s_dqk = smem.allocate_tensor(Float32, pairs, 16)
         s_flag = smem.allocate_tensor(Int32, cute.make_layout(1), 4)
 
         raw = s_region.iterator
-        s_rt = view(raw, 0, image_layout(HEAD_DIM, 2 * PACKED))
+        s_rt = view(raw, 0, image_layout(HEAD_DIM, 2 * PACKED, mn_major=True))
         s_w = view(raw, RT_BYTES, image_layout(ROWS, 2 * PACKED))
         s_back_a = view(raw, 0, image_layout(ROWS, 2 * SIDE))
-        s_back_b = view(raw, BACK_A_BYTES, image_layout(HEAD_DIM, 2 * SIDE))
+        s_back_b = view(raw, BACK_A_BYTES, image_layout(HEAD_DIM, 2 * SIDE, mn_major=True))
         s_back = cute.make_tensor(cute.recast_ptr(raw, dtype=Float32), row_major)  # pairwise
 
         # ---- the chunk into shared memory; the cotangents for j <= i only

@@ -15,14 +15,16 @@ import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import BFloat16, Float32
 
 
-def bf16_tiled_mma(tile_mn, a_source):
-    """One-warpgroup wgmma, bf16 K-major operands, float32 accumulator; A from shared memory
-    (OperandSource.SMEM) or registers (OperandSource.RMEM)."""
+def bf16_tiled_mma(tile_mn, a_source, b_mn_major: bool = False):
+    """One-warpgroup wgmma, bf16 operands, float32 accumulator; A K-major, from shared memory
+    (OperandSource.SMEM) or registers (OperandSource.RMEM); B K-major, or N-major with
+    b_mn_major (an image written by its N index: image_layout(..., mn_major=True))."""
+    major = cute.nvgpu.OperandMajorMode
     return sm90_utils.make_trivial_tiled_mma(
         BFloat16,
         BFloat16,
-        cute.nvgpu.OperandMajorMode.K,
-        cute.nvgpu.OperandMajorMode.K,
+        major.K,
+        major.MN if b_mn_major else major.K,
         Float32,
         (1, 1, 1),
         tile_mn,
@@ -30,13 +32,12 @@ def bf16_tiled_mma(tile_mn, a_source):
     )
 
 
-def image_layout(n: int, k: int):
-    """A wgmma operand image (rows n, K = k) in shared memory: K-major, 128-byte swizzle."""
-    return cute.tile_to_shape(
-        warpgroup.make_smem_layout_atom(warpgroup.SmemLayoutAtomKind.K_SW128, BFloat16),
-        (n, k),
-        order=(0, 1),
-    )
+def image_layout(n: int, k: int, mn_major: bool = False):
+    """A wgmma operand image (rows n, K = k) in shared memory, 128-byte swizzle: K-major, or
+    N-major (consecutive n adjacent: threads that own one n each write it without conflicts)."""
+    kind = warpgroup.SmemLayoutAtomKind
+    atom = warpgroup.make_smem_layout_atom(kind.MN_SW128 if mn_major else kind.K_SW128, BFloat16)
+    return cute.tile_to_shape(atom, (n, k), order=(1, 0) if mn_major else (0, 1))
 
 
 def view(raw_i32_ptr, byte_off: int, comp_layout, nstages: int = 0, stage_bytes: int = 0):
