@@ -9,9 +9,9 @@ behind it; the sum of the kernel durations is the busy time within it.
 breakdown for jax_kda's sm90 backend on the harness's shapes, as planned for this device or cut
 into each given segment count, or (--train) for a training step: forward and backward (a
 diagnostic for kernel work and for plan.py's cost model; the results tables come from
-``benchmarks.run``). ``--train-variants base,core,v64,core+dbwd+v64`` profiles the backward's
-recompute and backward with the kernels under development switched in (with
-``--forward-only``, their forward alone: the no-bound forward).
+``benchmarks.run``). ``--train-variants base,core+dbwd+x3,core+dbwd+x3+v64`` profiles the
+backward's recompute and backward with the named kernels switched in and the rest off (with
+``--forward-only``, their forward alone: the no-bound forward); core+dbwd+x3 is the default.
 """
 
 from __future__ import annotations
@@ -140,7 +140,7 @@ def _main():
         type=_variants,
         default=None,
         help="instead, profile the sm90 backward's recompute and backward (jax.vjp of "
-        "sm90.training_forward) for each variant: comma-separated 'base' (the default), 'core' "
+        "sm90.training_forward) for each variant: comma-separated 'base' (none of these), 'core' "
         "(the chunk-core kernel's operands), 'dbwd' (with core: their backward's decayed "
         "products on their kernel), 'x3' (the dense products around the scan as bf16x3), "
         "'v16'/'v32'/'v64' (the state-scan variant), joined by '+' (e.g. base,core+dbwd+v64+x3)",
@@ -201,10 +201,12 @@ def _main():
 
 
 def _variants(text: str) -> list[tuple[str, dict]]:
-    """'base,core+v64' -> [('base', {}), ('core+v64', {'chunk_core': True, 'scan_v_slice': 64})]."""
+    """'base,core+v64' -> [('base', {all off}), ('core+v64', {'chunk_core': True, ...})]: every
+    variant names the kernels it switches on and states the rest off ('base' is the XLA path's
+    per-chunk parts at HIGHEST around the SIMT scan), whatever training_forward's defaults."""
     out = []
     for name in text.split(","):
-        options = {}
+        options = {"chunk_core": False, "decayed_bwd": False, "dense_bf16x3": False}
         for part in name.split("+"):
             if part == "core":
                 options["chunk_core"] = True

@@ -94,14 +94,14 @@ def test_new_tokens_or_sequences_do_not_compile_again():
 def test_auto_picks_sm90_for_bf16_and_xla_for_float32():
     x = production_inputs([20], 2, seed=3)
     assert TARGET in _lower(_prefill(), *x)
-    # Without a gate bound: the exact forward (the state scan around XLA's per-chunk parts), no
+    # Without a gate bound: the exact forward (the chunk-core kernel and the state scan), no
     # forward kernel.
     for backend in ("auto", "sm90"):
         prefixes = re.findall(
             r'prefix = "(\w+)"', _lower(_prefill(backend=backend, gate_lower_bound=None), *x)
         )
         kinds = {p.rsplit("_", 1)[0] for p in prefixes}
-        assert kinds == {"kda_state_scan_sm90_fwd"}, prefixes
+        assert kinds == {"kda_chunk_operands_sm90", "kda_state_scan_sm90_fwd"}, prefixes
     x32 = production_inputs([20], 2, seed=3, dtype=jnp.float32)
     assert TARGET not in _lower(_prefill(), *x32)
     with pytest.raises(jax_kda.BackendUnavailableError, match="take bfloat16 q, k, v; got float32"):
@@ -236,7 +236,8 @@ def test_training_forward_variants_lower_to_their_kernels():
 
 def test_training_lowers_under_scan_over_layers_checkpoint_and_vmap():
     """A model's training step: layers in lax.scan, each rematerialised (jax.checkpoint), and a
-    vmapped batch; every form lowers to the forward kernel and both state-scan kernels."""
+    vmapped batch; every form lowers to the forward kernel, the chunk-core kernel, the decayed
+    products' backward and both state-scan kernels."""
     x = production_inputs([130, 0, 60], 2, seed=6)
     layer = _prefill(backend="sm90")
 
@@ -267,7 +268,7 @@ def test_training_lowers_under_scan_over_layers_checkpoint_and_vmap():
     for name, (fn, args) in cases.items():
         prefixes = set(re.findall(r'prefix = "(\w+)"', _lower(fn, *args)))
         kinds = {p.rsplit("_", 1)[0] for p in prefixes}
-        expected = {"kda_fwd_sm90_h2"}
+        expected = {"kda_fwd_sm90_h2", "kda_chunk_operands_sm90", "kda_decayed_bwd"}
         expected |= {"kda_state_scan_sm90_fwd", "kda_state_scan_sm90_rev"}
         assert kinds == expected, (
             name,
@@ -450,7 +451,8 @@ def test_vmap_runs_the_sm90_path_as_one_call():
         prefixes = re.findall(r'prefix = "(\w+)"', text)
         kinds = sorted(p.rsplit("_", 1)[0] for p in prefixes)
         expected = ["kda_fwd_sm90"] if name == "vmap" else [
-            "kda_fwd_sm90", "kda_state_scan_sm90_fwd", "kda_state_scan_sm90_rev"
+            "kda_chunk_operands_sm90", "kda_decayed_bwd", "kda_fwd_sm90",
+            "kda_state_scan_sm90_fwd", "kda_state_scan_sm90_rev",
         ]  # fmt: skip
         assert [k.rsplit("_", 1)[0] if k.startswith("kda_fwd") else k for k in kinds] == expected
         assert "stablehlo.while" not in text, name

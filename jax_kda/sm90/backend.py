@@ -439,19 +439,19 @@ def differentiable_chunk_operands(run, decayed_bwd=None):
 
 
 def training_forward(
-    q, k, v, g, beta, cu_seqlens, initial_state, scale, *, chunk_core=False, decayed_bwd=False,
-    scan_v_slice=None, dense_bf16x3=False,
+    q, k, v, g, beta, cu_seqlens, initial_state, scale, *, chunk_core=True, decayed_bwd=True,
+    scan_v_slice=None, dense_bf16x3=True,
 ):  # fmt: skip
-    """The forward the sm90 backward differentiates, exact for any g <= 0: the XLA path's
-    parallel per-chunk parts (their backward written out, xla._chunk_operands_bwd) around the
-    state-scan kernel, whose backward is the reverse scan.
+    """The forward the sm90 backward differentiates (and the no-bound forward), exact for any
+    g <= 0: the chunk-core kernel's per-chunk operands (their backward written out,
+    xla._chunk_operands_bwd, with its decayed products on their kernel) around the state-scan
+    kernel, whose backward is the reverse scan; the dense products around the scan as bf16x3
+    tensor-core products (about 2^-16 relative, the kernels' own precision).
 
-    Diagnostics (benchmarks.kernel_profile --train-variants) until the kernels are measured on
-    the GPU: chunk_core=True takes the per-chunk operands from the chunk-core kernel, and
-    decayed_bwd=True (with it) their backward's decayed products from their kernel;
-    scan_v_slice picks the state-scan variant (None: the plan's); dense_bf16x3=True runs the
-    dense products around the scan (V_new, the outputs, the scan's backward: float32 FMAs
-    without tensor cores at HIGHEST) as bf16x3 tensor-core products, the kernels' precision."""
+    The switches are for profiling (benchmarks.kernel_profile --train-variants) and tests:
+    chunk_core=False takes the operands from the XLA path's code, decayed_bwd=False their
+    backward's decayed products too; scan_v_slice picks the state-scan variant (None: the
+    plan's); dense_bf16x3=False runs the dense products at HIGHEST (float32 FMAs)."""
     if decayed_bwd and not chunk_core:
         raise ValueError("decayed_bwd=True needs chunk_core=True (the operands' backward it is in)")
     precision = (

@@ -77,18 +77,19 @@ def choose_anchors(s_gam: cute.Tensor, s_flag: cute.Tensor, d):
 
 
 @cute.jit
-def unit_lower_inverse(s_kk, s_beta, s_tinv, s_m, tid):
+def unit_lower_inverse(s_kk, s_beta, s_tinv, s_m, tid, nthreads: cutlass.Constexpr[int]):
     """T^-1 into s_tinv ([64, 64] float32; all of it written), T = I + strictLower(beta_i kk_ij),
     from kk's strictly lower part in s_kk (nothing above the diagonal is read) and beta in
-    s_beta; s_m is [3, 16, 16] float32 scratch. 128 threads; synchronises the CTA.
+    s_beta; s_m is [3, 16, 16] float32 scratch. All nthreads threads of the CTA call it (128 or
+    256); it synchronises the CTA.
 
     The diagonal blocks by forward substitution (thread = one column of one block, the column in
     registers), then the blocks below by block substitution by their distance from the diagonal:
     T^-1_(b, c) = -T^-1_(b, b) sum over m in blocks c .. b - 1 of L_(b, m) T^-1_(m, c). Every loop
     has a static trip count (zeros of T^-1 stand in for the triangle's bounds), so the shared
     memory loads of a sum are issued together."""
-    for it in cutlass.range_constexpr(ROWS * ROWS // 128):
-        e = tid + it * 128
+    for it in cutlass.range_constexpr(ROWS * ROWS // nthreads):
+        e = tid + it * nthreads
         i = e // ROWS
         j = e % ROWS
         s_tinv[i, j] = Float32(1.0) if i == j else Float32(0.0)
@@ -108,28 +109,31 @@ def unit_lower_inverse(s_kk, s_beta, s_tinv, s_m, tid):
         for rr in cutlass.range_constexpr(BLOCK):
             s_tinv[base + rr, tid] = x[rr]
     cute.arch.sync_threads()
+    per_pair = BLOCK * BLOCK // nthreads if nthreads < BLOCK * BLOCK else 1
     for dist in cutlass.range_constexpr(1, BLOCKS):
-        for it in cutlass.range_constexpr(2 * (BLOCKS - dist)):  # 256 elements a block pair
-            pair = it // 2  # the block column c; the block row is c + dist
-            e = tid + (it % 2) * 128
-            r = e // BLOCK
-            s = e % BLOCK
-            row = BLOCK * (pair + dist) + r
-            acc = Float32(0.0)
-            for m in cutlass.range_constexpr(BLOCK * pair, BLOCK * (pair + dist)):
-                acc = acc + s_kk[row, m] * s_tinv[m, BLOCK * pair + s]
-            s_m[pair, r, s] = s_beta[row] * acc
+        for pair in cutlass.range_constexpr(BLOCKS - dist):  # block column; its row pair + dist
+            for half in cutlass.range_constexpr(per_pair):
+                e = tid + half * nthreads
+                if e < BLOCK * BLOCK:
+                    r = e // BLOCK
+                    s = e % BLOCK
+                    row = BLOCK * (pair + dist) + r
+                    acc = Float32(0.0)
+                    for m in cutlass.range_constexpr(BLOCK * pair, BLOCK * (pair + dist)):
+                        acc = acc + s_kk[row, m] * s_tinv[m, BLOCK * pair + s]
+                    s_m[pair, r, s] = s_beta[row] * acc
         cute.arch.sync_threads()
-        for it in cutlass.range_constexpr(2 * (BLOCKS - dist)):
-            pair = it // 2
-            e = tid + (it % 2) * 128
-            r = e // BLOCK
-            s = e % BLOCK
-            diag = BLOCK * (pair + dist)
-            acc = Float32(0.0)
-            for m in cutlass.range_constexpr(BLOCK):  # zero above the diagonal: no bound
-                acc = acc - s_tinv[diag + r, diag + m] * s_m[pair, m, s]
-            s_tinv[diag + r, BLOCK * pair + s] = acc
+        for pair in cutlass.range_constexpr(BLOCKS - dist):
+            for half in cutlass.range_constexpr(per_pair):
+                e = tid + half * nthreads
+                if e < BLOCK * BLOCK:
+                    r = e // BLOCK
+                    s = e % BLOCK
+                    diag = BLOCK * (pair + dist)
+                    acc = Float32(0.0)
+                    for m in cutlass.range_constexpr(BLOCK):  # zero above the diagonal: no bound
+                        acc = acc - s_tinv[diag + r, diag + m] * s_m[pair, m, s]
+                    s_tinv[diag + r, BLOCK * pair + s] = acc
         cute.arch.sync_threads()
 
 
@@ -142,15 +146,18 @@ def put_right_factors(
     shift,
     pairwise,
     transposed: cutlass.Constexpr[bool],
+    part,
+    parts: cutlass.Constexpr[int],
 ):
     """Channel d of the packed right factors k_j exp(Gamma_{m_I} - Gamma_j), block I's anchor
     with the rows j < 16 (I + 1), as bf16 hi/lo into an image: at (packed row, d) with K = the
     channels' [hi | lo], or transposed at (d, packed row) with K = the packed rows' [hi | lo].
-    With first-row anchors (pairwise) the diagonal blocks' entries are zero: the pairwise pass
-    takes them (their factors could overflow)."""
+    This thread takes the rows j = part mod parts (the CTA's `parts` groups of 128 threads
+    share them). With first-row anchors (pairwise) the diagonal blocks' entries are zero: the
+    pairwise pass takes them (their factors could overflow)."""
     for b in cutlass.range_constexpr(BLOCKS):
         anchor = s_gam[BLOCK * b + shift, d]
-        for j in cutlass.range(BLOCK * (b + 1), unroll=8):
+        for j in cutlass.range(part, BLOCK * (b + 1), parts, unroll=8):
             x = Float32(s_k[j, d]) * cute.math.exp(anchor - s_gam[j, d])
             if j >= BLOCK * b and pairwise != Int32(0):
                 x = Float32(0.0)

@@ -21,9 +21,11 @@ The products, on one warpgroup's wgmma with bfloat16 hi/lo splits (hi*hi + lo*hi
     forward substitution, then the blocks below by block substitution) x R [64, 256] (m64n256,
     K = 64).
 
-One CTA of 128 threads a (slot, head); thread d = channel d for the loads, the cumsum and the
-operand images. Outputs, float32: w, u, qg, kd, gamma [slots, H, 64, 128]; attn, kk [slots, H,
-64, 64] (zero above the diagonal); decay [slots, H, 128]. Not yet run on a GPU.
+One CTA of two warpgroups a (slot, head): thread (part, d) = channel d of half the rows for the
+loads, the cumsum, the operand images and the outputs (one warpgroup alone left the SM's
+schedulers a warp each: latency-bound, 78 us a chunk on the H200); warpgroup 0 issues the wgmma.
+Outputs, float32: w, u, qg, kd, gamma [slots, H, 64, 128]; attn, kk [slots, H, 64, 64] (zero
+above the diagonal); decay [slots, H, 128].
 """
 
 from __future__ import annotations
@@ -58,9 +60,10 @@ from jax_kda.sm90.kernels.wgmma import (
     view,
 )
 
-NTHREADS = 128
+WGS = 2  # warpgroups: the element-wise phases split the rows between them
+NTHREADS = 128 * WGS
 WARPS = NTHREADS // 32
-LOAD_ROWS = 32  # rows of q, k, g, beta whose loads are issued together
+HALF = ROWS // WGS  # rows of a warpgroup in the row-split phases
 
 # Byte offsets inside the reused operand region (1024-byte aligned, for the 128-byte swizzle).
 LEFT_BYTES = ROWS * 2 * HEAD_DIM * 2  # left image [64, 256] bf16: 32 KiB
@@ -131,7 +134,8 @@ class ChunkOperandsSm90:
     ):
         tid, _, _ = cute.arch.thread_idx()
         slot, h, _ = cute.arch.block_idx()
-        d = tid
+        d = tid % 128  # channel
+        part = tid // 128  # warpgroup: 0 issues the wgmma
         scale = self.scale
 
         smem = SmemAllocator()
@@ -160,62 +164,73 @@ class ChunkOperandsSm90:
 
         active, bos, seqlen, c = slot_owner(mCu, slot, SCAN_CHUNK)
 
-        # ---- the chunk, thread d = channel d; Gamma = cumsum g; zero past the end. The loads of
-        # LOAD_ROWS rows are unconditional (rows clamped into the tensor, zeroed afterwards) so
-        # that they are all in flight together.
+        # ---- the chunk, thread (part, d) = channel d of rows [HALF part, HALF (part + 1)); Gamma
+        # = cumsum g; zero past the end. The loads are unconditional (rows clamped into the
+        # tensor, zeroed afterwards) so that a thread's are all in flight together.
         if tid == 0:
             s_flag[0] = Int32(0)
         tokens = mQ.shape[0]
-        first = bos + c * ROWS
+        first = bos + c * ROWS + part * HALF
         last_ok = cutlass.min(bos + seqlen, tokens) - 1  # the last row this slot may read
-        gam = Float32(0.0)
-        for part in cutlass.range_constexpr(ROWS // LOAD_ROWS):
-            r_g = cute.make_rmem_tensor((LOAD_ROWS,), Float32)
-            r_q = cute.make_rmem_tensor((LOAD_ROWS,), BFloat16)
-            r_k = cute.make_rmem_tensor((LOAD_ROWS,), BFloat16)
-            r_b = cute.make_rmem_tensor((LOAD_ROWS,), Float32)
-            if tokens > 0:  # every sequence empty: slots but no rows to read
-                for r in cutlass.range_constexpr(LOAD_ROWS):
-                    token = cutlass.max(cutlass.min(first + part * LOAD_ROWS + r, last_ok), 0)
-                    r_g[r] = mG[token, h, d]
-                    r_q[r] = mQ[token, h, d]
-                    r_k[r] = mK[token, h, d]
-                    r_b[r] = mBeta[token, h]
-            for r in cutlass.range_constexpr(LOAD_ROWS):
-                i = part * LOAD_ROWS + r
-                gv = Float32(0.0)
-                qv = BFloat16(0.0)
-                kv = BFloat16(0.0)
-                bv = Float32(0.0)
-                if active and c * ROWS + i < seqlen:
-                    gv = r_g[r]
-                    if gv < Float32(GATE_FLOOR):  # as xla.py: g = -inf resets; NaN stays NaN
-                        gv = Float32(GATE_FLOOR)
-                    qv = r_q[r]
-                    kv = r_k[r]
-                    bv = r_b[r]
-                gam = gam + gv
-                s_gam[i, d] = gam
-                s_q[i, d] = qv
-                s_k[i, d] = kv
-                if d == 0:
-                    s_beta[i] = bv
+        r_g = cute.make_rmem_tensor((HALF,), Float32)
+        r_q = cute.make_rmem_tensor((HALF,), BFloat16)
+        r_k = cute.make_rmem_tensor((HALF,), BFloat16)
+        r_b = cute.make_rmem_tensor((HALF,), Float32)
+        if tokens > 0:  # every sequence empty: slots but no rows to read
+            for r in cutlass.range_constexpr(HALF):
+                token = cutlass.max(cutlass.min(first + r, last_ok), 0)
+                r_g[r] = mG[token, h, d]
+                r_q[r] = mQ[token, h, d]
+                r_k[r] = mK[token, h, d]
+                r_b[r] = mBeta[token, h]
+        gam = Float32(0.0)  # this warpgroup's rows' partial sum
+        for r in cutlass.range_constexpr(HALF):
+            i = part * HALF + r
+            gv = Float32(0.0)
+            qv = BFloat16(0.0)
+            kv = BFloat16(0.0)
+            bv = Float32(0.0)
+            if active and c * ROWS + i < seqlen:
+                gv = r_g[r]
+                if gv < Float32(GATE_FLOOR):  # as xla.py: g = -inf resets; NaN stays NaN
+                    gv = Float32(GATE_FLOOR)
+                qv = r_q[r]
+                kv = r_k[r]
+                bv = r_b[r]
+            gam = gam + gv
+            s_gam[i, d] = gam
+            s_q[i, d] = qv
+            s_k[i, d] = kv
+            if d == 0:
+                s_beta[i] = bv
+        cute.arch.sync_threads()
+        # the later warpgroups' partial sums start from the rows before theirs
+        g_before = Float32(0.0)
+        for prev in cutlass.range_constexpr(1, WGS):
+            if part >= prev:
+                g_before = g_before + s_gam[prev * HALF - 1, d]
+        cute.arch.sync_threads()  # every g_before read before any fix-up (WGS > 2)
+        if part > 0:
+            for r in cutlass.range_constexpr(HALF):
+                s_gam[part * HALF + r, d] = s_gam[part * HALF + r, d] + g_before
         cute.arch.sync_threads()
 
         # ---- middle-row anchors where the decay allows, else first-row ones (chunk64.py)
         pairwise, shift = choose_anchors(s_gam, s_flag, d)
         # ---- the right operand: every anchor's factors, packed (chunk64.py)
-        put_right_factors(s_right, s_k, s_gam, d, shift, pairwise, transposed=False)
+        put_right_factors(s_right, s_k, s_gam, d, shift, pairwise, False, part, WGS)
         cute.arch.sync_threads()
 
-        thr = mma_pairs.get_slice(tid)
+        mma_pairs.set(warpgroup.Field.ACCUMULATE, True)  # here: not inside the branches below
+        mma_solve.set(warpgroup.Field.ACCUMULATE, True)
+        thr = mma_pairs.get_slice(d)
         f_left = mma_pairs.make_fragment_A(thr.partition_A(s_left))
         f_right = mma_pairs.make_fragment_B(thr.partition_B(s_right))
         c_pairs = thr.partition_C(cute.make_identity_tensor((ROWS, PACKED)))
         acc = cute.make_rmem_tensor(mma_pairs.partition_shape_C((ROWS, PACKED)), Float32)
         # ---- kk, then qk: the left operand (k or q anchored at its block's anchor) x right
         for which in cutlass.range_constexpr(2):
-            for i in cutlass.range(ROWS, unroll=16):
+            for i in cutlass.range(part, ROWS, WGS, unroll=8):
                 anchor_row = (i // BLOCK) * BLOCK + shift
                 x = s_k[i, d]
                 if cutlass.const_expr(which == 1):
@@ -224,14 +239,15 @@ class ChunkOperandsSm90:
                 put_split(s_left, i, d, HEAD_DIM, r)
             cute.arch.fence_proxy("async.shared", space="cta")
             cute.arch.sync_threads()
-            product_bf16x3(mma_pairs, acc, f_left, f_right, HEAD_DIM // 16)
-            s_out = s_kk if cutlass.const_expr(which == 0) else s_qk
-            for e in cutlass.range_constexpr(cute.size(acc)):
-                i, p = c_pairs[e]
-                b, j = packed_row(p)
-                if i // BLOCK == b and j <= i:
-                    if j < BLOCK * b or pairwise == Int32(0):
-                        s_out[i, j] = acc[e]
+            if part == 0:
+                product_bf16x3(mma_pairs, acc, f_left, f_right, HEAD_DIM // 16, False)
+                s_out = s_kk if cutlass.const_expr(which == 0) else s_qk
+                for e in cutlass.range_constexpr(cute.size(acc)):
+                    i, p = c_pairs[e]
+                    b, j = packed_row(p)
+                    if i // BLOCK == b and j <= i:
+                        if j < BLOCK * b or pairwise == Int32(0):
+                            s_out[i, j] = acc[e]
             cute.arch.sync_threads()  # the left image is free again; the products are in place
 
         # ---- the diagonal blocks pair by pair where a block's decay range is not safe
@@ -273,19 +289,20 @@ class ChunkOperandsSm90:
             mKK[slot, h, i, j] = k_ij
         cute.arch.sync_threads()  # s_qk is T^-1 from here
 
-        # v (channel d of the 64 rows) loads now, in registers, so the T^-1 phase hides them
-        r_v = cute.make_rmem_tensor((ROWS,), Float32)
-        for t in cutlass.range_constexpr(ROWS):
-            r_v[t] = Float32(0.0)
+        # v (channel d of this warpgroup's rows) loads now, in registers, so the T^-1 phase
+        # hides them
+        r_v = cute.make_rmem_tensor((HALF,), Float32)  # rows HALF part + r
+        for r in cutlass.range_constexpr(HALF):
+            r_v[r] = Float32(0.0)
         if tokens > 0:
-            for t in cutlass.range_constexpr(ROWS):
-                r_v[t] = Float32(mV[cutlass.max(cutlass.min(first + t, last_ok), 0), h, d])
-        for t in cutlass.range_constexpr(ROWS):
-            if not (active and c * ROWS + t < seqlen):
-                r_v[t] = Float32(0.0)
+            for r in cutlass.range_constexpr(HALF):
+                r_v[r] = Float32(mV[cutlass.max(cutlass.min(first + r, last_ok), 0), h, d])
+        for r in cutlass.range_constexpr(HALF):
+            if not (active and c * ROWS + part * HALF + r < seqlen):
+                r_v[r] = Float32(0.0)
 
         # ---- T^-1, T = I + strictLower(beta_i kk_ij), float32 by 16-row blocks (chunk64.py)
-        unit_lower_inverse(s_kk, s_beta, s_tinv, s_m, tid)
+        unit_lower_inverse(s_kk, s_beta, s_tinv, s_m, tid, NTHREADS)
 
         # ---- the solve's operand images: T^-1 (rows i, K = j) and R^T (rows = the 256 columns
         # [beta k exp(Gamma) | beta v], K = token)
@@ -294,32 +311,35 @@ class ChunkOperandsSm90:
             i = e_idx // ROWS
             j = e_idx % ROWS
             put_split(s_tinv_img, i, j, ROWS, s_tinv[i, j])
-        for t in cutlass.range_constexpr(ROWS):
+        for r in cutlass.range_constexpr(HALF):
+            t = part * HALF + r
             b_t = s_beta[t]
             put_split(s_rt, d, t, ROWS, b_t * Float32(s_k[t, d]) * cute.math.exp(s_gam[t, d]))
-            put_split(s_rt, HEAD_DIM + d, t, ROWS, b_t * r_v[t])
+            put_split(s_rt, HEAD_DIM + d, t, ROWS, b_t * r_v[r])
         cute.arch.fence_proxy("async.shared", space="cta")
         cute.arch.sync_threads()
 
         # ---- [W | U] = T^-1 R on tensor cores, straight out
-        thr_s = mma_solve.get_slice(tid)
+        thr_s = mma_solve.get_slice(d)
         f_tinv = mma_solve.make_fragment_A(thr_s.partition_A(s_tinv_img))
         f_rt = mma_solve.make_fragment_B(thr_s.partition_B(s_rt))
         c_solve = thr_s.partition_C(cute.make_identity_tensor((ROWS, 2 * HEAD_DIM)))
         acc_s = cute.make_rmem_tensor(mma_solve.partition_shape_C((ROWS, 2 * HEAD_DIM)), Float32)
-        product_bf16x3(mma_solve, acc_s, f_tinv, f_rt, ROWS // 16)
-        for e in cutlass.range_constexpr(cute.size(acc_s)):
-            i, n = c_solve[e]
-            if n < HEAD_DIM:
-                mW[slot, h, i, n] = acc_s[e]
-            else:
-                mU[slot, h, i, n - HEAD_DIM] = acc_s[e]
+        if part == 0:
+            product_bf16x3(mma_solve, acc_s, f_tinv, f_rt, ROWS // 16, False)
+            for e in cutlass.range_constexpr(cute.size(acc_s)):
+                i, n = c_solve[e]
+                if n < HEAD_DIM:
+                    mW[slot, h, i, n] = acc_s[e]
+                else:
+                    mU[slot, h, i, n - HEAD_DIM] = acc_s[e]
 
         # ---- the elementwise operands
         gam_last = s_gam[ROWS - 1, d]
-        for i in cutlass.range(ROWS, unroll=4):
+        for i in cutlass.range(part, ROWS, WGS, unroll=4):
             gam_i = s_gam[i, d]
             mQg[slot, h, i, d] = scale * Float32(s_q[i, d]) * cute.math.exp(gam_i)
             mKd[slot, h, i, d] = Float32(s_k[i, d]) * cute.math.exp(gam_last - gam_i)
             mGamma[slot, h, i, d] = gam_i
-        mDecay[slot, h, d] = cute.math.exp(gam_last)
+        if part == 0:
+            mDecay[slot, h, d] = cute.math.exp(gam_last)

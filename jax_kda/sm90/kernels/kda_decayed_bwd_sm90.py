@@ -186,7 +186,7 @@ class DecayedBwdSm90:
             cute.arch.sync_threads()  # the images are free for the next block
 
         # ---- R^T: the anchors' right factors, packed, transposed (chunk64.py)
-        put_right_factors(s_rt, s_k, s_gam, d, shift, pairwise, transposed=True)
+        put_right_factors(s_rt, s_k, s_gam, d, shift, pairwise, True, 0, 1)
 
         # ---- P(d_kk, k) and P(d_qk, k): the cotangent in the packing of R, times R, times r_i
         for which in cutlass.range_constexpr(2):

@@ -114,12 +114,16 @@ def product_bf16x3(
     f_a: cute.Tensor,
     f_b: cute.Tensor,
     k_blocks: cutlass.Constexpr[int],
+    set_accumulate: cutlass.Constexpr[bool] = True,
 ):
     """acc = A B^T, both operands [hi | lo] images in shared memory (the caller fenced and
-    synchronised their writes), three bf16 products per K-block; waited for on return."""
+    synchronised their writes), three bf16 products per K-block; waited for on return.
+    set_accumulate=False where the call sits in a branch of one warpgroup: the caller sets the
+    MMA's ACCUMULATE field outside it (a field set inside cannot leave the branch)."""
     acc.fill(0.0)
     cute.nvgpu.warpgroup.fence()
-    mma.set(warpgroup.Field.ACCUMULATE, True)
+    if cutlass.const_expr(set_accumulate):
+        mma.set(warpgroup.Field.ACCUMULATE, True)
     gemm_bf16x3(mma, acc, f_a, f_a, k_blocks, f_b, k_blocks)
     cute.nvgpu.warpgroup.commit_group()
     cute.nvgpu.warpgroup.wait_group(0)
