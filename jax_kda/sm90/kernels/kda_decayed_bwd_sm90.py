@@ -10,16 +10,18 @@ j <= i only) of kk_ij = sum_d k_id k_jd E_ijd and qk_ij = sum_d q_id k_jd E_ijd:
 The decay is split as in the chunk core (chunk64.py): with row i anchored at m(i),
   P(w, x)_i = r_i * sum_p W_ip R_p, r_i = exp(Gamma_i - Gamma_m(i)), R the packed right factors
     x_j exp(Gamma_m - Gamma_j) of the anchors and W the cotangent in the same packing: one
-    m64n128 product over K = 160 for each of d_kk and d_qk;
+    [64, 128] product over K = 160 for each of d_kk and d_qk;
   back_j = sum over blocks I of exp(Gamma_{m_I} - Gamma_j) * sum_{i in I} (d_kk_ij kl_i +
-    d_qk_ij ql_i), kl_i = k_i r_i and ql_i = q_i r_i: four m64n128 products over K = 32.
+    d_qk_ij ql_i), kl_i = k_i r_i and ql_i = q_i r_i: four [64, 128] products over K = 32.
+Each [64, 128] product is two m64n64 wgmma, one per warpgroup and half of the channels.
 Where the chunk's decay forbids middle anchors, the diagonal blocks are taken pair by pair
 (thread d = channel d) onto the outputs the products wrote. Products: bf16 hi/lo splits
 (three bf16 products, about 2^-16 relative, float32 accumulation).
 
 Inputs: q, k [slots, H, 64, 128] bfloat16 (the chunked tokens), gamma [slots, H, 64, 128]
 float32, d_kk, d_qk [slots, H, 64, 64] float32. Outputs: dq, dk, dgamma [slots, H, 64, 128]
-float32. One CTA of 128 threads a (slot, head). Not yet run on a GPU.
+float32. One CTA of two warpgroups a (slot, head): each issues the products for its half of the
+128 channels (m64n64) and finishes them; the element-wise phases split the rows between them.
 """
 
 from __future__ import annotations
@@ -50,7 +52,9 @@ from jax_kda.sm90.kernels.wgmma import (
     view,
 )
 
-NTHREADS = 128
+WGS = 2  # warpgroups, one per half of the channels in the products
+NTHREADS = 128 * WGS
+HALF_N = HEAD_DIM // WGS  # channels of a warpgroup's products
 GAM_ROW = HEAD_DIM + 8
 SIDE = 2 * BLOCK  # K of a back product: block I's 16 rows for d_kk, then for d_qk
 # The reused operand region (1024-byte aligned): R^T and the packed cotangent for the forward
@@ -77,8 +81,9 @@ class DecayedBwdSm90:
     ):
         n_slots = q.shape[0]
         heads = q.shape[1]
-        # B operands (R^T, the back products' [kl | ql]) are written by channel: N-major
-        mma = bf16_tiled_mma((ROWS, HEAD_DIM), warpgroup.OperandSource.SMEM, b_mn_major=True)
+        # B operands (R^T, the back products' [kl | ql]) are written by channel: N-major; each
+        # warpgroup takes half of the channels
+        mma = bf16_tiled_mma((ROWS, HALF_N), warpgroup.OperandSource.SMEM, b_mn_major=True)
         self.kernel(q, k, gamma, d_kk, d_qk, dq, dk, dgamma, mma).launch(
             grid=[n_slots, heads, 1], block=[NTHREADS, 1, 1], stream=stream
         )
@@ -98,7 +103,8 @@ class DecayedBwdSm90:
     ):
         tid, _, _ = cute.arch.thread_idx()
         slot, h, _ = cute.arch.block_idx()
-        d = tid
+        d = tid % 128  # channel, in the element-wise phases
+        part = tid // 128  # warpgroup: rows = part mod WGS; in products channels HALF_N part + n
 
         smem = SmemAllocator()
         row_major = cute.make_layout((ROWS, HEAD_DIM), stride=(HEAD_DIM, 1))
@@ -125,7 +131,7 @@ class DecayedBwdSm90:
         # ---- the chunk into shared memory; the cotangents for j <= i only
         if tid == 0:
             s_flag[0] = Int32(0)
-        for i in cutlass.range(ROWS, unroll=16):
+        for i in cutlass.range(part, ROWS, WGS, unroll=8):
             s_q[i, d] = mQ[slot, h, i, d]
             s_k[i, d] = mK[slot, h, i, d]
             s_gam[i, d] = mGamma[slot, h, i, d]
@@ -143,19 +149,26 @@ class DecayedBwdSm90:
         cute.arch.sync_threads()
         pairwise, shift = choose_anchors(s_gam, s_flag, d)
 
-        thr = mma.get_slice(tid)
-        c_out = thr.partition_C(cute.make_identity_tensor((ROWS, HEAD_DIM)))  # (row, channel)
-        f_rt = mma.make_fragment_B(thr.partition_B(s_rt))
+        mma.set(warpgroup.Field.ACCUMULATE, True)
+        thr = mma.get_slice(d)
+        # (row, channel - HALF_N part) of this warpgroup's accumulators
+        c_out = thr.partition_C(cute.make_identity_tensor((ROWS, HALF_N)))
+        n0 = part * HALF_N
+        f_rt = mma.make_fragment_B(
+            thr.partition_B(cute.local_tile(s_rt, (HALF_N, 2 * PACKED), (part, 0)))
+        )
         f_w = mma.make_fragment_A(thr.partition_A(s_w))
         # Two accumulators live at a time (a third spilled): acc_sum holds back (the four back
         # products first), then the forward products finish dq, dk and dgamma straight out.
-        acc_x = cute.make_rmem_tensor(mma.partition_shape_C((ROWS, HEAD_DIM)), Float32)
-        acc_sum = cute.make_rmem_tensor(mma.partition_shape_C((ROWS, HEAD_DIM)), Float32)
+        acc_x = cute.make_rmem_tensor(mma.partition_shape_C((ROWS, HALF_N)), Float32)
+        acc_sum = cute.make_rmem_tensor(mma.partition_shape_C((ROWS, HALF_N)), Float32)
 
         # ---- back: per block I, [d_kk | d_qk](rows of I, j)^T x [kl | ql](rows of I), times
         # exp(Gamma_m - Gamma_j) for the rows j it pairs with
         f_a = mma.make_fragment_A(thr.partition_A(s_back_a))
-        f_b = mma.make_fragment_B(thr.partition_B(s_back_b))
+        f_b = mma.make_fragment_B(
+            thr.partition_B(cute.local_tile(s_back_b, (HALF_N, 2 * SIDE), (part, 0)))
+        )
         acc_sum.fill(0.0)
         for b in cutlass.range_constexpr(BLOCKS):
             for it in cutlass.range(ROWS * SIDE // NTHREADS, unroll=4):
@@ -170,23 +183,24 @@ class DecayedBwdSm90:
                         w = s_dqk[i, j]
                 put_split(s_back_a, j, c, SIDE, w)
             anchor = s_gam[BLOCK * b + shift, d]
-            for c in cutlass.range(BLOCK, unroll=4):
+            for c in cutlass.range(part, BLOCK, WGS, unroll=4):
                 i = BLOCK * b + c
                 r = cute.math.exp(s_gam[i, d] - anchor)
                 put_split(s_back_b, d, c, SIDE, Float32(s_k[i, d]) * r)
                 put_split(s_back_b, d, BLOCK + c, SIDE, Float32(s_q[i, d]) * r)
             cute.arch.fence_proxy("async.shared", space="cta")
             cute.arch.sync_threads()
-            product_bf16x3(mma, acc_x, f_a, f_b, SIDE // 16)
+            product_bf16x3(mma, acc_x, f_a, f_b, SIDE // 16, False)
             for e in cutlass.range_constexpr(cute.size(acc_x)):
                 j, ch = c_out[e]
+                ch = ch + n0
                 if j < BLOCK * b or (j < BLOCK * (b + 1) and pairwise == Int32(0)):
                     s = cute.math.exp(s_gam[BLOCK * b + shift, ch] - s_gam[j, ch])
                     acc_sum[e] = acc_sum[e] + s * acc_x[e]
             cute.arch.sync_threads()  # the images are free for the next block
 
         # ---- R^T: the anchors' right factors, packed, transposed (chunk64.py)
-        put_right_factors(s_rt, s_k, s_gam, d, shift, pairwise, True, 0, 1)
+        put_right_factors(s_rt, s_k, s_gam, d, shift, pairwise, True, part, WGS)
 
         # ---- P(d_kk, k) and P(d_qk, k): the cotangent in the packing of R, times R, times r_i
         for which in cutlass.range_constexpr(2):
@@ -202,9 +216,10 @@ class DecayedBwdSm90:
                 put_split(s_w, i, p, PACKED, w)
             cute.arch.fence_proxy("async.shared", space="cta")
             cute.arch.sync_threads()
-            product_bf16x3(mma, acc_x, f_w, f_rt, PACKED // 16)
+            product_bf16x3(mma, acc_x, f_w, f_rt, PACKED // 16, False)
             for e in cutlass.range_constexpr(cute.size(acc_x)):
                 i, ch = c_out[e]
+                ch = ch + n0
                 anchor_row = (i // BLOCK) * BLOCK + shift
                 f = acc_x[e] * cute.math.exp(s_gam[i, ch] - s_gam[anchor_row, ch])
                 if cutlass.const_expr(which == 0):  # acc_sum: back, then k (f - back)
@@ -217,31 +232,33 @@ class DecayedBwdSm90:
             cute.arch.sync_threads()  # every wgmma read of the images is done
 
         # ---- the diagonal blocks pair by pair where the chunk's decay forbids middle anchors:
-        # thread d = channel d adds them onto the rows the products wrote
+        # warpgroup 0, thread d = channel d, adds them onto the rows the products wrote
         if pairwise != Int32(0):
-            for i in cutlass.range(ROWS, unroll=1):
-                s_back[i, d] = Float32(0.0)
+            if part == 0:
+                for i in cutlass.range(ROWS, unroll=1):
+                    s_back[i, d] = Float32(0.0)
             cute.arch.sync_threads()  # the products' global writes are visible to every thread
-            for i in cutlass.range(ROWS, unroll=1):
-                first = (i // BLOCK) * BLOCK
-                g_i = s_gam[i, d]
-                k_i = Float32(s_k[i, d])
-                q_i = Float32(s_q[i, d])
-                f_kk = Float32(0.0)
-                f_qk = Float32(0.0)
-                for j in cutlass.range(first, i + 1, unroll=1):
-                    decay = cute.math.exp(g_i - s_gam[j, d])
-                    t_kk = s_dkk[i, j] * decay
-                    t_qk = s_dqk[i, j] * decay
+            if part == 0:
+                for i in cutlass.range(ROWS, unroll=1):
+                    first = (i // BLOCK) * BLOCK
+                    g_i = s_gam[i, d]
+                    k_i = Float32(s_k[i, d])
+                    q_i = Float32(s_q[i, d])
+                    f_kk = Float32(0.0)
+                    f_qk = Float32(0.0)
+                    for j in cutlass.range(first, i + 1, unroll=1):
+                        decay = cute.math.exp(g_i - s_gam[j, d])
+                        t_kk = s_dkk[i, j] * decay
+                        t_qk = s_dqk[i, j] * decay
+                        k_j = Float32(s_k[j, d])
+                        f_kk = f_kk + t_kk * k_j
+                        f_qk = f_qk + t_qk * k_j
+                        s_back[j, d] = s_back[j, d] + t_kk * k_i + t_qk * q_i
+                    mDq[slot, h, i, d] = mDq[slot, h, i, d] + f_qk
+                    mDk[slot, h, i, d] = mDk[slot, h, i, d] + f_kk
+                    mDgamma[slot, h, i, d] = mDgamma[slot, h, i, d] + k_i * f_kk + q_i * f_qk
+                for j in cutlass.range(ROWS, unroll=1):
                     k_j = Float32(s_k[j, d])
-                    f_kk = f_kk + t_kk * k_j
-                    f_qk = f_qk + t_qk * k_j
-                    s_back[j, d] = s_back[j, d] + t_kk * k_i + t_qk * q_i
-                mDq[slot, h, i, d] = mDq[slot, h, i, d] + f_qk
-                mDk[slot, h, i, d] = mDk[slot, h, i, d] + f_kk
-                mDgamma[slot, h, i, d] = mDgamma[slot, h, i, d] + k_i * f_kk + q_i * f_qk
-            for j in cutlass.range(ROWS, unroll=1):
-                k_j = Float32(s_k[j, d])
-                back = s_back[j, d]
-                mDk[slot, h, j, d] = mDk[slot, h, j, d] + back
-                mDgamma[slot, h, j, d] = mDgamma[slot, h, j, d] - k_j * back
+                    back = s_back[j, d]
+                    mDk[slot, h, j, d] = mDk[slot, h, j, d] + back
+                    mDgamma[slot, h, j, d] = mDgamma[slot, h, j, d] - k_j * back
