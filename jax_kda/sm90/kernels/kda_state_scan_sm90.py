@@ -20,8 +20,8 @@ sequence) get zero states. An empty sequence passes y0 to final bit-exactly.
 
 Per step, float32 FMAs (no rounding of the state): phase 1 X = A Y (64 x VS x 128) with Y
 staged in shared memory, thread tile XI x 4; phase 2 Y update (128 x VS x 64) with X staged,
-thread tile 4 x VS/8; 256 threads. The next chunk's A, B, decay and addend are in flight
-(cp.async, 16-byte vectors, two stages) while this one is computed.
+thread tile 4 x VS/4. The next chunk's A, B, decay and addend are in flight (cp.async, 16-byte
+vectors, two stages) while this one is computed.
 """
 
 from __future__ import annotations
@@ -38,9 +38,9 @@ from cutlass.memory import SmemAllocator
 from jax_kda.constants import HEAD_DIM, SCAN_CHUNK
 from jax_kda.sm90.kernels.layout import SCAN_SIMT_V_SLICES, SCAN_V_SLICES
 from jax_kda.sm90.kernels.varlen import scan_slots
-from jax_kda.sm90.kernels.wgmma import vec4, vec_n
+from jax_kda.sm90.kernels.wgmma import vec4
 
-NTHREADS = 256  # two warpgroups: one alone left the SM's schedulers a warp each
+NTHREADS = 128
 A_ROW = HEAD_DIM + 4  # padded row of A in shared memory: phase 1's row reads fall in other banks
 STAGES = 2
 
@@ -100,10 +100,9 @@ class ChunkStateScanSm90:
         mFinal: cute.Tensor,
     ):
         VS = self.vs
-        XG = VS // 4  # phase 1: column groups of 4
-        XI = SCAN_CHUNK * XG // NTHREADS  # phase 1: rows of X per thread (4 columns each)
-        YV = VS * HEAD_DIM // (4 * NTHREADS)  # phase 2: columns of Y per thread (4 rows each)
-        YQ = VS // YV  # phase 2: column groups
+        XI = VS // 8  # phase 1: rows of X per thread (4 columns each)
+        XG = VS // 4  # phase 1: column groups
+        YV = VS // 4  # phase 2: columns of Y per thread (4 rows each)
         ADD_ROWS = self.addend_rows
         tid, _, _ = cute.arch.thread_idx()
         vsl, h, n = cute.arch.block_idx()
@@ -144,8 +143,8 @@ class ChunkStateScanSm90:
         slot0, nch, gap_end = scan_slots(mCu, n, n_slots, SCAN_CHUNK)
 
         # phase 2 / register layout of Y: rows 4 * yk + r, columns YV * yq + c
-        yk = tid // YQ
-        yq = tid % YQ
+        yk = tid // 4
+        yq = tid % 4
         r_y = cute.make_rmem_tensor((4, YV), Float32)
         for r in cutlass.range_constexpr(4):
             for c in cutlass.range_constexpr(YV):
@@ -234,13 +233,15 @@ class ChunkStateScanSm90:
                         r_y[r, c] = r_y[r, c] + s_add[4 * yk + r, YV * yq + c, stage]
             for i in cutlass.range(SCAN_CHUNK, unroll=8):
                 b_col = cute.make_rmem_tensor((4,), Float32)
-                x_row = cute.make_rmem_tensor((YV,), Float32)
+                x_row = cute.make_rmem_tensor((YV // 4, 4), Float32)
                 cute.autovec_copy(vec4(s_b[i, None, stage].iterator + 4 * yk), b_col)
-                cute.autovec_copy(vec_n(s_x[i, None].iterator + YV * yq, YV), x_row)
+                for c4 in cutlass.range_constexpr(YV // 4):
+                    src = vec4(s_x[i, None].iterator + (YV * yq + 4 * c4))
+                    cute.autovec_copy(src, x_row[c4, None])
                 for r in cutlass.range_constexpr(4):
                     br = sign_b * b_col[r]
                     for c in cutlass.range_constexpr(YV):
-                        r_y[r, c] = r_y[r, c] + br * x_row[c]
+                        r_y[r, c] = r_y[r, c] + br * x_row[c // 4, c % 4]
             cute.arch.sync_threads()  # stage and X free for the next chunk
 
         cute.arch.cp_async_wait_group(0)

@@ -57,11 +57,6 @@ def vec4(ptr):
     return cute.make_tensor(ptr.align(16), cute.make_layout(4))
 
 
-def vec_n(ptr, n: int):
-    """n (2 or 4) 4-byte elements at ptr as one 8- or 16-byte vector (alignment made known)."""
-    return cute.make_tensor(ptr.align(4 * n), cute.make_layout(n))
-
-
 def acc_to_a_operand(mma: cute.TiledMma, acc: cute.Tensor, m: int, kdim: int) -> cute.Tensor:
     """bf16 copy of an m64nN float32 accumulator as the register A operand (K = kdim): the C and
     A TV layouts of a one-warpgroup wgmma are the same."""
