@@ -123,8 +123,14 @@ def test_plan_rejects_zero_forced_segments():
 def test_backward_buffers_cover_every_64_token_chunk_slot():
     plan = plan_prefill(2048, 12, 1, sm_count=132)
     slots = 2048 // 64 + 1
-    assert [b.shape for b in plan.backward_buffers] == [(slots, 12, 128, 128)] * 2
-    assert plan.backward_bytes == 2 * slots * 12 * 128 * 128 * 4
+    shapes = {b.name: b.shape for b in plan.backward_buffers}
+    assert shapes["chunk_states"] == shapes["chunk_state_cotangents"] == (slots, 12, 128, 128)
+    for name in ("w", "u", "qg", "kd", "gamma"):  # the chunk core's operands
+        assert shapes[f"chunk_{name}"] == (slots, 12, 64, 128)
+    assert shapes["chunk_attn"] == shapes["chunk_kk"] == (slots, 12, 64, 64)
+    assert shapes["chunk_decay"] == (slots, 12, 128)
+    per_slot_head = 2 * 128 * 128 + 5 * 64 * 128 + 2 * 64 * 64 + 128
+    assert plan.backward_bytes == slots * 12 * per_slot_head * 4
 
 
 @pytest.mark.parametrize(

@@ -52,6 +52,10 @@ class WorkspaceBuffer:
         return math.prod(self.shape) * np.dtype(self.dtype).itemsize
 
 
+CORE_ROWS = ("w", "u", "qg", "kd", "gamma")  # the chunk core's [64, 128] operands
+CORE_PAIRS = ("attn", "kk")  # its [64, 64] ones
+
+
 @dataclass(frozen=True)
 class PrefillPlan:
     total_tokens: int
@@ -66,9 +70,11 @@ class PrefillPlan:
     """The largest y or z extent of the call's launches, training included (heads; sequences
     times segments): CUDA allows at most GRID_YZ_LIMIT."""
     backward_buffers: tuple[WorkspaceBuffer, ...]
-    """What a training call's backward adds: the state entering every 64-token chunk slot and
-    its cotangent at the slot's end (float32, the state-scan kernel's results; XLA temporaries,
-    not residuals: the backward keeps only the inputs and recomputes these)."""
+    """What a training call's backward adds, per 64-token chunk slot and head, float32: the
+    chunk-core kernel's operands (w, u, qg, kd, gamma [64, 128]; attn, kk [64, 64]; decay
+    [128]), the state entering the slot and its cotangent at the slot's end (the state-scan
+    kernel's results). XLA temporaries, not residuals: the backward keeps only the inputs and
+    recomputes these."""
 
     @property
     def workspace_bytes(self) -> int:
@@ -153,7 +159,10 @@ def plan_prefill(
     else:
         states = operators = (1, 1, 1, *square)
     records = (total_tokens // CHUNK + num_sequences, num_heads, CHUNK_RECORD_BYTES // 16, 4)
-    scan_states = (total_tokens // SCAN_CHUNK + num_sequences, num_heads, *square)
+    slots = total_tokens // SCAN_CHUNK + num_sequences
+    scan_states = (slots, num_heads, *square)
+    chunk_rows = (slots, num_heads, SCAN_CHUNK, HEAD_DIM)
+    chunk_pairs = (slots, num_heads, SCAN_CHUNK, SCAN_CHUNK)
     return PrefillPlan(
         total_tokens=total_tokens,
         num_heads=num_heads,
@@ -170,6 +179,9 @@ def plan_prefill(
             WorkspaceBuffer("segment_operators", operators, "float32"),
         ),
         backward_buffers=(
+            *(WorkspaceBuffer(f"chunk_{name}", chunk_rows, "float32") for name in CORE_ROWS),
+            *(WorkspaceBuffer(f"chunk_{name}", chunk_pairs, "float32") for name in CORE_PAIRS),
+            WorkspaceBuffer("chunk_decay", (slots, num_heads, HEAD_DIM), "float32"),
             WorkspaceBuffer("chunk_states", scan_states, "float32"),
             WorkspaceBuffer("chunk_state_cotangents", scan_states, "float32"),
         ),
