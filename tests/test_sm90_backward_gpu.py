@@ -279,7 +279,7 @@ def test_chunk_core_kernel_matches_xla(case):
     num_slots = xla.chunk_slot_count(tokens, len(lengths))
     chunk = (num_slots, heads, 64, 128)
     pairs = (num_slots, heads, 64, 64)
-    shapes = [chunk, chunk, chunk, pairs, chunk, (num_slots, heads, 128), chunk, pairs]
+    shapes = [chunk, chunk, chunk, pairs, chunk, (num_slots, heads, 128), chunk, pairs, pairs]
     results = [jax.ShapeDtypeStruct(s, jnp.float32) for s in shapes]
     artifact = sm90.chunk_operands_artifact(0.3)
 
@@ -297,15 +297,18 @@ def test_chunk_core_kernel_matches_xla(case):
         for a in (x.q, x.k, x.v, g_floor, x.beta)
     ]
     outputs, residuals = jax.jit(xla._chunk_operands_with_residuals, static_argnums=5)(*chunks, 0.3)
-    reference = (*outputs, residuals[4], residuals[5])
-    names = ("w", "u", "qg", "attn", "kd", "decay", "gamma", "kk")
+    lower = residuals[6]
+    identity = jnp.broadcast_to(jnp.eye(64, dtype=lower.dtype), lower.shape)
+    t_inverse = jax.jit(xla._blocked_unit_lower_solve)(lower, identity)
+    reference = (*outputs, residuals[4], residuals[5], t_inverse)
+    names = ("w", "u", "qg", "attn", "kd", "decay", "gamma", "kk", "tinv")
     for name, a, b in zip(names, ours, reference, strict=True):
         assert not np.isnan(np.asarray(a)).any(), name
         error = rms_ratio(a, b)
         # The products are bfloat16 hi/lo splits (about 2^-16 relative each); the cumsum runs
         # row by row, jnp.cumsum in another order: with gates of -30 and below Gamma reaches
         # about -1000 and its differences lose about 1e-4.
-        bar = 1e-4 if data in ("-30", "-inf") or name in ("w", "u", "attn", "kk") else 1e-5
+        bar = 1e-4 if data in ("-30", "-inf") or name in ("w", "u", "attn", "kk", "tinv") else 1e-5
         print(f"chunk core {case} {name}: {error:.1e} (bar {bar:.0e})")
         assert error <= bar, (name, error)
 

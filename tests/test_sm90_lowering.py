@@ -187,7 +187,7 @@ def test_chunk_core_exports_for_sm90a():
     """The tensor-core chunk core compiles and exports for sm_90a (symbolic slots and heads)."""
     artifact = sm90.chunk_operands_artifact(0.3)
     assert artifact.object_bytes[:4] == b"\x7fELF"
-    assert len(artifact.tensors) == 14  # q, k, v, g, beta, cu_seqlens and eight outputs
+    assert len(artifact.tensors) == 15  # q, k, v, g, beta, cu_seqlens and nine outputs
 
 
 def test_grad_lowers_to_the_backward_kernels_and_no_loop():

@@ -327,6 +327,7 @@ def chunk_operands_artifact(scale: float):
         "decay": row_major_fake(Float32, (slots, heads, HEAD_DIM)),
         "gamma": row_major_fake(Float32, chunk),
         "kk": row_major_fake(Float32, pairs),
+        "tinv": row_major_fake(Float32, pairs),
     }
     scale_tag = hashlib.sha256(repr(scale).encode()).hexdigest()[:8]
     return export(
@@ -338,7 +339,8 @@ def chunk_operands_artifact(scale: float):
 
 
 def chunk_core_kernel(q, k, v, g, beta, cu_seqlens, num_slots, scale):
-    """The chunk-core kernel: (w, u, qg, attn, kd, decay, gamma, kk) from the packed tokens."""
+    """The chunk-core kernel: (w, u, qg, attn, kd, decay, gamma, kk, tinv) from the packed
+    tokens; tinv = T^-1, T = I + strictLower(beta kk)."""
     from jax_kda.sm90.ffi_call import cute_call
 
     heads = q.shape[1]
@@ -352,6 +354,7 @@ def chunk_core_kernel(q, k, v, g, beta, cu_seqlens, num_slots, scale):
         jax.ShapeDtypeStruct((num_slots, heads, HEAD_DIM), f32),  # decay
         jax.ShapeDtypeStruct(chunk, f32),  # gamma
         jax.ShapeDtypeStruct(pairs, f32),  # kk
+        jax.ShapeDtypeStruct(pairs, f32),  # tinv: T^-1
     ]
     if any(x.dtype != jnp.bfloat16 for x in (q, k, v)):
         raise TypeError(f"the chunk-core kernel takes bfloat16 q, k, v; got {q.dtype}")
@@ -413,7 +416,8 @@ def differentiable_chunk_operands(run, decayed_bwd=None):
         return run(q, k, v, g, beta, cu_seqlens, num_slots, scale)[:6]
 
     def operands_fwd(q, k, v, g, beta, cu_seqlens, rows, num_slots, scale):
-        w, u, qg, attn, kd, decay, gamma, kk = run(q, k, v, g, beta, cu_seqlens, num_slots, scale)
+        outputs = run(q, k, v, g, beta, cu_seqlens, num_slots, scale)
+        w, u, qg, attn, kd, decay, gamma, kk, t_inverse = outputs
         # What xla._chunk_operands_bwd needs: the chunked inputs and the kernel's intermediates.
         f32 = jnp.float32
         q_c, k_c, v_c, beta_c = (
@@ -424,11 +428,13 @@ def differentiable_chunk_operands(run, decayed_bwd=None):
         solved = jnp.concatenate([w, u], axis=-1)
         residuals = (q_c, k_c, v_c, beta_c, gamma, kk, lower, solved, qg, kd, decay)
         like = tuple(jnp.zeros((0,), x.dtype) for x in (q, k, v, g, beta))  # the dtypes
-        return (w, u, qg, attn, kd, decay), (residuals, rows, like)
+        return (w, u, qg, attn, kd, decay), (residuals, t_inverse, rows, like)
 
     def operands_bwd(num_slots, scale, saved, cotangents):
-        residuals, rows, like = saved
-        d_chunked = xla._chunk_operands_bwd(scale, residuals, cotangents, decayed_bwd=decayed_bwd)
+        residuals, t_inverse, rows, like = saved
+        d_chunked = xla._chunk_operands_bwd(
+            scale, residuals, cotangents, decayed_bwd=decayed_bwd, t_inverse=t_inverse
+        )
         d_tokens = [
             xla.from_chunks(d, rows).astype(x.dtype) for d, x in zip(d_chunked, like, strict=True)
         ]

@@ -25,7 +25,8 @@ One CTA of two warpgroups a (slot, head): thread (part, d) = channel d of half t
 loads, the cumsum, the operand images and the outputs (one warpgroup alone left the SM's
 schedulers a warp each: latency-bound, 78 us a chunk on the H200); warpgroup 0 issues the wgmma.
 Outputs, float32: w, u, qg, kd, gamma [slots, H, 64, 128]; attn, kk [slots, H, 64, 64] (zero
-above the diagonal); decay [slots, H, 128].
+above the diagonal); decay [slots, H, 128]; tinv = T^-1 [slots, H, 64, 64] (the backward's
+solve T^-T d[W | U] is then one product).
 """
 
 from __future__ import annotations
@@ -99,6 +100,7 @@ class ChunkOperandsSm90:
         decay: cute.Tensor,
         gamma: cute.Tensor,
         kk: cute.Tensor,
+        tinv: cute.Tensor,
         stream: cuda.CUstream,
     ):
         n_slots = w.shape[0]
@@ -108,7 +110,7 @@ class ChunkOperandsSm90:
             (ROWS, 2 * HEAD_DIM), warpgroup.OperandSource.SMEM, b_mn_major=True
         )  # R^T written by channel: N-contiguous
         self.kernel(
-            q, k, v, g, beta, cu_seqlens, w, u, qg, attn, kd, decay, gamma, kk, mma_pairs,
+            q, k, v, g, beta, cu_seqlens, w, u, qg, attn, kd, decay, gamma, kk, tinv, mma_pairs,
             mma_solve,
         ).launch(grid=[n_slots, heads, 1], block=[NTHREADS, 1, 1], stream=stream)  # fmt: skip
 
@@ -129,6 +131,7 @@ class ChunkOperandsSm90:
         mDecay: cute.Tensor,
         mGamma: cute.Tensor,
         mKK: cute.Tensor,
+        mTinv: cute.Tensor,
         mma_pairs: cute.TiledMma,
         mma_solve: cute.TiledMma,
     ):
@@ -310,7 +313,9 @@ class ChunkOperandsSm90:
             e_idx = tid + it * NTHREADS
             i = e_idx // ROWS
             j = e_idx % ROWS
-            put_split(s_tinv_img, i, j, ROWS, s_tinv[i, j])
+            t_ij = s_tinv[i, j]
+            put_split(s_tinv_img, i, j, ROWS, t_ij)
+            mTinv[slot, h, i, j] = t_ij  # for the backward: its solve is then one product
         for r in cutlass.range_constexpr(HALF):
             t = part * HALF + r
             b_t = s_beta[t]
