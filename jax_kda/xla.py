@@ -299,7 +299,9 @@ def _chunk_operands_fwd(q, k, v, g, beta, scale):
     return _chunk_operands_with_residuals(q, k, v, g, beta, scale)
 
 
-def _chunk_operands_bwd(scale, residuals, cotangents, decayed_bwd=None, t_inverse=None):
+def _chunk_operands_bwd(
+    scale, residuals, cotangents, decayed_bwd=None, t_inverse=None, precision=_PRECISION
+):
     """With Gamma the in-chunk cumsum of g, E = exp(Gamma), T = I + L (L = strictLower(beta kk)):
     [W | U] = T^-1 [beta k E | beta v], Qg = scale q E, Aqk = scale inclLower(qk),
     Kd = k exp(Gamma_last - Gamma), a = exp(Gamma_last). Backward:
@@ -309,17 +311,18 @@ def _chunk_operands_bwd(scale, residuals, cotangents, decayed_bwd=None, t_invers
       then the elementwise terms of E, Qg, Kd and a, and dg = the reverse cumsum of dGamma.
     decayed_bwd: the decayed products' backward (_decayed_products_bwd's contract), for the
     sm90 kernel of it; None: this module's. t_inverse: T^-1 where the forward has it (the sm90
-    chunk core): dRhs is then one product instead of a blocked triangular solve."""
+    chunk core): dRhs is then one product instead of a blocked triangular solve. precision: of
+    that product and dL's (the sm90 backward's bf16x3)."""
     q, k, v, beta, gamma, kk, lower, solved, qg, kd, decay_chunk = residuals
     d_w, d_u, d_qg, d_attn, d_kd, d_decay = cotangents
     d_solved = jnp.concatenate([d_w, d_u], axis=-1)
     if t_inverse is not None:
-        d_rhs = jnp.einsum("...ji,...jn->...in", t_inverse, d_solved, precision=_PRECISION)
+        d_rhs = jnp.einsum("...ji,...jn->...in", t_inverse, d_solved, precision=precision)
     else:
         # (I + L)^T X = d_solved: reversing rows and columns makes the system unit-lower again.
         flipped = jnp.flip(jnp.swapaxes(lower, -1, -2), axis=(-2, -1))
         d_rhs = jnp.flip(_blocked_unit_lower_solve(flipped, jnp.flip(d_solved, -2)), -2)
-    d_lower = -jnp.einsum("...id,...jd->...ij", d_rhs, solved, precision=_PRECISION)
+    d_lower = -jnp.einsum("...id,...jd->...ij", d_rhs, solved, precision=precision)
     d_lower = jnp.where(_LOWER_STRICT, d_lower, 0.0)
     d_kk = beta[..., :, None] * d_lower
     d_qk = jnp.where(_LOWER_INCL, scale * d_attn, 0.0)

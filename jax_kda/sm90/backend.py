@@ -406,10 +406,11 @@ def decayed_bwd_kernel(residuals, cotangents):
     return tuple(cute_call(decayed_bwd_artifact(), inputs, results))
 
 
-def differentiable_chunk_operands(run, decayed_bwd=None):
+def differentiable_chunk_operands(run, decayed_bwd=None, precision=jax.lax.Precision.HIGHEST):
     """xla.chunk_operands's contract from `run` (chunk_core_kernel, or a stand-in in CPU tests),
     with xla._chunk_operands_bwd (written out, parallel over chunks) as its backward; its
-    decayed products' part by `decayed_bwd` (decayed_bwd_kernel) where given, else in XLA."""
+    decayed products' part by `decayed_bwd` (decayed_bwd_kernel) where given, else in XLA;
+    `precision` that of its dense products (with the chunk core's T^-1, the solve's too)."""
 
     @functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8))
     def operands(q, k, v, g, beta, cu_seqlens, rows, num_slots, scale):
@@ -433,8 +434,9 @@ def differentiable_chunk_operands(run, decayed_bwd=None):
     def operands_bwd(num_slots, scale, saved, cotangents):
         residuals, t_inverse, rows, like = saved
         d_chunked = xla._chunk_operands_bwd(
-            scale, residuals, cotangents, decayed_bwd=decayed_bwd, t_inverse=t_inverse
-        )
+            scale, residuals, cotangents, decayed_bwd=decayed_bwd, t_inverse=t_inverse,
+            precision=precision,
+        )  # fmt: skip
         d_tokens = [
             xla.from_chunks(d, rows).astype(x.dtype) for d, x in zip(d_chunked, like, strict=True)
         ]
@@ -467,7 +469,7 @@ def training_forward(
     scan = differentiable_state_scan(kernel, precision)
     if chunk_core:
         operands = differentiable_chunk_operands(
-            chunk_core_kernel, decayed_bwd_kernel if decayed_bwd else None
+            chunk_core_kernel, decayed_bwd_kernel if decayed_bwd else None, precision
         )
         return xla.forward(
             q, k, v, g, beta, cu_seqlens, initial_state, scale, scan=scan, operands=operands,
