@@ -88,6 +88,7 @@ def prefill(
         cu_seqlens = jnp.array([0, q.shape[0]], jnp.int32)
     else:
         num_sequences = cu_seqlens.shape[0] - 1
+    state_given = initial_state is not None
     if initial_state is None:
         initial_state = jnp.zeros((num_sequences, num_heads, HEAD_DIM, HEAD_DIM), jnp.float32)
     if sharding.explicit_axes():  # sharding in types: run per device (sharding.py)
@@ -98,7 +99,7 @@ def prefill(
 
         o, final_state = sharding.per_shard(
             call, q, k, v, g, beta, None if batched else cu_seqlens, initial_state,
-            batched=batched,
+            batched=batched, state_given=state_given,
         )  # fmt: skip
         return o, (final_state if output_final_state else None)
 

@@ -7,7 +7,9 @@ under a mesh with Explicit axes runs per shard: rows of the batched form and hea
 independent, and prefill runs once per device on its rows and heads, inside ``jax.shard_map``
 (the other inputs resharded to match q). Where q is split along its tokens or channels there is
 no such form: the call then runs under ``jax.sharding.auto_axes`` and the partitioner decides
-(the sm90 kernels' inputs are then gathered onto every device).
+(the sm90 kernels' inputs are then gathered onto every device). Not served per device:
+``jax.vmap`` over an axis that is itself sharded (the types inside vmap do not show it; shard
+the batched form's rows instead).
 """
 
 from __future__ import annotations
@@ -32,16 +34,21 @@ def _spec(x) -> tuple:
     return spec + (None,) * (x.ndim - len(spec))
 
 
-def per_shard(call, q, k, v, g, beta, cu_seqlens, initial_state, *, batched: bool):
+def per_shard(
+    call, q, k, v, g, beta, cu_seqlens, initial_state, *, batched: bool, state_given: bool
+):
     """(o, final_state) of call(q, k, v, g, beta, cu_seqlens, initial_state) under a mesh with
     Explicit axes: per device on its rows (batched form) and heads, as q is split, else under
-    auto_axes. cu_seqlens is None for the batched form."""
+    auto_axes. cu_seqlens is None for the batched form. o takes q's sharding; the final state
+    takes the given initial state's (so that a lax.scan carry keeps its type), or without one
+    (state_given False) q's rows and heads."""
+    axes = explicit_axes()
     spec = _spec(q)
     rows = spec[0] if batched else None
     tokens, heads, channels = spec[-3:]
     if tokens is not None or channels is not None:
         out_sharding = (jax.typeof(q).sharding, jax.typeof(initial_state).sharding)
-        return jax.sharding.auto_axes(call, out_sharding=out_sharding)(
+        return jax.sharding.auto_axes(call, axes=axes, out_sharding=out_sharding)(
             q, k, v, g, beta, cu_seqlens, initial_state
         )
     lead = (rows,) if batched else ()
@@ -59,5 +66,10 @@ def per_shard(call, q, k, v, g, beta, cu_seqlens, initial_state, *, batched: boo
         jax.sharding.reshard(x, s)
         for x, s in zip((q, k, v, g, beta, cu_seqlens, initial_state), in_specs, strict=True)
     ]
-    sharded = jax.shard_map(local, in_specs=in_specs, out_specs=(token_like, state_spec))
-    return sharded(*args)
+    sharded = jax.shard_map(
+        local, in_specs=in_specs, out_specs=(token_like, state_spec), axis_names=set(axes)
+    )
+    o, final = sharded(*args)
+    if state_given:
+        final = jax.sharding.reshard(final, jax.typeof(initial_state).sharding.spec)
+    return o, final

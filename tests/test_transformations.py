@@ -139,6 +139,21 @@ def test_explicit_sharding_runs_per_device():
             assert rms_ratio(o, ref_o) < 1e-6 and rms_ratio(final, ref_final) < 1e-6
             for a, b in zip(d, ref_d):
                 assert rms_ratio(a, b) < 1e-6
+
+        # a lax.scan carrying the state replicated while the rows are sharded: the final state
+        # keeps the given state's type
+        def chained(*a):
+            def body(state, _):
+                return batched(*a[:5], state)[1], None
+            return jax.lax.scan(body, a[5], None, length=2)[0]
+
+        ref = jax.jit(chained)(*rows)
+        with jax.set_mesh(mesh):
+            sharded = [jax.device_put(a, NamedSharding(mesh, P("b"))) for a in rows[:5]]
+            state = jax.device_put(rows[5], NamedSharding(mesh, P()))
+            final = jax.jit(chained)(*sharded, state)
+        assert final.sharding.spec == P(None, None, None, None), final.sharding.spec
+        assert rms_ratio(final, ref) < 1e-6
         print("ok")
         """
     )
