@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_kda import sm90, xla
+from jax_kda import sharding, sm90, xla
 from jax_kda.constants import GATE_LOWER_BOUND_MIN, HEAD_DIM, default_scale
 
 BACKENDS = ("auto", "xla", "sm90")
@@ -88,8 +88,20 @@ def prefill(
         cu_seqlens = jnp.array([0, q.shape[0]], jnp.int32)
     else:
         num_sequences = cu_seqlens.shape[0] - 1
+    state_given = initial_state is not None
     if initial_state is None:
         initial_state = jnp.zeros((num_sequences, num_heads, HEAD_DIM, HEAD_DIM), jnp.float32)
+    if sharding.explicit_axes():  # sharding in types: run per device (sharding.py)
+
+        def call(q, k, v, g, beta, cu, state):
+            return prefill(q, k, v, g, beta, cu_seqlens=cu, initial_state=state, scale=scale,
+                           gate_lower_bound=gate_lower_bound, backend=backend)  # fmt: skip
+
+        o, final_state = sharding.per_shard(
+            call, q, k, v, g, beta, None if batched else cu_seqlens, initial_state,
+            batched=batched, state_given=state_given,
+        )  # fmt: skip
+        return o, (final_state if output_final_state else None)
 
     total_tokens = q.shape[0] * q.shape[1] if batched else q.shape[0]
     chosen = _resolve_backend(

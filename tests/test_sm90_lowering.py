@@ -423,6 +423,51 @@ def test_grad_under_shard_map_with_check_vma_lowers():
     assert run.returncode == 0 and run.stdout.strip().endswith("ok"), run.stderr[-3000:]
 
 
+def test_grad_under_explicit_sharding_lowers_per_device():
+    """jax.grad of the sm90 path under jax.set_mesh with Explicit axes, rows sharded, lowering
+    for CUDA on two host devices in a fresh process: every kernel inside the per-device
+    (manual) computation, so the partitioner never gathers the kernels' inputs."""
+    script = textwrap.dedent(
+        """
+        import re
+        import jax, jax.numpy as jnp
+        from jax.sharding import NamedSharding, PartitionSpec as P
+        import jax_kda
+        from jax_kda.oracle import production_inputs
+
+        mesh = jax.make_mesh((2,), ("b",))
+        x = production_inputs([64] * 4, 2, seed=1)
+        rows = (*(a.reshape(4, 64, *a.shape[1:]) for a in x[:5]), x.initial_state)
+
+        def loss(*a):
+            o, final = jax_kda.prefill(*a[:5], initial_state=a[5], backend="sm90",
+                                       gate_lower_bound=-5.0)
+            return jnp.sum(o.astype(jnp.float32) ** 2) + jnp.sum(final ** 2)
+
+        with jax.set_mesh(mesh):
+            sharded = [jax.device_put(a, NamedSharding(mesh, P("b"))) for a in rows]
+            grad = jax.jit(jax.grad(loss, argnums=range(6)))
+            text = grad.trace(*sharded).lower(lowering_platforms=("cuda",)).as_text()
+        kinds = {p.rsplit("_", 1)[0] for p in re.findall(r'prefix = "(\\w+)"', text)}
+        assert {"kda_fwd_sm90", "kda_chunk_operands_sm90", "kda_decayed_bwd"} <= {
+            k.rsplit("_", 1)[0] if k.startswith("kda_fwd") else k for k in kinds}, kinds
+        assert "manual_computation" in text
+        assert "stablehlo.while" not in text
+        print("ok")
+        """
+    )
+    env = {
+        **os.environ,
+        "XLA_FLAGS": "--xla_force_host_platform_device_count=2",
+        "JAX_PLATFORMS": "cpu",
+        "CUTE_DSL_ARCH": "sm_90a",
+        sm90.ASSUME_SM90_ENV: "1",
+        sm90.SM_COUNT_ENV: str(SM_COUNT),
+    }
+    run = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True)
+    assert run.returncode == 0 and run.stdout.strip().endswith("ok"), run.stderr[-3000:]
+
+
 def _vmapped_calls():
     """Three packed calls of two sequences each, stacked for jax.vmap; and a loss."""
     xs = [production_inputs([40, 24], 2, seed=20 + i) for i in range(3)]

@@ -1,6 +1,7 @@
 """The JAX transformations users reach for, on the XLA backend (any machine): shard_map over
-heads and over sequences with the default check_vma, jax.export with a symbolic token count,
-jax.checkpoint, and jax.jvp's error; plus the opt-in check of cu_seqlens' values."""
+heads and over sequences with the default check_vma, explicit sharding (jax.set_mesh),
+jax.export with a symbolic token count, jax.checkpoint, and jax.jvp's error; plus the opt-in
+check of cu_seqlens' values."""
 
 import os
 import subprocess
@@ -77,6 +78,82 @@ def test_shard_map_over_heads_and_sequences_with_check_vma():
         d = jax.jit(jax.grad(lambda *a: loss(by_rows, *a), argnums=range(6)))(
             *batched, rows.initial_state)
         assert all(np.isfinite(np.asarray(t)).all() for t in d)
+        print("ok")
+        """
+    )
+    env = {"XLA_FLAGS": "--xla_force_host_platform_device_count=4", "JAX_PLATFORMS": "cpu"}
+    run = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, env={**os.environ, **env}
+    )
+    assert run.returncode == 0 and run.stdout.strip().endswith("ok"), run.stderr[-3000:]
+
+
+def test_explicit_sharding_runs_per_device():
+    """Under jax.set_mesh with Explicit axes (jax.make_mesh's default), inputs sharded by rows,
+    by rows and heads, by heads in the packed form, and along the tokens (no per-device form:
+    auto_axes): outputs and gradients equal the unsharded call's, and o and the gradients keep
+    q's sharding."""
+    script = textwrap.dedent(
+        """
+        import jax, jax.numpy as jnp, numpy as np
+        from jax.sharding import NamedSharding, PartitionSpec as P
+        import jax_kda
+        from jax_kda.oracle import production_inputs, rms_ratio
+
+        mesh = jax.make_mesh((2, 2), ("b", "h"))
+        assert all(t == jax.sharding.AxisType.Explicit for t in mesh.axis_types)
+        x = production_inputs([96] * 2, 4, seed=5, dtype=jnp.float32)
+        rows = (*(a.reshape(2, 96, *a.shape[1:]) for a in x[:5]), x.initial_state)
+        cu = jnp.asarray(x.cu_seqlens)
+
+        def batched(*a):
+            return jax_kda.prefill(*a[:5], initial_state=a[5], backend="xla")
+
+        def packed(*a):
+            return jax_kda.prefill(*a[:5], cu_seqlens=cu, initial_state=a[5], backend="xla")
+
+        def loss(fn):
+            def f(*a):
+                o, final = fn(*a)
+                return jnp.sum(o ** 2) + jnp.sum(final ** 2)
+            return jax.jit(jax.grad(f, argnums=range(6)))
+
+        cases = [  # form, q's spec, beta's, the state's, o's expected spec
+            (batched, rows, P("b"), P("b"), P("b"), P("b", None, None, None)),
+            (batched, rows, P("b", None, "h"), P("b", None, "h"), P("b", "h"),
+             P("b", None, "h", None)),
+            (batched, rows, P(None, "b"), P(None, "b"), P(), P(None, "b", None, None)),
+            (packed, tuple(x[:5]) + (x.initial_state,), P(None, "h"), P(None, "h"),
+             P(None, "h"), P(None, "h", None)),
+        ]
+        for fn, args, tok, bet, st, o_spec in cases:
+            ref_o, ref_final = jax.jit(fn)(*args)
+            ref_d = loss(fn)(*args)
+            with jax.set_mesh(mesh):
+                put = lambda a, s: jax.device_put(a, NamedSharding(mesh, s))
+                sharded = [put(a, tok) for a in args[:4]] + [put(args[4], bet), put(args[5], st)]
+                o, final = jax.jit(fn)(*sharded)
+                d = loss(fn)(*sharded)
+            assert o.sharding.spec == o_spec, (o.sharding.spec, o_spec)
+            assert d[0].sharding.spec == o_spec, d[0].sharding.spec
+            assert rms_ratio(o, ref_o) < 1e-6 and rms_ratio(final, ref_final) < 1e-6
+            for a, b in zip(d, ref_d):
+                assert rms_ratio(a, b) < 1e-6
+
+        # a lax.scan carrying the state replicated while the rows are sharded: the final state
+        # keeps the given state's type
+        def chained(*a):
+            def body(state, _):
+                return batched(*a[:5], state)[1], None
+            return jax.lax.scan(body, a[5], None, length=2)[0]
+
+        ref = jax.jit(chained)(*rows)
+        with jax.set_mesh(mesh):
+            sharded = [jax.device_put(a, NamedSharding(mesh, P("b"))) for a in rows[:5]]
+            state = jax.device_put(rows[5], NamedSharding(mesh, P()))
+            final = jax.jit(chained)(*sharded, state)
+        assert final.sharding.spec == P(None, None, None, None), final.sharding.spec
+        assert rms_ratio(final, ref) < 1e-6
         print("ok")
         """
     )
