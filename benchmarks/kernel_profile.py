@@ -253,11 +253,12 @@ def _profile_variants(variants, shapes, forward_only=False):
 
             times = kernel_times(step, *x)
             what = "forward" if forward_only else "recompute + backward"
+            busy = sum(times.kernels_us.values())
             print(
                 f"{shape.name} {name} ({what}): span {times.span_us:.1f} us, "
-                f"{times.launches} launches"
+                f"{times.launches} launches, kernels busy {busy:.1f} us"
             )
-            for kernel, us in sorted(times.kernels_us.items(), key=lambda kv: -kv[1])[:6]:
+            for kernel, us in sorted(times.kernels_us.items(), key=lambda kv: -kv[1]):
                 print(f"    {us:9.1f} us  {_short_name(kernel)}")
 
 
