@@ -62,8 +62,8 @@ def prefill(
       (the safe gate lb * sigmoid(.) with lb = -5 satisfies -5). On sm90 it picks the fast
       forward, which factorises the in-chunk decay (float32 overflows below about -5.5 per
       step; g cannot be checked without a host sync). Without it the sm90 backend runs the
-      exact 64-token forward (the state-scan kernel around the XLA path's per-chunk parts). The
-      XLA path and every backward are exact for any g <= 0.
+      exact 64-token forward (the chunk-core and state-scan kernels, XLA's dense products).
+      The XLA path and every backward are exact for any g <= 0.
     backend: "auto" (the sm90 kernels on Hopper when the call fits them, else "xla"), "sm90" or
       "xla". An explicit backend that cannot serve the call raises BackendUnavailableError.
 
@@ -117,7 +117,7 @@ def _resolve_backend(
 ) -> str:
     """'auto' takes the sm90 kernels when they can serve the call; 'sm90' insists on them. With
     gate_lower_bound the fast forward ("sm90"); without, the exact 64-token one ("sm90_exact":
-    the state-scan kernel around the XLA path's per-chunk parts, exact for any g <= 0)."""
+    the chunk-core and state-scan kernels with XLA's dense products, exact for any g <= 0)."""
     if backend == "xla":
         return "xla"
     reason = sm90.unavailable_reason(dtype, total_tokens, num_heads, num_sequences)
