@@ -359,6 +359,21 @@ def test_symbolic_token_count_exports_on_xla_and_sm90_says_why_not():
         export.export(jax.jit(_prefill(backend="sm90")), platforms=["cuda"])(*shapes)
 
 
+def _run_on_host_devices(script: str, devices: int) -> None:
+    """Run `script` in a fresh process with `devices` host devices, lowering for sm_90a (the
+    device count is fixed at JAX's start); it must print "ok" last."""
+    env = {
+        **os.environ,
+        "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}",
+        "JAX_PLATFORMS": "cpu",
+        "CUTE_DSL_ARCH": "sm_90a",
+        sm90.ASSUME_SM90_ENV: "1",
+        sm90.SM_COUNT_ENV: str(SM_COUNT),
+    }
+    run = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True)
+    assert run.returncode == 0 and run.stdout.strip().endswith("ok"), run.stderr[-3000:]
+
+
 def test_grad_under_shard_map_with_check_vma_lowers():
     """jax.grad of the sm90 path under shard_map over heads and over sequences (the batched
     form's rows; default check_vma), four host devices lowering for CUDA, in a fresh process:
@@ -411,16 +426,7 @@ def test_grad_under_shard_map_with_check_vma_lowers():
         print("ok")
         """
     )
-    env = {
-        **os.environ,
-        "XLA_FLAGS": "--xla_force_host_platform_device_count=4",
-        "JAX_PLATFORMS": "cpu",
-        "CUTE_DSL_ARCH": "sm_90a",
-        sm90.ASSUME_SM90_ENV: "1",
-        sm90.SM_COUNT_ENV: str(SM_COUNT),
-    }
-    run = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True)
-    assert run.returncode == 0 and run.stdout.strip().endswith("ok"), run.stderr[-3000:]
+    _run_on_host_devices(script, 4)
 
 
 def test_grad_under_explicit_sharding_lowers_per_device():
@@ -456,16 +462,7 @@ def test_grad_under_explicit_sharding_lowers_per_device():
         print("ok")
         """
     )
-    env = {
-        **os.environ,
-        "XLA_FLAGS": "--xla_force_host_platform_device_count=2",
-        "JAX_PLATFORMS": "cpu",
-        "CUTE_DSL_ARCH": "sm_90a",
-        sm90.ASSUME_SM90_ENV: "1",
-        sm90.SM_COUNT_ENV: str(SM_COUNT),
-    }
-    run = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True)
-    assert run.returncode == 0 and run.stdout.strip().endswith("ok"), run.stderr[-3000:]
+    _run_on_host_devices(script, 2)
 
 
 def _vmapped_calls():
