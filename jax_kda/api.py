@@ -98,8 +98,8 @@ def prefill(
                            gate_lower_bound=gate_lower_bound, backend=backend)  # fmt: skip
 
         o, final_state = sharding.per_shard(
-            call, q, k, v, g, beta, None if batched else cu_seqlens, initial_state,
-            batched=batched, state_given=state_given,
+            call, q, k, v, g, beta, cu_seqlens, initial_state, batched=batched,
+            state_given=state_given,
         )  # fmt: skip
         return o, (final_state if output_final_state else None)
 

@@ -39,16 +39,21 @@ def per_shard(
 ):
     """(o, final_state) of call(q, k, v, g, beta, cu_seqlens, initial_state) under a mesh with
     Explicit axes: per device on its rows (batched form) and heads, as q is split, else under
-    auto_axes. cu_seqlens is None for the batched form. o takes q's sharding; the final state
+    auto_axes. cu_seqlens: the boundaries, or the batched form's placeholder (the call gets
+    None there). o takes q's sharding; the final state
     takes the given initial state's (so that a lax.scan carry keeps its type), or without one
     (state_given False) q's rows and heads."""
     axes = explicit_axes()
+
+    def local(q, k, v, g, beta, cu_seqlens, initial_state):
+        return call(q, k, v, g, beta, None if batched else cu_seqlens, initial_state)
+
     spec = _spec(q)
     rows = spec[0] if batched else None
     tokens, heads, channels = spec[-3:]
     if tokens is not None or channels is not None:
         out_sharding = (jax.typeof(q).sharding, jax.typeof(initial_state).sharding)
-        return jax.sharding.auto_axes(call, axes=axes, out_sharding=out_sharding)(
+        return jax.sharding.auto_axes(local, axes=axes, out_sharding=out_sharding)(
             q, k, v, g, beta, cu_seqlens, initial_state
         )
     lead = (rows,) if batched else ()
@@ -56,11 +61,6 @@ def per_shard(
     beta_spec = P(*lead, None, heads)
     state_spec = P(rows, heads, None, None)
 
-    def local(q, k, v, g, beta, cu_seqlens, initial_state):
-        return call(q, k, v, g, beta, None if batched else cu_seqlens, initial_state)
-
-    if batched:  # no boundaries: a placeholder that shard_map can take
-        cu_seqlens = jax.numpy.zeros((2,), jax.numpy.int32)
     in_specs = (token_like,) * 4 + (beta_spec, P(), state_spec)
     args = [
         jax.sharding.reshard(x, s)
