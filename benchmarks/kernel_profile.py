@@ -25,6 +25,8 @@ from dataclasses import dataclass
 
 import jax
 
+from jax_kda.sm90.kernels.layout import SCAN_VARIANTS
+
 
 @dataclass(frozen=True)
 class KernelTimes:
@@ -143,7 +145,8 @@ def _main():
         "sm90.training_forward) for each variant: comma-separated 'base' (none of these), 'core' "
         "(the chunk-core kernel's operands), 'dbwd' (with core: their backward's decayed "
         "products on their kernel), 'x3' (the dense products around the scan as bf16x3), "
-        "'v16'/'v32'/'v64' (the state-scan variant), joined by '+' (e.g. base,core+dbwd+v64+x3)",
+        "'v16'/'v32'/'v64' (the float32 state-scan variants) or 't16'/'t32' (the tensor-core "
+        "scan with the V-slice as wgmma N), joined by '+' (e.g. base,core+dbwd+v64+x3)",
     )
     parser.add_argument(
         "--forward-only",
@@ -214,8 +217,8 @@ def _variants(text: str) -> list[tuple[str, dict]]:
                 options["decayed_bwd"] = True
             elif part == "x3":
                 options["dense_bf16x3"] = True
-            elif part in ("v16", "v32", "v64"):
-                options["scan_v_slice"] = int(part[1:])
+            elif part in SCAN_VARIANTS:
+                options["scan_v_slice"], options["scan_tensor_cores"] = SCAN_VARIANTS[part]
             elif part != "base":
                 raise argparse.ArgumentTypeError(f"unknown variant part {part!r} in {name!r}")
         out.append((name, options))

@@ -62,10 +62,16 @@ def test_train_variants_parse_into_training_forward_options():
     assert _variants("base,core,v64,core+dbwd+v64+x3") == [
         ("base", off),
         ("core", {**off, "chunk_core": True}),
-        ("v64", {**off, "scan_v_slice": 64}),
+        ("v64", {**off, "scan_v_slice": 64, "scan_tensor_cores": False}),
         (
             "core+dbwd+v64+x3",
-            {"chunk_core": True, "decayed_bwd": True, "scan_v_slice": 64, "dense_bf16x3": True},
+            {
+                "chunk_core": True,
+                "decayed_bwd": True,
+                "scan_v_slice": 64,
+                "scan_tensor_cores": False,
+                "dense_bf16x3": True,
+            },
         ),
     ]
     with pytest.raises(argparse.ArgumentTypeError, match="unknown variant part 'v8'"):

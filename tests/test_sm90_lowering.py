@@ -19,7 +19,7 @@ from jax_kda import sm90
 from jax_kda.oracle import production_inputs
 from jax_kda.sm90 import export as cute_export
 from jax_kda.sm90.ffi_call import TARGET
-from jax_kda.sm90.kernels.layout import SCAN_V_SLICES
+from jax_kda.sm90.kernels.layout import SCAN_VARIANTS
 from jax_kda.sm90.plan import plan_prefill
 
 # Heads from SPEC's shapes and the small/many-sequence cases; every one is a separate variant.
@@ -175,10 +175,10 @@ def test_lowers_inside_scan_fori_loop_grad_and_batched():
     assert TARGET in _lower(batched, *rows, state)
 
 
-@pytest.mark.parametrize("v_slice", SCAN_V_SLICES)
+@pytest.mark.parametrize("variant", SCAN_VARIANTS)
 @pytest.mark.parametrize("reverse", [False, True], ids=["forward", "reverse"])
-def test_state_scan_variants_export_for_sm90a(reverse, v_slice):
-    artifact = sm90.state_scan_artifact(reverse, v_slice)
+def test_state_scan_variants_export_for_sm90a(reverse, variant):
+    artifact = sm90.state_scan_artifact(reverse, *SCAN_VARIANTS[variant])
     assert artifact.object_bytes[:4] == b"\x7fELF"
     assert len(artifact.tensors) == 8  # A, B, decay, addend, cu_seqlens, y0, states, final
 

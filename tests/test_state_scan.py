@@ -178,3 +178,23 @@ def test_xla_gradients_on_long_memory_data_with_a_custom_scale():
     solve that dropped its far blocks, or a backward that ignored the scale, fails here."""
     x = long_memory_inputs([200, 0, 90], 2, seed=23, dtype=jnp.float32)
     _xla_gradients_against_oracle(x, 0.3, seed=3)
+
+
+def test_tensor_core_scan_operands_split_to_2e16():
+    """state_scan_operands: A as [.., 64, hi | lo channels], B^T as [.., hi | lo tokens, K],
+    bf16, with hi + lo = x to about 2^-16 under jit (a rounding f32 -> bf16 -> f32 round trip
+    that XLA dropped would leave lo = 0 and bf16's 2^-9)."""
+    rng = np.random.default_rng(3)
+    a = jnp.asarray(rng.standard_normal((3, 2, 64, 128)) * 10.0 ** rng.integers(-3, 3), jnp.float32)
+    b = jnp.asarray(rng.standard_normal((3, 2, 64, 128)), jnp.float32)
+    a_img, bt_img = jax.jit(sm90.state_scan_operands)(a, b)
+    assert a_img.shape == (3, 2, 64, 256) and a_img.dtype == jnp.bfloat16
+    assert bt_img.shape == (3, 2, 128, 128) and bt_img.dtype == jnp.bfloat16
+    a_img, bt_img = np.asarray(a_img, np.float64), np.asarray(bt_img, np.float64)
+    a_back = a_img[..., :128] + a_img[..., 128:]
+    b_back = bt_img[..., :64, :] + bt_img[..., 64:, :]
+    for x, back in ((a, a_back), (b, b_back)):
+        x = np.asarray(x, np.float64)
+        assert np.all(np.abs(back - x) <= 2.0**-16 * np.abs(x))
+        assert np.linalg.norm(back - x) / np.linalg.norm(x) > 0  # lo carries the rest
+        assert np.linalg.norm(back - x) / np.linalg.norm(x) < 2.0**-17

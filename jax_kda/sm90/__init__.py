@@ -28,6 +28,7 @@ from jax_kda.sm90.backend import (
     scan_unavailable_reason,
     state_scan_artifact,
     state_scan_kernel,
+    state_scan_operands,
     training_forward,
     unavailable_reason,
 )
@@ -51,6 +52,7 @@ __all__ = [
     "scan_unavailable_reason",
     "state_scan_artifact",
     "state_scan_kernel",
+    "state_scan_operands",
     "training_forward",
     "unavailable_reason",
 ]

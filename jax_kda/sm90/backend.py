@@ -206,26 +206,40 @@ def forward(q, k, v, g, beta, cu_seqlens, initial_state, scale, *, segments=None
 
 
 @functools.cache
-def state_scan_artifact(reverse: bool, v_slice: int):
-    """The exported state-scan kernel (kernels/kda_state_scan_sm90.py) for one direction and
-    V-slice width; slots, heads and sequences are all symbolic: one compile serves every call."""
+def state_scan_artifact(reverse: bool, v_slice: int, tensor_cores: bool = False):
+    """The exported state-scan kernel for one direction and V-slice width: the SIMT kernel
+    (kernels/kda_state_scan_sm90.py; v_slice 64 the m64 wgmma one), or with tensor_cores the
+    one with the slice as wgmma N (kernels/kda_state_scan_tc_sm90.py, bf16 [hi | lo] operand
+    images from state_scan_operands). Slots, heads and sequences are all symbolic: one compile
+    serves every call."""
     import cutlass.cute as cute
-    from cutlass import Float32, Int32
+    from cutlass import BFloat16, Float32, Int32
 
     from jax_kda.sm90.export import export, row_major_fake
     from jax_kda.sm90.kernels.kda_state_scan_sm90 import ChunkStateScanSm90, ScanConfig
+    from jax_kda.sm90.kernels.kda_state_scan_tc_sm90 import ChunkStateScanTcSm90
     from jax_kda.sm90.kernels.kda_state_scan_wgmma_sm90 import ChunkStateScanWgmmaSm90
     from jax_kda.sm90.kernels.layout import SCAN_WGMMA_V_SLICE
 
     config = ScanConfig(reverse=reverse, v_slice=v_slice)
-    wgmma = v_slice == SCAN_WGMMA_V_SLICE
-    kernel = (ChunkStateScanWgmmaSm90 if wgmma else ChunkStateScanSm90)(config)
     slots, heads, seqs = cute.sym_int32(), cute.sym_int32(), cute.sym_int32()
     chunk_shape = (slots, heads, SCAN_CHUNK, HEAD_DIM)
     square = (HEAD_DIM, HEAD_DIM)
+    if tensor_cores:
+        kernel = ChunkStateScanTcSm90(config)
+        operands = {
+            "a_img": row_major_fake(BFloat16, (slots, heads, SCAN_CHUNK, 2 * HEAD_DIM)),
+            "bt_img": row_major_fake(BFloat16, (slots, heads, 2 * SCAN_CHUNK, HEAD_DIM)),
+        }
+    else:
+        wgmma = v_slice == SCAN_WGMMA_V_SLICE
+        kernel = (ChunkStateScanWgmmaSm90 if wgmma else ChunkStateScanSm90)(config)
+        operands = {
+            "a_op": row_major_fake(Float32, chunk_shape),
+            "b_op": row_major_fake(Float32, chunk_shape),
+        }
     fakes = {
-        "a_op": row_major_fake(Float32, chunk_shape),
-        "b_op": row_major_fake(Float32, chunk_shape),
+        **operands,
         "decay": row_major_fake(Float32, (slots, heads, HEAD_DIM)),
         "addend": row_major_fake(Float32, (slots, heads, config.addend_rows, HEAD_DIM)),
         "cu_seqlens": row_major_fake(Int32, (cute.sym_int32(),), align=4),
@@ -234,29 +248,54 @@ def state_scan_artifact(reverse: bool, v_slice: int):
         "final": row_major_fake(Float32, (seqs, heads, *square)),
     }
     direction = "rev" if reverse else "fwd"
+    kind = "t" if tensor_cores else "v"
     return export(
         kernel,
         fakes,
-        prefix=f"kda_state_scan_sm90_{direction}_v{v_slice}",
-        config={"reverse": reverse, "v_slice": v_slice},
+        prefix=f"kda_state_scan_sm90_{direction}_{kind}{v_slice}",
+        config={"reverse": reverse, "v_slice": v_slice, "tensor_cores": tensor_cores},
     )
 
 
-def state_scan_kernel(a_op, b_op, decay, addend, cu_seqlens, y0, *, reverse: bool, v_slice=None):
-    """xla.state_scan's contract, run by the sm90 state-scan kernel (no autodiff rule).
-    v_slice: the variant (kernels/layout.py SCAN_V_SLICES); None: the plan's."""
+def _truncated_split(x):
+    """x (float32) = hi + lo with hi = x's top 16 bits (exactly a bfloat16) and lo = x - hi
+    rounded to bfloat16: |x - hi - lo| <= 2^-16 |x|. Bit masking, not a rounding convert: XLA
+    may drop an f32 -> bf16 -> f32 round trip (excess precision), which would zero lo."""
+    bits = jax.lax.bitcast_convert_type(x, jnp.uint32) & jnp.uint32(0xFFFF0000)
+    hi = jax.lax.bitcast_convert_type(bits, jnp.float32)
+    return hi.astype(jnp.bfloat16), (x - hi).astype(jnp.bfloat16)
+
+
+def state_scan_operands(a_op, b_op):
+    """The tensor-core scan's operand images from xla.state_scan's a_op, b_op [slots, H, 64, K]:
+    A as [slots, H, 64, hi | lo channels] and B^T's as [slots, H, hi | lo tokens, K], bf16."""
+    a_hi, a_lo = _truncated_split(a_op)
+    b_hi, b_lo = _truncated_split(b_op)
+    return jnp.concatenate([a_hi, a_lo], axis=-1), jnp.concatenate([b_hi, b_lo], axis=-2)
+
+
+def state_scan_kernel(
+    a_op, b_op, decay, addend, cu_seqlens, y0, *, reverse: bool, v_slice=None, tensor_cores=None
+):  # fmt: skip
+    """xla.state_scan's contract, run by an sm90 state-scan kernel (no autodiff rule).
+    v_slice, tensor_cores: the variant (kernels/layout.py); None: the plan's."""
     from jax_kda.sm90.ffi_call import cute_call
 
     num_heads, num_sequences = y0.shape[1], y0.shape[0]
     if v_slice is None:
         v_slice = scan_v_slice(num_heads, num_sequences, device_sm_count())
+    if tensor_cores is None:
+        tensor_cores = False
+    if tensor_cores:
+        a_op, b_op = state_scan_operands(a_op, b_op)
 
     results = [
         jax.ShapeDtypeStruct((a_op.shape[0], *y0.shape[1:]), jnp.float32),
         jax.ShapeDtypeStruct(y0.shape, jnp.float32),
     ]
     inputs = [a_op, b_op, decay, addend, jnp.asarray(cu_seqlens, jnp.int32), y0]
-    states, final = cute_call(state_scan_artifact(reverse, v_slice), inputs, results)
+    artifact = state_scan_artifact(reverse, v_slice, tensor_cores)
+    states, final = cute_call(artifact, inputs, results)
     return states, final
 
 
@@ -448,7 +487,7 @@ def differentiable_chunk_operands(run, decayed_bwd=None, precision=jax.lax.Preci
 
 def training_forward(
     q, k, v, g, beta, cu_seqlens, initial_state, scale, *, chunk_core=True, decayed_bwd=True,
-    scan_v_slice=None, dense_bf16x3=True,
+    scan_v_slice=None, dense_bf16x3=True, scan_tensor_cores=None,
 ):  # fmt: skip
     """The forward the sm90 backward differentiates (and the no-bound forward), exact for any
     g <= 0: the chunk-core kernel's per-chunk operands (their backward written out,
@@ -458,14 +497,16 @@ def training_forward(
 
     The switches are for profiling (benchmarks.kernel_profile --train-variants) and tests:
     chunk_core=False takes the operands from the XLA path's code, decayed_bwd=False their
-    backward's decayed products too; scan_v_slice picks the state-scan variant (None: the
-    plan's); dense_bf16x3=False runs the dense products at HIGHEST (float32 FMAs)."""
+    backward's decayed products too; scan_v_slice and scan_tensor_cores pick the state-scan
+    variant (None: the plan's); dense_bf16x3=False runs the dense products at HIGHEST (float32 FMAs)."""
     if decayed_bwd and not chunk_core:
         raise ValueError("decayed_bwd=True needs chunk_core=True (the operands' backward it is in)")
     precision = (
         jax.lax.DotAlgorithmPreset.BF16_BF16_F32_X3 if dense_bf16x3 else jax.lax.Precision.HIGHEST
     )
-    kernel = functools.partial(state_scan_kernel, v_slice=scan_v_slice)
+    kernel = functools.partial(
+        state_scan_kernel, v_slice=scan_v_slice, tensor_cores=scan_tensor_cores
+    )
     scan = differentiable_state_scan(kernel, precision)
     if chunk_core:
         operands = differentiable_chunk_operands(

@@ -17,5 +17,16 @@ SCAN_WGMMA_V_SLICE = 64
 """State columns one CTA of the tensor-core state scan owns (kda_state_scan_wgmma_sm90.py): the
 M of its wgmma products."""
 
+SCAN_TC_V_SLICES = (16, 32)
+"""State columns one CTA of the tensor-core state scan with the slice as wgmma N may own
+(kda_state_scan_tc_sm90.py)."""
+
 SCAN_V_SLICES = (*SCAN_SIMT_V_SLICES, SCAN_WGMMA_V_SLICE)
-"""Every state-scan variant, by the state columns one CTA owns."""
+"""Every state-scan variant on float32 operands, by the state columns one CTA owns."""
+
+SCAN_VARIANTS = {
+    **{f"v{v}": (v, False) for v in SCAN_V_SLICES},
+    **{f"t{v}": (v, True) for v in SCAN_TC_V_SLICES},
+}
+"""Every state-scan kernel by name: (state columns per CTA, tensor-core scan with the slice as
+wgmma N). The names are the kernels' export prefixes' last part and kernel_profile's."""

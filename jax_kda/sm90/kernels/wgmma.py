@@ -15,15 +15,16 @@ import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import BFloat16, Float32
 
 
-def bf16_tiled_mma(tile_mn, a_source, b_mn_major: bool = False):
-    """One-warpgroup wgmma, bf16 operands, float32 accumulator; A K-major, from shared memory
-    (OperandSource.SMEM) or registers (OperandSource.RMEM); B K-major, or N-major with
-    b_mn_major (an image written by its N index: image_layout(..., mn_major=True))."""
+def bf16_tiled_mma(tile_mn, a_source, b_mn_major: bool = False, a_mn_major: bool = False):
+    """One-warpgroup wgmma, bf16 operands, float32 accumulator; A from shared memory
+    (OperandSource.SMEM) or registers (OperandSource.RMEM), K-major or (shared memory only)
+    M-major with a_mn_major; B K-major, or N-major with b_mn_major (an image written by its N
+    index: image_layout(..., mn_major=True))."""
     major = cute.nvgpu.OperandMajorMode
     return sm90_utils.make_trivial_tiled_mma(
         BFloat16,
         BFloat16,
-        major.K,
+        major.MN if a_mn_major else major.K,
         major.MN if b_mn_major else major.K,
         Float32,
         (1, 1, 1),
@@ -37,6 +38,15 @@ def image_layout(n: int, k: int, mn_major: bool = False):
     N-major (consecutive n adjacent: threads that own one n each write it without conflicts)."""
     kind = warpgroup.SmemLayoutAtomKind
     atom = warpgroup.make_smem_layout_atom(kind.MN_SW128 if mn_major else kind.K_SW128, BFloat16)
+    return cute.tile_to_shape(atom, (n, k), order=(1, 0) if mn_major else (0, 1))
+
+
+def inter_image_layout(n: int, k: int, mn_major: bool = False):
+    """A wgmma operand image (rows n, K = k) without swizzle (8 x 8 core matrices): 8
+    consecutive K elements (K-major) or n rows (N-major) are one contiguous 16-byte piece, so
+    cp.async can fill it from a plain row-major array."""
+    kind = warpgroup.SmemLayoutAtomKind
+    atom = warpgroup.make_smem_layout_atom(kind.MN_INTER if mn_major else kind.K_INTER, BFloat16)
     return cute.tile_to_shape(atom, (n, k), order=(1, 0) if mn_major else (0, 1))
 
 

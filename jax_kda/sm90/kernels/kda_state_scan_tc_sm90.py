@@ -1,0 +1,283 @@
+"""The chunk-state scan on tensor cores, sm_90a CuTe DSL: the contract and math of
+kda_state_scan_sm90.py (read its docstring), with the state's V-slice as the wgmma N.
+
+Per chunk, the state Y [128 K, VS] (VS = 16 or 32 columns of one (head, sequence)) lives in
+float32 wgmma accumulators (never rounded between chunks), and two products step it:
+
+  product 1:  acc [64 tokens, VS] = A Y (- P forward)          m64nVS,  K = 128 channels
+  product 2:  Y = Diag(a) Y (+ Q reverse) + B^T (-acc)        2 x m64nVS, K = 64 tokens
+
+with A = W, B = Kd forward (acc = -X, X = P - W Y: Y += Kd^T X) and A = Kd, B = W reverse
+(acc = X = Kd Y: Y -= W^T X). Both products run as three bf16 products (hi*hi + lo*hi + hi*lo, about 2^-16
+relative, float32 accumulation): A and B^T come as bf16 [hi | lo] images that the caller split
+(state_scan_operands), copied into shared memory by cp.async one chunk ahead (two stages);
+Y and -X are split into bf16 images in shared memory by the threads that hold them.
+
+One warpgroup per CTA, grid (128 / VS, H, N): narrow slices give each (head, sequence) 4 or 8
+CTAs, so the SMs fill at small H * N, and each chunk step is a few small products (the SIMT
+kernel spends ~4.5 us a step on float32 FMAs, the m64 wgmma kernel ~4.4 us at VS = 64).
+"""
+
+from __future__ import annotations
+
+import cuda.bindings.driver as cuda
+import cutlass
+import cutlass.cute as cute
+import cutlass.cute.nvgpu.warpgroup as warpgroup
+from cutlass import BFloat16, Float32
+from cutlass.cute.nvgpu import cpasync
+from cutlass.memory import SmemAllocator
+
+from jax_kda.constants import HEAD_DIM, SCAN_CHUNK
+from jax_kda.sm90.kernels.kda_state_scan_sm90 import ScanConfig
+from jax_kda.sm90.kernels.layout import SCAN_TC_V_SLICES
+from jax_kda.sm90.kernels.varlen import scan_slots
+from jax_kda.sm90.kernels.wgmma import bf16_tiled_mma, gemm_bf16x3, inter_image_layout, vec4
+
+NTHREADS = 128
+STAGES = 2
+A_K = 2 * HEAD_DIM  # A image: [64 tokens, hi | lo channels]
+BT_K = 2 * SCAN_CHUNK  # B^T image: [128 channels, hi | lo tokens]
+HALF = HEAD_DIM // 2  # product 2 is two m64 products: channels [0, 64) and [64, 128)
+
+
+def _vec8(ptr):
+    """Eight bf16 at ptr as one 16-byte vector (alignment made known to the compiler)."""
+    return cute.make_tensor(ptr.align(16), cute.make_layout(8))
+
+
+class ChunkStateScanTcSm90:
+    def __init__(self, config: ScanConfig):
+        if config.v_slice not in SCAN_TC_V_SLICES:
+            raise ValueError(
+                f"the tensor-core scan owns {SCAN_TC_V_SLICES} state columns, got {config.v_slice}"
+            )
+        self.reverse = config.reverse
+        self.vs = config.v_slice
+        self.addend_rows = config.addend_rows
+        self.add_row = config.v_slice + 4  # padded addend rows: 16-byte aligned, fewer conflicts
+
+    @cute.jit
+    def __call__(
+        self,
+        a_img: cute.Tensor,
+        bt_img: cute.Tensor,
+        decay: cute.Tensor,
+        addend: cute.Tensor,
+        cu_seqlens: cute.Tensor,
+        y0: cute.Tensor,
+        states: cute.Tensor,
+        final: cute.Tensor,
+        stream: cuda.CUstream,
+    ):
+        n_seq = cu_seqlens.shape[0] - 1
+        heads = y0.shape[1]
+        smem = warpgroup.OperandSource.SMEM
+        mma_x = bf16_tiled_mma((SCAN_CHUNK, self.vs), smem, b_mn_major=True)
+        mma_y = bf16_tiled_mma((HALF, self.vs), smem, b_mn_major=True, a_mn_major=True)
+        self.kernel(a_img, bt_img, decay, addend, cu_seqlens, y0, states, final, mma_x, mma_y).launch(
+            grid=[HEAD_DIM // self.vs, heads, n_seq], block=[NTHREADS, 1, 1], stream=stream
+        )
+
+    @cute.kernel
+    def kernel(
+        self,
+        mA: cute.Tensor,
+        mBt: cute.Tensor,
+        mDecay: cute.Tensor,
+        mAdd: cute.Tensor,
+        mCu: cute.Tensor,
+        mY0: cute.Tensor,
+        mStates: cute.Tensor,
+        mFinal: cute.Tensor,
+        mma_x: cute.TiledMma,
+        mma_y: cute.TiledMma,
+    ):
+        VS = self.vs
+        tid, _, _ = cute.arch.thread_idx()
+        vsl, h, n = cute.arch.block_idx()
+        vbase = vsl * VS
+        n_slots = mStates.shape[0]
+
+        smem = SmemAllocator()
+        lay_a = inter_image_layout(SCAN_CHUNK, A_K)
+        lay_bt = inter_image_layout(HEAD_DIM, BT_K, mn_major=True)
+        lay_y = inter_image_layout(VS, 2 * HEAD_DIM, mn_major=True)  # B of product 1
+        lay_x = inter_image_layout(VS, 2 * SCAN_CHUNK, mn_major=True)  # B of product 2
+        s_a = [smem.allocate_tensor(BFloat16, lay_a.outer, 1024, swizzle=lay_a.inner)
+               for _ in range(STAGES)]  # fmt: skip
+        s_bt = [smem.allocate_tensor(BFloat16, lay_bt.outer, 1024, swizzle=lay_bt.inner)
+                for _ in range(STAGES)]  # fmt: skip
+        s_y = smem.allocate_tensor(BFloat16, lay_y.outer, 1024, swizzle=lay_y.inner)
+        s_x = smem.allocate_tensor(BFloat16, lay_x.outer, 1024, swizzle=lay_x.inner)
+        add_layout = cute.make_layout(
+            (self.addend_rows, VS, STAGES),
+            stride=(self.add_row, 1, self.addend_rows * self.add_row),
+        )
+        s_add = smem.allocate_tensor(Float32, add_layout, 16)
+        s_decay = smem.allocate_tensor(
+            Float32, cute.make_layout((HEAD_DIM, STAGES), stride=(1, HEAD_DIM)), 16
+        )
+
+        thr_x = mma_x.get_slice(tid)
+        thr_y = mma_y.get_slice(tid)
+        f_a = [mma_x.make_fragment_A(thr_x.partition_A(s_a[s])) for s in range(STAGES)]
+        f_bt = [[mma_y.make_fragment_A(thr_y.partition_A(
+                    cute.local_tile(s_bt[s], (HALF, BT_K), (m, 0)))) for m in range(2)]
+                for s in range(STAGES)]  # fmt: skip
+        f_y = mma_x.make_fragment_B(thr_x.partition_B(s_y))
+        f_x = mma_y.make_fragment_B(thr_y.partition_B(s_x))
+        c_x = thr_x.partition_C(cute.make_identity_tensor((SCAN_CHUNK, VS)))  # (token, v)
+        c_y = thr_y.partition_C(cute.make_identity_tensor((HALF, VS)))  # (channel % 64, v)
+        acc_x = cute.make_rmem_tensor(mma_x.partition_shape_C((SCAN_CHUNK, VS)), Float32)
+        acc_y = [cute.make_rmem_tensor(mma_y.partition_shape_C((HALF, VS)), Float32)
+                 for _ in range(2)]  # fmt: skip
+        # Every product accumulates (onto -P or zero, or the decayed state): set once, outside
+        # the loop's branches (the field is staged state of the TiledMma object).
+        mma_x.set(warpgroup.Field.ACCUMULATE, True)
+        mma_y.set(warpgroup.Field.ACCUMULATE, True)
+
+        slot0, nch, gap_end = scan_slots(mCu, n, n_slots, SCAN_CHUNK)
+        for m in cutlass.range_constexpr(2):
+            for i in cutlass.range_constexpr(cute.size(acc_y[m])):
+                ch, v = c_y[i]
+                acc_y[m][i] = mY0[n, h, m * HALF + ch, vbase + v]
+
+        if nch > 0:
+            first = self._slot(slot0, nch, 0)
+            self._load(mA, mBt, mDecay, mAdd, first, h, vbase, 0, s_a[0], s_bt[0], s_add,
+                       s_decay, tid)  # fmt: skip
+        cute.arch.cp_async_commit_group()
+
+        for j in cutlass.range(nch, unroll=1):
+            slot = self._slot(slot0, nch, j)
+            for s in cutlass.range_constexpr(STAGES):
+                if j % STAGES == s:
+                    if j + 1 < nch:
+                        nxt = self._slot(slot0, nch, j + 1)
+                        self._load(mA, mBt, mDecay, mAdd, nxt, h, vbase, 1 - s, s_a[1 - s],
+                                   s_bt[1 - s], s_add, s_decay, tid)  # fmt: skip
+                    cute.arch.cp_async_commit_group()
+                    self._step(mma_x, mma_y, acc_x, acc_y, c_x, c_y, f_a[s], f_bt[s], f_y, f_x,
+                               s_y, s_x, s_add, s_decay, s, mStates, slot, h, vbase)  # fmt: skip
+
+        cute.arch.cp_async_wait_group(0)
+        for m in cutlass.range_constexpr(2):
+            for i in cutlass.range_constexpr(cute.size(acc_y[m])):
+                ch, v = c_y[i]
+                mFinal[n, h, m * HALF + ch, vbase + v] = acc_y[m][i]
+        # gap slots after this sequence's chunks: zero states (coalesced over columns)
+        for slot in cutlass.range(slot0 + nch, gap_end, unroll=1):
+            for it in cutlass.range_constexpr(HEAD_DIM * VS // NTHREADS):
+                e = tid + it * NTHREADS
+                mStates[slot, h, e // VS, vbase + e % VS] = Float32(0.0)
+
+    @cute.jit
+    def _slot(self, slot0, nch, j):
+        """The slot of step j: forward in slot order, reverse from the last."""
+        slot = slot0 + j
+        if cutlass.const_expr(self.reverse):
+            slot = slot0 + nch - 1 - j
+        return slot
+
+    @cute.jit
+    def _step(self, mma_x, mma_y, acc_x, acc_y, c_x, c_y, f_a, f_bt, f_y, f_x, s_y, s_x,
+              s_add, s_decay, stage: cutlass.Constexpr[int], mStates, slot, h, vbase):  # fmt: skip
+        """One chunk: store the state entering it, then the two products."""
+        for m in cutlass.range_constexpr(2):
+            for i in cutlass.range_constexpr(cute.size(acc_y[m])):
+                ch, v = c_y[i]
+                ch = m * HALF + ch
+                y = acc_y[m][i]
+                mStates[slot, h, ch, vbase + v] = y
+                y_hi = y.to(BFloat16)
+                s_y[v, ch] = y_hi
+                s_y[v, HEAD_DIM + ch] = (y - y_hi.to(Float32)).to(BFloat16)
+        cute.arch.cp_async_wait_group(1)  # this thread's part of the chunk landed
+        cute.arch.fence_proxy("async.shared", space="cta")
+        cute.arch.sync_threads()  # the chunk's images and Y's visible to every thread
+
+        # Y = Diag(a) Y (+ Q reverse), before product 1 is issued: registers that an issued
+        # wgmma may still read (any accumulator, for the compiler) make it wait for the product.
+        for m in cutlass.range_constexpr(2):
+            for i in cutlass.range_constexpr(cute.size(acc_y[m])):
+                ch, v = c_y[i]
+                ch = m * HALF + ch
+                y = acc_y[m][i] * s_decay[ch, stage]
+                if cutlass.const_expr(self.reverse):
+                    y = y + s_add[ch, v, stage]
+                acc_y[m][i] = y
+
+        # ---- product 1: acc = A Y (- P forward)
+        for i in cutlass.range_constexpr(cute.size(acc_x)):
+            acc_x[i] = Float32(0.0)
+            if cutlass.const_expr(not self.reverse):
+                tok, v = c_x[i]
+                acc_x[i] = -s_add[tok, v, stage]
+        cute.nvgpu.warpgroup.fence()
+        gemm_bf16x3(mma_x, acc_x, f_a, f_a, HEAD_DIM // 16, f_y, HEAD_DIM // 16)
+        cute.nvgpu.warpgroup.commit_group()
+        cute.nvgpu.warpgroup.wait_group(0)
+
+        # ---- product 2: Y += B^T (-acc): forward acc = -X (Y += Kd^T X), reverse acc = X
+        # (Y -= W^T X)
+        for i in cutlass.range_constexpr(cute.size(acc_x)):
+            tok, v = c_x[i]
+            x = -acc_x[i]
+            x_hi = x.to(BFloat16)
+            s_x[v, tok] = x_hi
+            s_x[v, SCAN_CHUNK + tok] = (x - x_hi.to(Float32)).to(BFloat16)
+        cute.arch.fence_proxy("async.shared", space="cta")
+        cute.arch.sync_threads()
+        cute.nvgpu.warpgroup.fence()
+        for m in cutlass.range_constexpr(2):
+            gemm_bf16x3(mma_y, acc_y[m], f_bt[m], f_bt[m], SCAN_CHUNK // 16, f_x, SCAN_CHUNK // 16)
+        cute.nvgpu.warpgroup.commit_group()
+        cute.nvgpu.warpgroup.wait_group(0)
+        cute.arch.sync_threads()  # the stage and the Y, X images free for the next chunk
+
+    @cute.jit
+    def _load(self, mA, mBt, mDecay, mAdd, slot, h, vbase, stage: cutlass.Constexpr[int], s_a,
+              s_bt, s_add, s_decay, tid):  # fmt: skip
+        """Issue this thread's cp.async copies of one chunk into `stage`: the A and B^T images
+        (16-byte pieces: 8 consecutive K elements of A's K-major image, 8 consecutive channels of
+        B^T's MN-major one, contiguous in the interleaved layouts), the addend's V slice and the
+        decay."""
+        VS = self.vs
+        bf16_atom = cute.make_copy_atom(
+            cpasync.CopyG2SOp(cpasync.LoadCacheMode.GLOBAL), BFloat16, num_bits_per_copy=128
+        )
+        f32_atom = cute.make_copy_atom(
+            cpasync.CopyG2SOp(cpasync.LoadCacheMode.GLOBAL), Float32, num_bits_per_copy=128
+        )
+        # Lanes in groups of 8 take 8 consecutive rows of one 16-byte piece column (128 bytes
+        # in a row of the image: no bank conflicts), 4 groups take 4 adjacent pieces (64 bytes
+        # of a row of the source).
+        r = tid % 8
+        g = (tid // 8) % 4
+        a_row_blocks = SCAN_CHUNK // 8
+        for it in cutlass.range_constexpr(SCAN_CHUNK * (A_K // 8) // NTHREADS):
+            rest = tid // 32 + it * (NTHREADS // 32)
+            row = 8 * (rest % a_row_blocks) + r
+            col = 8 * (4 * (rest // a_row_blocks) + g)
+            src = mA[slot, h, row, None].iterator + col
+            dst = s_a.iterator + cute.crd2idx((row, col), s_a.layout)
+            cute.copy(bf16_atom, _vec8(src), _vec8(dst))
+        bt_row_blocks = BT_K // 8
+        for it in cutlass.range_constexpr(BT_K * (HEAD_DIM // 8) // NTHREADS):
+            rest = tid // 32 + it * (NTHREADS // 32)
+            k = 8 * (rest % bt_row_blocks) + r
+            ch = 8 * (4 * (rest // bt_row_blocks) + g)
+            src = mBt[slot, h, k, None].iterator + ch
+            dst = s_bt.iterator + cute.crd2idx((ch, k), s_bt.layout)
+            cute.copy(bf16_atom, _vec8(src), _vec8(dst))
+        add_pieces = VS // 4
+        for it in cutlass.range_constexpr(self.addend_rows * add_pieces // NTHREADS):
+            e = tid + it * NTHREADS
+            row = e // add_pieces
+            col = (e % add_pieces) * 4
+            src = mAdd[slot, h, row, None].iterator + (vbase + col)
+            cute.copy(f32_atom, vec4(src), vec4(s_add[row, None, stage].iterator + col))
+        if tid < HEAD_DIM // 4:
+            src = mDecay[slot, h, None].iterator + 4 * tid
+            cute.copy(f32_atom, vec4(src), vec4(s_decay[None, stage].iterator + 4 * tid))
