@@ -54,7 +54,9 @@ def test_scan_kernel_matches_xla_scan(name, reverse, variant):
     v_slice, tensor_cores = SCAN_VARIANTS[variant]
     args = scan_operands(SCAN_LENGTHS[name], 3, SEED + len(name), reverse=reverse)
     artifact = sm90.state_scan_artifact(reverse, v_slice, tensor_cores)
-    operands = sm90.state_scan_operands(*args[:2]) if tensor_cores else args[:2]
+    inputs = list(args)
+    if tensor_cores:  # the images and the addend's slices, laid out for the bulk copies
+        inputs[0], inputs[1], inputs[3] = sm90.state_scan_operands(*args[:2], args[3], v_slice)
     y0 = args[5]
     results = [
         jax.ShapeDtypeStruct((args[0].shape[0], *y0.shape[1:]), jnp.float32),
@@ -66,7 +68,7 @@ def test_scan_kernel_matches_xla_scan(name, reverse, variant):
         poison = [jnp.full(r.shape, jnp.nan, r.dtype) for r in results]
         return cute_call(artifact, [*inputs, *poison], results, aliases={6: 0, 7: 1})
 
-    states, final = run(*operands, *args[2:])
+    states, final = run(*inputs)
     ref_states, ref_final = jax.jit(lambda *a: xla.state_scan(*a, reverse=reverse))(*args)
     err_states = rms_ratio(states, ref_states) if ref_states.size else 0.0
     err_final = rms_ratio(final, ref_final)

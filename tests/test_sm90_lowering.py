@@ -202,7 +202,7 @@ def test_grad_lowers_to_the_backward_kernels_and_no_loop():
     text = _lower(jax.grad(loss, argnums=(0, 1, 2, 3, 4, 6)), *x)
     prefixes = re.findall(r'prefix = "(\w+)"', text)
     assert any(p.startswith("kda_fwd_sm90_") for p in prefixes), prefixes
-    assert "kda_state_scan_sm90_fwd_v16" in prefixes and "kda_state_scan_sm90_rev_v16" in prefixes
+    assert "kda_state_scan_sm90_fwd_t16" in prefixes and "kda_state_scan_sm90_rev_t16" in prefixes
     assert "stablehlo.while" not in text
 
 

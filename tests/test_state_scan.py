@@ -180,21 +180,38 @@ def test_xla_gradients_on_long_memory_data_with_a_custom_scale():
     _xla_gradients_against_oracle(x, 0.3, seed=3)
 
 
-def test_tensor_core_scan_operands_split_to_2e16():
-    """state_scan_operands: A as [.., 64, hi | lo channels], B^T as [.., hi | lo tokens, K],
-    bf16, with hi + lo = x to about 2^-16 under jit (a rounding f32 -> bf16 -> f32 round trip
-    that XLA dropped would leave lo = 0 and bf16's 2^-9)."""
+def _from_image(img, rows, cols):
+    """Inverse of the interleaved image order (backend._interleaved_image)."""
+    lead = img.shape[:-1]
+    x = img.reshape(*lead, cols // 8, rows // 8, 8, 8)
+    n = len(lead)
+    return np.transpose(x, (*range(n), n + 1, n + 2, n, n + 3)).reshape(*lead, rows, cols)
+
+
+def test_tensor_core_scan_operands():
+    """state_scan_operands: A as [64 tokens, hi | lo channels] and B^T as [hi | lo tokens, K]
+    images in wgmma's interleaved order, bf16, with hi + lo = x to about 2^-16 under jit (a
+    rounding f32 -> bf16 -> f32 round trip that XLA dropped would leave lo = 0 and bf16's
+    2^-9); the addend as contiguous V slices."""
     rng = np.random.default_rng(3)
     a = jnp.asarray(rng.standard_normal((3, 2, 64, 128)) * 10.0 ** rng.integers(-3, 3), jnp.float32)
     b = jnp.asarray(rng.standard_normal((3, 2, 64, 128)), jnp.float32)
-    a_img, bt_img = jax.jit(sm90.state_scan_operands)(a, b)
-    assert a_img.shape == (3, 2, 64, 256) and a_img.dtype == jnp.bfloat16
-    assert bt_img.shape == (3, 2, 128, 128) and bt_img.dtype == jnp.bfloat16
-    a_img, bt_img = np.asarray(a_img, np.float64), np.asarray(bt_img, np.float64)
+    add = jnp.asarray(rng.standard_normal((3, 2, 128, 128)), jnp.float32)
+    a_img, bt_img, slices = jax.jit(sm90.state_scan_operands, static_argnums=3)(a, b, add, 32)
+    assert a_img.shape == bt_img.shape == (3, 2, 16384) and a_img.dtype == jnp.bfloat16
+    a_img = _from_image(np.asarray(a_img, np.float64), 64, 256)
+    bt_img = _from_image(np.asarray(bt_img, np.float64), 128, 128)
     a_back = a_img[..., :128] + a_img[..., 128:]
     b_back = bt_img[..., :64, :] + bt_img[..., 64:, :]
     for x, back in ((a, a_back), (b, b_back)):
         x = np.asarray(x, np.float64)
         assert np.all(np.abs(back - x) <= 2.0**-16 * np.abs(x))
-        assert np.linalg.norm(back - x) / np.linalg.norm(x) > 0  # lo carries the rest
         assert np.linalg.norm(back - x) / np.linalg.norm(x) < 2.0**-17
+    # the image order itself: element (m, k) of a K-major image at (k//8)*512 + (m//8)*64 + ...
+    a_raw = np.asarray(jax.jit(sm90.state_scan_operands, static_argnums=3)(a, b, add, 32)[0])
+    a_hi = np.asarray(a.astype(jnp.bfloat16), np.float64)  # truncation and rounding agree
+    m, k = 13, 77
+    assert abs(float(a_raw[0, 0, (k // 8) * 512 + (m // 8) * 64 + (m % 8) * 8 + k % 8]) - a_hi[0, 0, m, k]) <= 2.0**-8 * abs(a_hi[0, 0, m, k])
+    slices = np.asarray(slices)
+    assert slices.shape == (3, 2, 4, 128 * 32)
+    np.testing.assert_array_equal(slices[1, 0, 2].reshape(128, 32), np.asarray(add)[1, 0, :, 64:96])

@@ -18,6 +18,7 @@ import numpy as np
 
 from jax_kda import xla
 from jax_kda.constants import HEAD_DIM, SCAN_CHUNK
+from jax_kda.sm90.kernels.layout import SCAN_TC_V_SLICES
 from jax_kda.sm90.plan import GRID_YZ_LIMIT, plan_prefill, scan_v_slice
 
 SM_COUNT_ENV = "JAX_KDA_SM_COUNT"
@@ -227,10 +228,12 @@ def state_scan_artifact(reverse: bool, v_slice: int, tensor_cores: bool = False)
     square = (HEAD_DIM, HEAD_DIM)
     if tensor_cores:
         kernel = ChunkStateScanTcSm90(config)
+        image = (slots, heads, SCAN_CHUNK * 2 * HEAD_DIM)
         operands = {
-            "a_img": row_major_fake(BFloat16, (slots, heads, SCAN_CHUNK, 2 * HEAD_DIM)),
-            "bt_img": row_major_fake(BFloat16, (slots, heads, 2 * SCAN_CHUNK, HEAD_DIM)),
+            "a_img": row_major_fake(BFloat16, image),
+            "bt_img": row_major_fake(BFloat16, image),
         }
+        addend = (slots, heads, HEAD_DIM // v_slice, config.addend_rows * v_slice)
     else:
         wgmma = v_slice == SCAN_WGMMA_V_SLICE
         kernel = (ChunkStateScanWgmmaSm90 if wgmma else ChunkStateScanSm90)(config)
@@ -238,10 +241,11 @@ def state_scan_artifact(reverse: bool, v_slice: int, tensor_cores: bool = False)
             "a_op": row_major_fake(Float32, chunk_shape),
             "b_op": row_major_fake(Float32, chunk_shape),
         }
+        addend = (slots, heads, config.addend_rows, HEAD_DIM)
     fakes = {
         **operands,
         "decay": row_major_fake(Float32, (slots, heads, HEAD_DIM)),
-        "addend": row_major_fake(Float32, (slots, heads, config.addend_rows, HEAD_DIM)),
+        "addend": row_major_fake(Float32, addend),
         "cu_seqlens": row_major_fake(Int32, (cute.sym_int32(),), align=4),
         "y0": row_major_fake(Float32, (seqs, heads, *square)),
         "states": row_major_fake(Float32, (slots, heads, *square)),
@@ -266,28 +270,50 @@ def _truncated_split(x):
     return hi.astype(jnp.bfloat16), (x - hi).astype(jnp.bfloat16)
 
 
-def state_scan_operands(a_op, b_op):
-    """The tensor-core scan's operand images from xla.state_scan's a_op, b_op [slots, H, 64, K]:
-    A as [slots, H, 64, hi | lo channels] and B^T's as [slots, H, hi | lo tokens, K], bf16."""
+def _interleaved_image(x):
+    """[..., r, c] (row-major, K-major rows of a wgmma operand, or its N-major transpose's) ->
+    [..., r * c] in the element order of wgmma.inter_image_layout's image in shared memory:
+    8 x 8 core matrices, rows within them, then blocks down the rows, then across."""
+    *lead, r, c = x.shape
+    n = len(lead)
+    x = x.reshape(*lead, r // 8, 8, c // 8, 8)
+    x = jnp.transpose(x, (*range(n), n + 2, n, n + 1, n + 3))
+    return x.reshape(*lead, r * c)
+
+
+def state_scan_operands(a_op, b_op, addend, v_slice: int):
+    """The tensor-core scan's inputs from xla.state_scan's a_op, b_op [slots, H, 64, K] and
+    addend [slots, H, rows, V], each as one contiguous block per (slot, head) that a bulk copy
+    brings into shared memory as it is: A's image [64 tokens, hi | lo channels] and B^T's
+    [channels, hi | lo tokens] (bf16, in the interleaved images' order), and the addend's
+    V slices [slots, H, V / v_slice, rows * v_slice]."""
     a_hi, a_lo = _truncated_split(a_op)
     b_hi, b_lo = _truncated_split(b_op)
-    return jnp.concatenate([a_hi, a_lo], axis=-1), jnp.concatenate([b_hi, b_lo], axis=-2)
+    a_img = _interleaved_image(jnp.concatenate([a_hi, a_lo], axis=-1))
+    bt_img = _interleaved_image(jnp.concatenate([b_hi, b_lo], axis=-2))
+    slots, heads, rows, width = addend.shape
+    slices = addend.reshape(slots, heads, rows, width // v_slice, v_slice)
+    slices = jnp.transpose(slices, (0, 1, 3, 2, 4)).reshape(slots, heads, -1, rows * v_slice)
+    return a_img, bt_img, slices
 
 
 def state_scan_kernel(
     a_op, b_op, decay, addend, cu_seqlens, y0, *, reverse: bool, v_slice=None, tensor_cores=None
 ):  # fmt: skip
     """xla.state_scan's contract, run by an sm90 state-scan kernel (no autodiff rule).
-    v_slice, tensor_cores: the variant (kernels/layout.py); None: the plan's."""
+    v_slice, tensor_cores: the variant (kernels/layout.py SCAN_VARIANTS); None: the plan's
+    width, on tensor cores."""
     from jax_kda.sm90.ffi_call import cute_call
 
     num_heads, num_sequences = y0.shape[1], y0.shape[0]
     if v_slice is None:
         v_slice = scan_v_slice(num_heads, num_sequences, device_sm_count())
     if tensor_cores is None:
-        tensor_cores = False
+        # The tensor-core kernel where it has the width (H200, 2048x12x1, both directions:
+        # 95 us at t16 against the SIMT kernel's 287 at v16); v_slice=64 is the m64 wgmma one.
+        tensor_cores = v_slice in SCAN_TC_V_SLICES
     if tensor_cores:
-        a_op, b_op = state_scan_operands(a_op, b_op)
+        a_op, b_op, addend = state_scan_operands(a_op, b_op, addend, v_slice)
 
     results = [
         jax.ShapeDtypeStruct((a_op.shape[0], *y0.shape[1:]), jnp.float32),

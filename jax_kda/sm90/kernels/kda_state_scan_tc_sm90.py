@@ -10,8 +10,11 @@ float32 wgmma accumulators (never rounded between chunks), and two products step
 with A = W, B = Kd forward (acc = -X, X = P - W Y: Y += Kd^T X) and A = Kd, B = W reverse
 (acc = X = Kd Y: Y -= W^T X). Both products run as three bf16 products (hi*hi + lo*hi + hi*lo, about 2^-16
 relative, float32 accumulation): A and B^T come as bf16 [hi | lo] images that the caller split
-(state_scan_operands), copied into shared memory by cp.async one chunk ahead (two stages);
-Y and -X are split into bf16 images in shared memory by the threads that hold them.
+and laid out in shared memory's byte order (state_scan_operands), so that one bulk copy (TMA)
+each brings them in, one chunk ahead (two stages, an mbarrier each), with the addend's V slice
+(also laid out contiguous by the caller) and the decay; Y and -X are split into bf16 images in
+shared memory by the threads that hold them. (cp.async of 16-byte pieces took 2.5 us a chunk to
+issue on the H200: too few requests in flight per SM for 64 KiB.)
 
 One warpgroup per CTA, grid (128 / VS, H, N): narrow slices give each (head, sequence) 4 or 8
 CTAs, so the SMs fill at small H * N, and each chunk step is a few small products (the SIMT
@@ -32,18 +35,14 @@ from jax_kda.constants import HEAD_DIM, SCAN_CHUNK
 from jax_kda.sm90.kernels.kda_state_scan_sm90 import ScanConfig
 from jax_kda.sm90.kernels.layout import SCAN_TC_V_SLICES
 from jax_kda.sm90.kernels.varlen import scan_slots
-from jax_kda.sm90.kernels.wgmma import bf16_tiled_mma, gemm_bf16x3, inter_image_layout, vec4
+from jax_kda.sm90.kernels.wgmma import bf16_tiled_mma, gemm_bf16x3, inter_image_layout
 
 NTHREADS = 128
 STAGES = 2
 A_K = 2 * HEAD_DIM  # A image: [64 tokens, hi | lo channels]
 BT_K = 2 * SCAN_CHUNK  # B^T image: [128 channels, hi | lo tokens]
+IMAGE_ELEMS = SCAN_CHUNK * A_K  # both images: 16384 bf16, 32 KiB
 HALF = HEAD_DIM // 2  # product 2 is two m64 products: channels [0, 64) and [64, 128)
-
-
-def _vec8(ptr):
-    """Eight bf16 at ptr as one 16-byte vector (alignment made known to the compiler)."""
-    return cute.make_tensor(ptr.align(16), cute.make_layout(8))
 
 
 class ChunkStateScanTcSm90:
@@ -55,7 +54,6 @@ class ChunkStateScanTcSm90:
         self.reverse = config.reverse
         self.vs = config.v_slice
         self.addend_rows = config.addend_rows
-        self.add_row = config.v_slice + 4  # padded addend rows: 16-byte aligned, fewer conflicts
 
     @cute.jit
     def __call__(
@@ -104,20 +102,27 @@ class ChunkStateScanTcSm90:
         lay_bt = inter_image_layout(HEAD_DIM, BT_K, mn_major=True)
         lay_y = inter_image_layout(VS, 2 * HEAD_DIM, mn_major=True)  # B of product 1
         lay_x = inter_image_layout(VS, 2 * SCAN_CHUNK, mn_major=True)  # B of product 2
-        s_a = [smem.allocate_tensor(BFloat16, lay_a.outer, 1024, swizzle=lay_a.inner)
-               for _ in range(STAGES)]  # fmt: skip
-        s_bt = [smem.allocate_tensor(BFloat16, lay_bt.outer, 1024, swizzle=lay_bt.inner)
-                for _ in range(STAGES)]  # fmt: skip
+        flat = cute.make_layout(IMAGE_ELEMS)
+        raw_a = [smem.allocate_tensor(BFloat16, flat, 1024) for _ in range(STAGES)]
+        raw_bt = [smem.allocate_tensor(BFloat16, flat, 1024) for _ in range(STAGES)]
+        s_a = [cute.make_tensor(r.iterator, lay_a) for r in raw_a]
+        s_bt = [cute.make_tensor(r.iterator, lay_bt) for r in raw_bt]
         s_y = smem.allocate_tensor(BFloat16, lay_y.outer, 1024, swizzle=lay_y.inner)
         s_x = smem.allocate_tensor(BFloat16, lay_x.outer, 1024, swizzle=lay_x.inner)
-        add_layout = cute.make_layout(
-            (self.addend_rows, VS, STAGES),
-            stride=(self.add_row, 1, self.addend_rows * self.add_row),
-        )
-        s_add = smem.allocate_tensor(Float32, add_layout, 16)
-        s_decay = smem.allocate_tensor(
-            Float32, cute.make_layout((HEAD_DIM, STAGES), stride=(1, HEAD_DIM)), 16
-        )
+        add_elems = self.addend_rows * VS
+        raw_add = [smem.allocate_tensor(Float32, cute.make_layout(add_elems), 128)
+                   for _ in range(STAGES)]  # fmt: skip
+        s_add = [cute.make_tensor(r.iterator, cute.make_layout((self.addend_rows, VS), stride=(VS, 1)))
+                 for r in raw_add]  # fmt: skip
+        s_decay = [smem.allocate_tensor(Float32, cute.make_layout(HEAD_DIM), 128)
+                   for _ in range(STAGES)]  # fmt: skip
+        s_mbar = smem.allocate_tensor(cutlass.Int64, cute.make_layout(STAGES), 8)
+        if tid == 0:
+            for s in cutlass.range_constexpr(STAGES):
+                cute.arch.mbarrier_init(s_mbar.iterator + s, 1)
+            cute.arch.mbarrier_init_fence()
+        cute.arch.sync_threads()
+        loads = (raw_a, raw_bt, raw_add, s_decay, s_mbar)
 
         thr_x = mma_x.get_slice(tid)
         thr_y = mma_y.get_slice(tid)
@@ -143,25 +148,21 @@ class ChunkStateScanTcSm90:
                 ch, v = c_y[i]
                 acc_y[m][i] = mY0[n, h, m * HALF + ch, vbase + v]
 
-        if nch > 0:
-            first = self._slot(slot0, nch, 0)
-            self._load(mA, mBt, mDecay, mAdd, first, h, vbase, 0, s_a[0], s_bt[0], s_add,
-                       s_decay, tid)  # fmt: skip
-        cute.arch.cp_async_commit_group()
+        if nch > 0 and tid == 0:
+            self._load(mA, mBt, mDecay, mAdd, self._slot(slot0, nch, 0), h, vsl, 0, loads)
 
         for j in cutlass.range(nch, unroll=1):
             slot = self._slot(slot0, nch, j)
             for s in cutlass.range_constexpr(STAGES):
                 if j % STAGES == s:
-                    if j + 1 < nch:
+                    if j + 1 < nch and tid == 0:
                         nxt = self._slot(slot0, nch, j + 1)
-                        self._load(mA, mBt, mDecay, mAdd, nxt, h, vbase, 1 - s, s_a[1 - s],
-                                   s_bt[1 - s], s_add, s_decay, tid)  # fmt: skip
-                    cute.arch.cp_async_commit_group()
+                        self._load(mA, mBt, mDecay, mAdd, nxt, h, vsl, 1 - s, loads)
+                    phase = (j // STAGES) % 2
                     self._step(mma_x, mma_y, acc_x, acc_y, c_x, c_y, f_a[s], f_bt[s], f_y, f_x,
-                               s_y, s_x, s_add, s_decay, s, mStates, slot, h, vbase)  # fmt: skip
+                               s_y, s_x, s_add[s], s_decay[s], s_mbar.iterator + s, phase,
+                               mStates, slot, h, vbase)  # fmt: skip
 
-        cute.arch.cp_async_wait_group(0)
         for m in cutlass.range_constexpr(2):
             for i in cutlass.range_constexpr(cute.size(acc_y[m])):
                 ch, v = c_y[i]
@@ -182,7 +183,7 @@ class ChunkStateScanTcSm90:
 
     @cute.jit
     def _step(self, mma_x, mma_y, acc_x, acc_y, c_x, c_y, f_a, f_bt, f_y, f_x, s_y, s_x,
-              s_add, s_decay, stage: cutlass.Constexpr[int], mStates, slot, h, vbase):  # fmt: skip
+              s_add, s_decay, mbar, phase, mStates, slot, h, vbase):  # fmt: skip
         """One chunk: store the state entering it, then the two products."""
         for m in cutlass.range_constexpr(2):
             for i in cutlass.range_constexpr(cute.size(acc_y[m])):
@@ -193,7 +194,7 @@ class ChunkStateScanTcSm90:
                 y_hi = y.to(BFloat16)
                 s_y[v, ch] = y_hi
                 s_y[v, HEAD_DIM + ch] = (y - y_hi.to(Float32)).to(BFloat16)
-        cute.arch.cp_async_wait_group(1)  # this thread's part of the chunk landed
+        cute.arch.mbarrier_wait(mbar, phase)  # the chunk's copies landed
         cute.arch.fence_proxy("async.shared", space="cta")
         cute.arch.sync_threads()  # the chunk's images and Y's visible to every thread
 
@@ -203,9 +204,9 @@ class ChunkStateScanTcSm90:
             for i in cutlass.range_constexpr(cute.size(acc_y[m])):
                 ch, v = c_y[i]
                 ch = m * HALF + ch
-                y = acc_y[m][i] * s_decay[ch, stage]
+                y = acc_y[m][i] * s_decay[ch]
                 if cutlass.const_expr(self.reverse):
-                    y = y + s_add[ch, v, stage]
+                    y = y + s_add[ch, v]
                 acc_y[m][i] = y
 
         # ---- product 1: acc = A Y (- P forward)
@@ -213,7 +214,7 @@ class ChunkStateScanTcSm90:
             acc_x[i] = Float32(0.0)
             if cutlass.const_expr(not self.reverse):
                 tok, v = c_x[i]
-                acc_x[i] = -s_add[tok, v, stage]
+                acc_x[i] = -s_add[tok, v]
         cute.nvgpu.warpgroup.fence()
         gemm_bf16x3(mma_x, acc_x, f_a, f_a, HEAD_DIM // 16, f_y, HEAD_DIM // 16)
         cute.nvgpu.warpgroup.commit_group()
@@ -237,47 +238,22 @@ class ChunkStateScanTcSm90:
         cute.arch.sync_threads()  # the stage and the Y, X images free for the next chunk
 
     @cute.jit
-    def _load(self, mA, mBt, mDecay, mAdd, slot, h, vbase, stage: cutlass.Constexpr[int], s_a,
-              s_bt, s_add, s_decay, tid):  # fmt: skip
-        """Issue this thread's cp.async copies of one chunk into `stage`: the A and B^T images
-        (16-byte pieces: 8 consecutive K elements of A's K-major image, 8 consecutive channels of
-        B^T's MN-major one, contiguous in the interleaved layouts), the addend's V slice and the
-        decay."""
-        VS = self.vs
-        bf16_atom = cute.make_copy_atom(
-            cpasync.CopyG2SOp(cpasync.LoadCacheMode.GLOBAL), BFloat16, num_bits_per_copy=128
+    def _load(self, mA, mBt, mDecay, mAdd, slot, h, vsl, stage: cutlass.Constexpr[int], loads):
+        """One thread: one chunk's A and B^T images, addend slice and decay into `stage`, four
+        bulk copies completing on the stage's mbarrier."""
+        raw_a, raw_bt, raw_add, s_decay, s_mbar = loads
+        mbar = s_mbar.iterator + stage
+        add_elems = self.addend_rows * self.vs
+        nbytes = 2 * IMAGE_ELEMS * 2 + (add_elems + HEAD_DIM) * 4
+        cute.arch.mbarrier_arrive_and_expect_tx(mbar, nbytes)
+        pieces = (
+            (mA[slot, h, None], raw_a[stage], BFloat16, IMAGE_ELEMS),
+            (mBt[slot, h, None], raw_bt[stage], BFloat16, IMAGE_ELEMS),
+            (mAdd[slot, h, vsl, None], raw_add[stage], Float32, add_elems),
+            (mDecay[slot, h, None], s_decay[stage], Float32, HEAD_DIM),
         )
-        f32_atom = cute.make_copy_atom(
-            cpasync.CopyG2SOp(cpasync.LoadCacheMode.GLOBAL), Float32, num_bits_per_copy=128
-        )
-        # Lanes in groups of 8 take 8 consecutive rows of one 16-byte piece column (128 bytes
-        # in a row of the image: no bank conflicts), 4 groups take 4 adjacent pieces (64 bytes
-        # of a row of the source).
-        r = tid % 8
-        g = (tid // 8) % 4
-        a_row_blocks = SCAN_CHUNK // 8
-        for it in cutlass.range_constexpr(SCAN_CHUNK * (A_K // 8) // NTHREADS):
-            rest = tid // 32 + it * (NTHREADS // 32)
-            row = 8 * (rest % a_row_blocks) + r
-            col = 8 * (4 * (rest // a_row_blocks) + g)
-            src = mA[slot, h, row, None].iterator + col
-            dst = s_a.iterator + cute.crd2idx((row, col), s_a.layout)
-            cute.copy(bf16_atom, _vec8(src), _vec8(dst))
-        bt_row_blocks = BT_K // 8
-        for it in cutlass.range_constexpr(BT_K * (HEAD_DIM // 8) // NTHREADS):
-            rest = tid // 32 + it * (NTHREADS // 32)
-            k = 8 * (rest % bt_row_blocks) + r
-            ch = 8 * (4 * (rest // bt_row_blocks) + g)
-            src = mBt[slot, h, k, None].iterator + ch
-            dst = s_bt.iterator + cute.crd2idx((ch, k), s_bt.layout)
-            cute.copy(bf16_atom, _vec8(src), _vec8(dst))
-        add_pieces = VS // 4
-        for it in cutlass.range_constexpr(self.addend_rows * add_pieces // NTHREADS):
-            e = tid + it * NTHREADS
-            row = e // add_pieces
-            col = (e % add_pieces) * 4
-            src = mAdd[slot, h, row, None].iterator + (vbase + col)
-            cute.copy(f32_atom, vec4(src), vec4(s_add[row, None, stage].iterator + col))
-        if tid < HEAD_DIM // 4:
-            src = mDecay[slot, h, None].iterator + 4 * tid
-            cute.copy(f32_atom, vec4(src), vec4(s_decay[None, stage].iterator + 4 * tid))
+        for src, dst, dtype, elems in pieces:
+            atom = cute.make_copy_atom(
+                cpasync.CopyBulkG2SOp(), dtype, num_bits_per_copy=elems * dtype.width
+            )
+            cute.copy(atom, src, dst, mbar_ptr=mbar)
