@@ -164,6 +164,29 @@ def test_gpu_loop_keeps_every_calls_outputs():
     assert hlo.count(" dot(") == 3, hlo
 
 
+def test_gpu_loop_hoists_nothing_of_a_call():
+    """The steps tie the token inputs to the chained state, so work on them alone cannot leave
+    the loop: a call whose dot reads only the inputs runs it once per chained call, and a NaN
+    state reaches every output (0 * NaN is NaN)."""
+    import jax
+    import jax.numpy as jnp
+
+    from benchmarks.jax_measure import chained_loop, forward_step
+    from benchmarks.native import Native
+
+    def call(args, state):
+        heavy = args["q"] @ args["k"]  # depends on the inputs alone
+        return heavy + state, state + jnp.sum(heavy)
+
+    native = Native("jax", {"q": jnp.ones((64, 64)), "k": jnp.ones((64, 64))}, 0.0, call, False, "")
+    step, args = forward_step(native)
+    outputs = ((jnp.zeros((64, 64)),),) * 3
+    hlo = chained_loop(step, 3).lower(args, jnp.zeros(()), outputs, 2).compile().as_text()
+    assert hlo.count(" dot(") == 3, hlo  # untied: one dot, hoisted before the loop
+    state, (o,) = jax.jit(step)(args, jnp.float32(jnp.nan))
+    assert bool(jnp.all(jnp.isnan(o)))
+
+
 def test_kernel_profile_segment_counts_are_checked():
     import argparse
 
