@@ -45,8 +45,7 @@ def tied_to_state(args: dict, state) -> dict:
     floats: it is NaN for a NaN x). One fused add over the inputs per call."""
     zero = 0.0 * jax.numpy.ravel(state)[0].astype(jax.numpy.float32)
     return {
-        name: (x + zero.astype(x.dtype)) if name in TOKEN_INPUTS else x
-        for name, x in args.items()
+        name: (x + zero.astype(x.dtype)) if name in TOKEN_INPUTS else x for name, x in args.items()
     }
 
 

@@ -211,7 +211,8 @@ def test_tensor_core_scan_operands():
     a_raw = np.asarray(jax.jit(sm90.state_scan_operands, static_argnums=3)(a, b, add, 32)[0])
     a_hi = np.asarray(a.astype(jnp.bfloat16), np.float64)  # truncation and rounding agree
     m, k = 13, 77
-    assert abs(float(a_raw[0, 0, (k // 8) * 512 + (m // 8) * 64 + (m % 8) * 8 + k % 8]) - a_hi[0, 0, m, k]) <= 2.0**-8 * abs(a_hi[0, 0, m, k])
+    at = (k // 8) * 512 + (m // 8) * 64 + (m % 8) * 8 + k % 8
+    assert abs(float(a_raw[0, 0, at]) - a_hi[0, 0, m, k]) <= 2.0**-8 * abs(a_hi[0, 0, m, k])
     slices = np.asarray(slices)
     assert slices.shape == (3, 2, 4, 128 * 32)
     np.testing.assert_array_equal(slices[1, 0, 2].reshape(128, 32), np.asarray(add)[1, 0, :, 64:96])

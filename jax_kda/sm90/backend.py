@@ -524,7 +524,8 @@ def training_forward(
     The switches are for profiling (benchmarks.kernel_profile --train-variants) and tests:
     chunk_core=False takes the operands from the XLA path's code, decayed_bwd=False their
     backward's decayed products too; scan_v_slice and scan_tensor_cores pick the state-scan
-    variant (None: the plan's); dense_bf16x3=False runs the dense products at HIGHEST (float32 FMAs)."""
+    variant (None: the plan's); dense_bf16x3=False runs the dense products at HIGHEST (float32
+    FMAs)."""
     if decayed_bwd and not chunk_core:
         raise ValueError("decayed_bwd=True needs chunk_core=True (the operands' backward it is in)")
     precision = (

@@ -8,13 +8,13 @@ float32 wgmma accumulators (never rounded between chunks), and two products step
   product 2:  Y = Diag(a) Y (+ Q reverse) + B^T (-acc)        2 x m64nVS, K = 64 tokens
 
 with A = W, B = Kd forward (acc = -X, X = P - W Y: Y += Kd^T X) and A = Kd, B = W reverse
-(acc = X = Kd Y: Y -= W^T X). Both products run as three bf16 products (hi*hi + lo*hi + hi*lo, about 2^-16
-relative, float32 accumulation): A and B^T come as bf16 [hi | lo] images that the caller split
-and laid out in shared memory's byte order (state_scan_operands), so that one bulk copy (TMA)
-each brings them in, one chunk ahead (two stages, an mbarrier each), with the addend's V slice
-(also laid out contiguous by the caller) and the decay; Y and -X are split into bf16 images in
-shared memory by the threads that hold them. (cp.async of 16-byte pieces took 2.5 us a chunk to
-issue on the H200: too few requests in flight per SM for 64 KiB.)
+(acc = X = Kd Y: Y -= W^T X). Both products run as three bf16 products (hi*hi + lo*hi +
+hi*lo, about 2^-16 relative, float32 accumulation): A and B^T come as bf16 [hi | lo] images
+that the caller split and laid out in shared memory's byte order (state_scan_operands), so
+that one bulk copy (TMA) each brings them in, one chunk ahead (two stages, an mbarrier each),
+with the addend's V slice (also laid out contiguous by the caller) and the decay; Y and -X are
+split into bf16 images in shared memory by the threads that hold them. (cp.async of 16-byte
+pieces took 2.5 us a chunk to issue on the H200: too few requests in flight per SM for 64 KiB.)
 
 One warpgroup per CTA, grid (128 / VS, H, N): narrow slices give each (head, sequence) 4 or 8
 CTAs, so the SMs fill at small H * N, and each chunk step is a few small products (the SIMT
@@ -73,9 +73,9 @@ class ChunkStateScanTcSm90:
         smem = warpgroup.OperandSource.SMEM
         mma_x = bf16_tiled_mma((SCAN_CHUNK, self.vs), smem, b_mn_major=True)
         mma_y = bf16_tiled_mma((HALF, self.vs), smem, b_mn_major=True, a_mn_major=True)
-        self.kernel(a_img, bt_img, decay, addend, cu_seqlens, y0, states, final, mma_x, mma_y).launch(
-            grid=[HEAD_DIM // self.vs, heads, n_seq], block=[NTHREADS, 1, 1], stream=stream
-        )
+        self.kernel(
+            a_img, bt_img, decay, addend, cu_seqlens, y0, states, final, mma_x, mma_y
+        ).launch(grid=[HEAD_DIM // self.vs, heads, n_seq], block=[NTHREADS, 1, 1], stream=stream)
 
     @cute.kernel
     def kernel(
@@ -112,8 +112,8 @@ class ChunkStateScanTcSm90:
         add_elems = self.addend_rows * VS
         raw_add = [smem.allocate_tensor(Float32, cute.make_layout(add_elems), 128)
                    for _ in range(STAGES)]  # fmt: skip
-        s_add = [cute.make_tensor(r.iterator, cute.make_layout((self.addend_rows, VS), stride=(VS, 1)))
-                 for r in raw_add]  # fmt: skip
+        add_layout = cute.make_layout((self.addend_rows, VS), stride=(VS, 1))
+        s_add = [cute.make_tensor(r.iterator, add_layout) for r in raw_add]
         s_decay = [smem.allocate_tensor(Float32, cute.make_layout(HEAD_DIM), 128)
                    for _ in range(STAGES)]  # fmt: skip
         s_mbar = smem.allocate_tensor(cutlass.Int64, cute.make_layout(STAGES), 8)
