@@ -127,10 +127,13 @@ def test_backward_buffers_cover_every_64_token_chunk_slot():
     assert shapes["chunk_states"] == shapes["chunk_state_cotangents"] == (slots, 12, 128, 128)
     for name in ("w", "u", "qg", "kd", "gamma"):  # the chunk core's operands
         assert shapes[f"chunk_{name}"] == (slots, 12, 64, 128)
-    assert shapes["chunk_attn"] == shapes["chunk_kk"] == (slots, 12, 64, 64)
+    assert shapes["chunk_attn"] == shapes["chunk_kk"] == shapes["chunk_tinv"] == (slots, 12, 64, 64)
     assert shapes["chunk_decay"] == (slots, 12, 128)
-    per_slot_head = 2 * 128 * 128 + 5 * 64 * 128 + 2 * 64 * 64 + 128
-    assert plan.backward_bytes == slots * 12 * per_slot_head * 4
+    for name in ("forward_a", "forward_bt", "reverse_a", "reverse_bt"):  # the scan's images
+        assert shapes[f"scan_{name}_image"] == (slots, 12, 2 * 64 * 128)
+    float32 = 4 * 128 * 128 + 6 * 64 * 128 + 3 * 64 * 64 + 128  # per slot and head
+    bf16 = 4 * 2 * 64 * 128
+    assert plan.backward_bytes == slots * 12 * (float32 * 4 + bf16 * 2)
 
 
 @pytest.mark.parametrize(

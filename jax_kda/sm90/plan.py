@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from jax_kda.constants import HEAD_DIM, SCAN_CHUNK
-from jax_kda.sm90.kernels.layout import CHUNK, CHUNK_RECORD_BYTES, SCAN_SIMT_V_SLICES
+from jax_kda.sm90.kernels.layout import CHUNK, CHUNK_RECORD_BYTES, SCAN_TC_V_SLICES
 
 # The cost model of the serial part, in microseconds, fitted to benchmarks.kernel_profile on the
 # H200 (2026-11-30: 1024x4x1, 2048x12x1, 4096x12x1 and 8192x16x1, each cut into 1..16 segments).
@@ -49,11 +49,13 @@ class WorkspaceBuffer:
 
     @property
     def bytes(self) -> int:
-        return math.prod(self.shape) * np.dtype(self.dtype).itemsize
+        itemsize = 2 if self.dtype == "bfloat16" else np.dtype(self.dtype).itemsize  # no NumPy bf16
+        return math.prod(self.shape) * itemsize
 
 
 CORE_ROWS = ("w", "u", "qg", "kd", "gamma")  # the chunk core's [64, 128] operands
-CORE_PAIRS = ("attn", "kk")  # its [64, 64] ones
+CORE_PAIRS = ("attn", "kk", "tinv")  # its [64, 64] ones
+SCAN_IMAGES = ("forward_a", "forward_bt", "reverse_a", "reverse_bt")  # the scan's operand images
 
 
 @dataclass(frozen=True)
@@ -70,11 +72,13 @@ class PrefillPlan:
     """The largest y or z extent of the call's launches, training included (heads; sequences
     times segments): CUDA allows at most GRID_YZ_LIMIT."""
     backward_buffers: tuple[WorkspaceBuffer, ...]
-    """What a training call's backward adds, per 64-token chunk slot and head, float32: the
-    chunk-core kernel's operands (w, u, qg, kd, gamma [64, 128]; attn, kk [64, 64]; decay
-    [128]), the state entering the slot and its cotangent at the slot's end (the state-scan
-    kernel's results). XLA temporaries, not residuals: the backward keeps only the inputs and
-    recomputes these."""
+    """What a training call's backward adds, per 64-token chunk slot and head: the chunk-core
+    kernel's operands (float32: w, u, qg, kd, gamma [64, 128]; attn, kk, tinv [64, 64]; decay
+    [128]), the tensor-core state scan's inputs (its four bf16 [hi | lo] operand images, two a
+    direction, and the addends: u's V slices forward, the state's cotangent from the outputs
+    and its V slices reverse, float32), and the scan's results, the state entering the slot and
+    its cotangent at the slot's end (float32). XLA temporaries, not residuals: the backward
+    keeps only the inputs and recomputes these."""
 
     @property
     def workspace_bytes(self) -> int:
@@ -163,6 +167,7 @@ def plan_prefill(
     scan_states = (slots, num_heads, *square)
     chunk_rows = (slots, num_heads, SCAN_CHUNK, HEAD_DIM)
     chunk_pairs = (slots, num_heads, SCAN_CHUNK, SCAN_CHUNK)
+    images = (slots, num_heads, 2 * SCAN_CHUNK * HEAD_DIM)
     return PrefillPlan(
         total_tokens=total_tokens,
         num_heads=num_heads,
@@ -182,6 +187,10 @@ def plan_prefill(
             *(WorkspaceBuffer(f"chunk_{name}", chunk_rows, "float32") for name in CORE_ROWS),
             *(WorkspaceBuffer(f"chunk_{name}", chunk_pairs, "float32") for name in CORE_PAIRS),
             WorkspaceBuffer("chunk_decay", (slots, num_heads, HEAD_DIM), "float32"),
+            *(WorkspaceBuffer(f"scan_{name}_image", images, "bfloat16") for name in SCAN_IMAGES),
+            WorkspaceBuffer("scan_forward_addend", chunk_rows, "float32"),
+            WorkspaceBuffer("scan_reverse_addend", scan_states, "float32"),
+            WorkspaceBuffer("scan_reverse_addend_slices", scan_states, "float32"),
             WorkspaceBuffer("chunk_states", scan_states, "float32"),
             WorkspaceBuffer("chunk_state_cotangents", scan_states, "float32"),
         ),
@@ -190,8 +199,9 @@ def plan_prefill(
 
 def scan_v_slice(num_heads: int, num_sequences: int, sm_count: int | None) -> int:
     """Columns of the state per state-scan CTA: 32 when (128 / 32) CTAs per (sequence, head)
-    already fill the SMs, else 16 (twice the CTAs, each re-reading the chunk's operands from L2)."""
-    wide = max(SCAN_SIMT_V_SLICES)
+    already fill the SMs, else 16 (twice the CTAs, each re-reading the chunk's operands from L2;
+    H200, tensor-core scan, both directions: 2048x12x1 95 us at 16 against 162 at 32)."""
+    wide = max(SCAN_TC_V_SLICES)
     if sm_count is None or (HEAD_DIM // wide) * num_heads * num_sequences >= sm_count:
         return wide
-    return min(SCAN_SIMT_V_SLICES)
+    return min(SCAN_TC_V_SLICES)
