@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import collections
 import glob
+import re
 import statistics
 import tempfile
 from dataclasses import dataclass
@@ -276,8 +277,12 @@ def _segment_counts(text: str) -> list[int]:
 
 
 def _short_name(kernel: str) -> str:
-    """CuTe DSL's mangled kernel name cut to the method it came from (prep_kernel, ...) and the
-    tail that tells its specialisations apart (BUILD and EXPAND are one method)."""
+    """CuTe DSL's mangled kernel name cut to the kernel module it came from (the sm90 package's
+    kernels/*.py), or else to its method (prep_kernel, ...), and the tail that tells its
+    specialisations apart (BUILD and EXPAND are one method; a scan's directions one module)."""
+    module = re.search(r"sm90kernels([a-z0-9_]+?)[A-Z]\w*?_object_at_", kernel)
+    if kernel.startswith("kernel_cutlass_") and module:
+        return f"{module.group(1)} ...{kernel[-24:]}"
     marker = kernel.find("_kernel_")
     if kernel.startswith("kernel_cutlass_") and marker > 0:
         return f"{kernel[len('kernel_cutlass_') : marker + len('_kernel')]} ...{kernel[-24:]}"

@@ -199,6 +199,11 @@ def test_kernel_profile_segment_counts_are_checked():
     name = "kernel_cutlass_chain_kernel_jax_kdakernels_KdaForwardSm90_object_at_tensor_1"
     assert _short_name(name) == "chain_kernel ...dSm90_object_at_tensor_1"
     assert _short_name("some_other_kernel") == "some_other_kernel"
+    scan = (
+        "kernel_cutlass_kernel_jax_kdasm90kernelskda_state_scan_tc_sm90ChunkStateScanTcSm90"
+        "_object_at__tensorptrbf16gmemalign16o16384i64div163841638_0"
+    )
+    assert _short_name(scan) == "kda_state_scan_tc_sm90 ...6o16384i64div163841638_0"
 
 
 def test_run_end_to_end_on_the_xla_backend(tmp_path):
