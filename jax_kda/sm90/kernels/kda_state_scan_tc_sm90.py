@@ -34,7 +34,7 @@ from cutlass.memory import SmemAllocator
 from jax_kda.constants import HEAD_DIM, SCAN_CHUNK
 from jax_kda.sm90.kernels.kda_state_scan_sm90 import ScanConfig
 from jax_kda.sm90.kernels.layout import SCAN_TC_V_SLICES
-from jax_kda.sm90.kernels.varlen import scan_slots
+from jax_kda.sm90.kernels.varlen import scan_slots, step_slot
 from jax_kda.sm90.kernels.wgmma import bf16_tiled_mma, gemm_bf16x3, inter_image_layout
 
 NTHREADS = 128
@@ -149,14 +149,15 @@ class ChunkStateScanTcSm90:
                 acc_y[m][i] = mY0[n, h, m * HALF + ch, vbase + v]
 
         if nch > 0 and tid == 0:
-            self._load(mA, mBt, mDecay, mAdd, self._slot(slot0, nch, 0), h, vsl, 0, loads)
+            first = step_slot(slot0, nch, self.reverse, 0)
+            self._load(mA, mBt, mDecay, mAdd, first, h, vsl, 0, loads)
 
         for j in cutlass.range(nch, unroll=1):
-            slot = self._slot(slot0, nch, j)
+            slot = step_slot(slot0, nch, self.reverse, j)
             for s in cutlass.range_constexpr(STAGES):
                 if j % STAGES == s:
                     if j + 1 < nch and tid == 0:
-                        nxt = self._slot(slot0, nch, j + 1)
+                        nxt = step_slot(slot0, nch, self.reverse, j + 1)
                         self._load(mA, mBt, mDecay, mAdd, nxt, h, vsl, 1 - s, loads)
                     phase = (j // STAGES) % 2
                     self._step(mma_x, mma_y, acc_x, acc_y, c_x, c_y, f_a[s], f_bt[s], f_y, f_x,
@@ -172,14 +173,6 @@ class ChunkStateScanTcSm90:
             for it in cutlass.range_constexpr(HEAD_DIM * VS // NTHREADS):
                 e = tid + it * NTHREADS
                 mStates[slot, h, e // VS, vbase + e % VS] = Float32(0.0)
-
-    @cute.jit
-    def _slot(self, slot0, nch, j):
-        """The slot of step j: forward in slot order, reverse from the last."""
-        slot = slot0 + j
-        if cutlass.const_expr(self.reverse):
-            slot = slot0 + nch - 1 - j
-        return slot
 
     @cute.jit
     def _step(self, mma_x, mma_y, acc_x, acc_y, c_x, c_y, f_a, f_bt, f_y, f_x, s_y, s_x,

@@ -36,7 +36,7 @@ from cutlass.memory import SmemAllocator
 from jax_kda.constants import HEAD_DIM, SCAN_CHUNK
 from jax_kda.sm90.kernels.kda_state_scan_sm90 import ScanConfig
 from jax_kda.sm90.kernels.layout import SCAN_WGMMA_V_SLICE
-from jax_kda.sm90.kernels.varlen import scan_slots
+from jax_kda.sm90.kernels.varlen import scan_slots, step_slot
 from jax_kda.sm90.kernels.wgmma import (
     bf16_tiled_mma,
     gemm_bf16x3,
@@ -121,7 +121,7 @@ class ChunkStateScanWgmmaSm90:
         if wg == 0:
             # ---------------- producer: thread t = channel t of A and B
             for j in cutlass.range(nch, unroll=1):
-                slot = self._slot(slot0, nch, j)
+                slot = step_slot(slot0, nch, self.reverse, j)
                 for s in cutlass.range_constexpr(2):
                     if j % 2 == s:
                         if j >= 2:
@@ -154,7 +154,7 @@ class ChunkStateScanWgmmaSm90:
                 acc_y[i] = mY0[n, h, kk, vbase + v]
 
             for j in cutlass.range(nch, unroll=1):
-                slot = self._slot(slot0, nch, j)
+                slot = step_slot(slot0, nch, self.reverse, j)
                 for s in cutlass.range_constexpr(2):
                     if j % 2 == s:
                         cute.arch.barrier(barrier_id=FULL[s], number_of_threads=NTHREADS)
@@ -167,14 +167,6 @@ class ChunkStateScanWgmmaSm90:
             for i in cutlass.range_constexpr(cute.size(acc_y)):
                 v, kk = c_y[i]
                 mFinal[n, h, kk, vbase + v] = acc_y[i]
-
-    @cute.jit
-    def _slot(self, slot0, nch, j):
-        """The slot of step j: forward in slot order, reverse from the last."""
-        slot = slot0 + j
-        if cutlass.const_expr(self.reverse):
-            slot = slot0 + nch - 1 - j
-        return slot
 
     @cute.jit
     def _consume(self, mma_x, mma_y, acc_x, acc_y, c_x, c_y, rB_a, rB_b, s_add, s_decay,

@@ -61,3 +61,13 @@ def scan_slots(mCu: cute.Tensor, n, n_slots, chunk: cutlass.Constexpr[int]):
     chunks_end = cutlass.max(chunks_end, slot0)
     gap_end = cutlass.min(cutlass.max(gap_end, chunks_end), n_slots)
     return slot0, chunks_end - slot0, gap_end
+
+
+@cute.jit
+def step_slot(slot0, nch, reverse: cutlass.Constexpr[bool], j):
+    """The slot of step j of a serial pass over a sequence's chunk slots (scan_slots): in slot
+    order, or from the last one in reverse."""
+    slot = slot0 + j
+    if cutlass.const_expr(reverse):
+        slot = slot0 + nch - 1 - j
+    return slot
