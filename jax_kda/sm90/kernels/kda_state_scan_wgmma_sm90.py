@@ -1,5 +1,6 @@
 """The chunk-state scan of the backward pass on tensor cores, sm_90a CuTe DSL: the same contract
-and math as kda_state_scan_sm90.py (read its docstring), per 64 state columns.
+and math as kda_state_scan_sm90.py (read its docstring), per 64 state columns. A profiling
+variant (v64): kda_state_scan_tc_sm90.py, the default, is about 3x faster.
 
 Per chunk, with the state held transposed, St = Y^T [64 V-columns, 128 K] in wgmma accumulators
 (64 float32 registers a thread, never rounded between chunks):

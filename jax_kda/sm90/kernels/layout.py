@@ -14,8 +14,8 @@ SCAN_SIMT_V_SLICES = (16, 32)
 """State columns one CTA of the SIMT state scan may own (kda_state_scan_sm90.py)."""
 
 SCAN_WGMMA_V_SLICE = 64
-"""State columns one CTA of the tensor-core state scan owns (kda_state_scan_wgmma_sm90.py): the
-M of its wgmma products."""
+"""State columns one CTA of the m64 wgmma state scan owns (kda_state_scan_wgmma_sm90.py, the state
+as register-A operand; a profiling variant): the M of its wgmma products."""
 
 SCAN_TC_V_SLICES = (16, 32)
 """State columns one CTA of the tensor-core state scan with the slice as wgmma N may own
