@@ -216,6 +216,9 @@ def _variants(text: str) -> list[tuple[str, dict]]:
                 options["chunk_core"] = True
             elif part == "dbwd":
                 options["decayed_bwd"] = True
+            elif part == "obwd":  # the fused operands' backward (it extends dbwd's kernel)
+                options["decayed_bwd"] = True
+                options["fused_operands_bwd"] = True
             elif part == "x3":
                 options["dense_bf16x3"] = True
             elif part in SCAN_VARIANTS:

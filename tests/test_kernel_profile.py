@@ -74,5 +74,9 @@ def test_train_variants_parse_into_training_forward_options():
             },
         ),
     ]
+    assert _variants("core+obwd+x3")[0][1] == {
+        **off, "chunk_core": True, "decayed_bwd": True, "fused_operands_bwd": True,
+        "dense_bf16x3": True,
+    }  # fmt: skip
     with pytest.raises(argparse.ArgumentTypeError, match="unknown variant part 'v8'"):
         _variants("core+v8")

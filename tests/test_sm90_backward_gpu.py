@@ -370,6 +370,90 @@ def test_decayed_bwd_kernel_matches_xla(case):
         assert error <= 1e-4, (name, error)
 
 
+@pytest.mark.parametrize("case", CORE_CASES)
+def test_operands_bwd_kernel_matches_xla(case):
+    """The fused backward of the chunk core (OperandsBwdSm90 in kernels/kda_decayed_bwd_sm90.py)
+    against its XLA statement (sm90.xla_operands_bwd: xla._chunk_operands_bwd back in the
+    tokens' rows) on the chunk core's own intermediates and random cotangents: every result in
+    the tokens' rows, NaN-poisoned (a row it does not write stays NaN), both anchors, ragged,
+    empty and gap slots."""
+    register()
+    lengths, data = CORE_CASES[case]
+    x = (long_memory_inputs if data == "long-memory" else production_inputs)(
+        lengths, 3, seed=SEED + 11 * len(case)
+    )
+    g = np.array(x.g)
+    if data in ("-5", "-7.4", "-8"):
+        g[:] = float(data)
+    elif data in ("-30", "-inf"):
+        g[::7, :, ::3] = float(data)
+    g = np.maximum(g, -100.0)  # the gate floor, as the training forward applies it
+    tokens = x.q.shape[0]
+    num_slots = xla.chunk_slot_count(tokens, len(lengths))
+    _, rows = xla._token_slots(jnp.asarray(x.cu_seqlens), tokens)
+    token_inputs = (jnp.asarray(x.q), jnp.asarray(x.k), jnp.asarray(x.v), jnp.asarray(x.beta))
+    core = jax.jit(sm90.chunk_core_kernel, static_argnums=(6, 7))(
+        *token_inputs[:3], jnp.asarray(g), token_inputs[3], x.cu_seqlens, num_slots, 0.3
+    )
+    w, u, _, _, _, _, gamma, kk, t_inverse = core
+    intermediates = (gamma, kk, w, u, t_inverse)
+    rng = np.random.default_rng(SEED + 3 * len(case))
+    chunk, pairs = w.shape, (*w.shape[:3], 64)
+    shapes = (chunk, chunk, chunk, pairs, chunk, (*w.shape[:2], 128))  # dW dU dQg dAqk dKd da
+    cotangents = tuple(jnp.asarray(rng.standard_normal(s), jnp.float32) for s in shapes)
+    highest = jax.lax.Precision.HIGHEST
+
+    @jax.jit
+    def run(tokens, cu, intermediates, cotangents):
+        artifact, inputs, results = sm90.operands_bwd_call(
+            0.3, tokens, cu, intermediates, cotangents, highest
+        )
+        poison = [jnp.full(r.shape, jnp.nan, r.dtype) for r in results]
+        first = len(inputs)
+        aliases = {first + i: i for i in range(len(results))}
+        return cute_call(artifact, [*inputs, *poison], results, aliases=aliases)[3:]
+
+    ours = run(token_inputs, jnp.asarray(x.cu_seqlens), intermediates, cotangents)
+    reference = jax.jit(sm90.xla_operands_bwd, static_argnums=(0, 4, 7))(
+        0.3, token_inputs, x.cu_seqlens, rows, num_slots, intermediates, cotangents, highest
+    )
+    # dg sums terms that nearly cancel under harsh gates (see the decayed products' test):
+    # its error is measured against the size of the terms, |k dk| + |q dq|.
+    terms = rms(np.asarray(x.k, np.float32) * np.asarray(reference[1]))
+    terms += rms(np.asarray(x.q, np.float32) * np.asarray(reference[0]))
+    for name, a, b in zip(("dq", "dk", "dv", "dg", "dbeta"), ours, reference, strict=True):
+        assert a.shape == b.shape, name
+        assert not np.isnan(np.asarray(a)).any(), name
+        error = rms_ratio(a, b)
+        if name == "dg":
+            error = rms(np.asarray(a) - np.asarray(b)) / max(rms(np.asarray(b)), terms)
+        print(f"operands bwd {case} {name}: {error:.1e} (bar 1e-4)")
+        assert error <= 1e-4, (name, error)
+
+
+def rms(x):
+    return float(np.sqrt(np.mean(np.square(np.asarray(x, np.float64)))))
+
+
+@pytest.mark.parametrize("data", ["production", "long-memory", "-8", "-30"])
+def test_training_forward_with_the_fused_operands_bwd_matches_float64_oracle(data):
+    """sm90.training_forward(fused_operands_bwd=True): output and all six gradients against
+    the float64 oracle, both anchors and harsh gates, ragged and empty sequences."""
+    register()
+    make = long_memory_inputs if data == "long-memory" else production_inputs
+    x = make([300, 0, 77, 130], 2, seed=SEED + 19)
+    if data in ("-8", "-30"):
+        g = np.array(x.g)
+        g[:, :, ::2] = float(data)
+        x = x._replace(g=g)
+
+    def forward(q, k, v, g, beta, cu, state):
+        return sm90.training_forward(q, k, v, g, beta, cu, state, 0.3, fused_operands_bwd=True)
+
+    harsh = data in ("-8", "-30")
+    _check_grads(f"fused operands bwd {data}", x, forward, scale=0.3, dg_scale_of_terms=harsh)
+
+
 @pytest.mark.parametrize(
     "data, dense_bf16x3",
     [("production", False), ("long-memory", False), ("-8", False), ("-30", False),

@@ -190,6 +190,33 @@ def test_chunk_core_exports_for_sm90a():
     assert len(artifact.tensors) == 15  # q, k, v, g, beta, cu_seqlens and nine outputs
 
 
+def test_operands_bwd_exports_for_sm90a():
+    """The fused backward of the chunk core compiles and exports for sm_90a (symbolic tokens,
+    heads, slots and sequences)."""
+    artifact = sm90.operands_bwd_artifact(0.3)
+    assert artifact.object_bytes[:4] == b"\x7fELF"
+    assert len(artifact.tensors) == 22  # 14 inputs, 3 scratch and 5 results
+
+
+def test_training_forward_with_the_fused_operands_bwd_lowers_to_its_kernel():
+    """training_forward(fused_operands_bwd=True): the fused kernel replaces the decayed
+    products' one, and the backward of the operands has no gather back to the tokens."""
+    x = production_inputs([300, 0, 77], 2, seed=8)
+
+    def step(q, k, v, g, beta, cu, state):
+        def forward(q, k, v, g, beta, state):
+            return sm90.training_forward(q, k, v, g, beta, cu, state, 0.3, fused_operands_bwd=True)
+
+        out, pullback = jax.vjp(forward, q, k, v, g, beta, state)
+        return pullback(out)
+
+    text = _lower(step, *x)
+    prefixes = {p.rsplit("_", 1)[0] for p in re.findall(r'prefix = "(\w+)"', text)}
+    assert "kda_operands_bwd_sm90" in prefixes and "kda_decayed_bwd" not in prefixes, prefixes
+    with pytest.raises(ValueError, match="needs decayed_bwd=True"):
+        sm90.training_forward(*x[:7], 0.3, decayed_bwd=False, fused_operands_bwd=True)
+
+
 def test_grad_lowers_to_the_backward_kernels_and_no_loop():
     """jax.grad on the sm90 path: the forward kernel, the state scan forward (recompute) and
     reverse, and no XLA while loop (the serial passes are all in kernels)."""

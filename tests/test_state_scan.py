@@ -216,3 +216,27 @@ def test_tensor_core_scan_operands():
     slices = np.asarray(slices)
     assert slices.shape == (3, 2, 4, 128 * 32)
     np.testing.assert_array_equal(slices[1, 0, 2].reshape(128, 32), np.asarray(add)[1, 0, :, 64:96])
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_fused_operands_bwd_wiring_gives_the_xla_paths_gradients(dtype):
+    """sm90.differentiable_chunk_operands with a fused backward (operands_bwd_kernel's
+    contract, here its XLA stand-in xla_operands_bwd): the residuals it saves (the tokens and
+    the core's intermediates, nothing chunked), the cotangents it passes and the dtypes it
+    returns give the XLA path's gradients."""
+    x = long_memory_inputs([130, 0, 70, 1], 2, seed=29, dtype=dtype)
+    args = (*x[:5], x.initial_state)
+    w_o = np.random.default_rng(4).standard_normal(x.q.shape).astype(np.float32)
+
+    def grads(**options):
+        def loss(*a):
+            o, final = xla.forward(*a[:5], x.cu_seqlens, a[5], 0.3, **options)
+            return jnp.sum(o.astype(jnp.float32) * w_o) + jnp.sum(final**2)
+
+        return jax.jit(jax.grad(loss, argnums=range(6)))(*args)
+
+    operands = sm90.differentiable_chunk_operands(_xla_chunk_core, fused_bwd=sm90.xla_operands_bwd)
+    wired = grads(operands=operands)
+    for name, a, b, arg in zip("q k v g beta state".split(), wired, grads(), args, strict=True):
+        assert a.dtype == arg.dtype, name
+        assert rms_ratio(a, b) <= 1e-5, (name, rms_ratio(a, b))

@@ -24,6 +24,9 @@ from jax_kda.sm90.backend import (
     forward,
     forward_artifact,
     has_hopper,
+    operands_bwd_artifact,
+    operands_bwd_call,
+    operands_bwd_kernel,
     result_shapes,
     scan_unavailable_reason,
     state_scan_artifact,
@@ -31,6 +34,7 @@ from jax_kda.sm90.backend import (
     state_scan_operands,
     training_forward,
     unavailable_reason,
+    xla_operands_bwd,
 )
 
 __all__ = [
@@ -48,6 +52,9 @@ __all__ = [
     "forward",
     "forward_artifact",
     "has_hopper",
+    "operands_bwd_artifact",
+    "operands_bwd_call",
+    "operands_bwd_kernel",
     "result_shapes",
     "scan_unavailable_reason",
     "state_scan_artifact",
@@ -55,4 +62,5 @@ __all__ = [
     "state_scan_operands",
     "training_forward",
     "unavailable_reason",
+    "xla_operands_bwd",
 ]

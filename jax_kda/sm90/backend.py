@@ -471,11 +471,129 @@ def decayed_bwd_kernel(residuals, cotangents):
     return tuple(cute_call(decayed_bwd_artifact(), inputs, results))
 
 
-def differentiable_chunk_operands(run, decayed_bwd=None, precision=jax.lax.Precision.HIGHEST):
+@functools.cache
+def operands_bwd_artifact(scale: float):
+    """The exported fused backward of the chunk core past its solve (OperandsBwdSm90 in
+    kernels/kda_decayed_bwd_sm90.py) for this scale; tokens, heads, slots and sequences
+    symbolic."""
+    import cutlass.cute as cute
+    from cutlass import BFloat16, Float32, Int32
+
+    from jax_kda.sm90.export import export, row_major_fake
+    from jax_kda.sm90.kernels.kda_decayed_bwd_sm90 import OperandsBwdConfig, OperandsBwdSm90
+
+    tokens, heads, slots = cute.sym_int32(), cute.sym_int32(), cute.sym_int32()
+    token_shape = (tokens, heads, HEAD_DIM)
+    chunk = (slots, heads, SCAN_CHUNK, HEAD_DIM)
+    pairs = (slots, heads, SCAN_CHUNK, SCAN_CHUNK)
+    fakes = {
+        **{name: row_major_fake(BFloat16, token_shape) for name in ("q", "k", "v")},
+        "beta": row_major_fake(Float32, (tokens, heads), align=4),
+        "cu_seqlens": row_major_fake(Int32, (cute.sym_int32(),), align=4),
+        "gamma": row_major_fake(Float32, chunk),
+        "d_lower": row_major_fake(Float32, pairs),
+        "d_attn": row_major_fake(Float32, pairs),
+        **{name: row_major_fake(Float32, chunk) for name in ("d_rhs_w", "d_rhs_u", "d_qg", "d_kd")},
+        "d_decay": row_major_fake(Float32, (slots, heads, HEAD_DIM)),
+        "d_beta_lower": row_major_fake(Float32, (slots, heads, SCAN_CHUNK)),
+        **{name: row_major_fake(Float32, chunk) for name in ("dq_c", "dk_c", "dgamma_c")},
+        **{name: row_major_fake(Float32, token_shape) for name in ("dq", "dk", "dv", "dg")},
+        "dbeta": row_major_fake(Float32, (tokens, heads), align=4),
+    }
+    scale_tag = hashlib.sha256(repr(scale).encode()).hexdigest()[:8]
+    return export(
+        OperandsBwdSm90(OperandsBwdConfig(scale=scale)),
+        fakes,
+        prefix=f"kda_operands_bwd_sm90_{scale_tag}",
+        config={"scale": repr(scale)},
+    )
+
+
+def operands_bwd_call(scale, tokens, cu_seqlens, intermediates, cotangents, precision):
+    """operands_bwd_kernel's kernel call, unlaunched: (artifact, inputs, results). The XLA
+    products ahead of the kernel: dRhs = T^-T [dW | dU], d_lower = -strictLower(dRhs [W | U]^T)
+    and its term of dbeta, sum_j d_lower_ij kk_ij."""
+    q, k, v, beta = tokens
+    gamma, kk, w, u, t_inverse = intermediates
+    d_w, d_u, d_qg, d_attn, d_kd, d_decay = cotangents
+    f32 = jnp.float32
+    token_shape = (*q.shape[:2], HEAD_DIM)
+    results = [jax.ShapeDtypeStruct(gamma.shape, f32) for _ in range(3)]  # scratch
+    results += [jax.ShapeDtypeStruct(token_shape, f32) for _ in range(4)]
+    results += [jax.ShapeDtypeStruct(q.shape[:2], f32)]
+    d_rhs_w, d_rhs_u = (
+        jnp.einsum("...ji,...jn->...in", t_inverse, x, precision=precision) for x in (d_w, d_u)
+    )
+    d_lower = -(
+        jnp.einsum("...id,...jd->...ij", d_rhs_w, w, precision=precision)
+        + jnp.einsum("...id,...jd->...ij", d_rhs_u, u, precision=precision)
+    )
+    strict = jnp.arange(SCAN_CHUNK)[:, None] > jnp.arange(SCAN_CHUNK)[None, :]
+    d_lower = jnp.where(strict, d_lower, 0.0)
+    d_beta_lower = jnp.sum(d_lower * kk, axis=-1)
+    inputs = [
+        *(x.astype(jnp.bfloat16) for x in (q, k, v)),
+        beta.astype(f32),
+        jnp.asarray(cu_seqlens, jnp.int32),
+        gamma,
+        d_lower,
+        *(x.astype(f32) for x in (d_attn, d_rhs_w, d_rhs_u, d_qg, d_kd, d_decay)),
+        d_beta_lower,
+    ]
+    return operands_bwd_artifact(scale), inputs, results
+
+
+def operands_bwd_kernel(
+    scale, tokens, cu_seqlens, rows, num_slots, intermediates, cotangents, precision
+):
+    """The chunk core's backward from the token inputs (q, k, v, beta), its intermediates
+    (gamma, kk, w, u, T^-1) and the cotangents of (w, u, qg, attn, kd, decay): XLA products
+    at `precision` (operands_bwd_call), the rest on OperandsBwdSm90. Returns float32 (dq, dk,
+    dv, dg) [T, H, 128] and dbeta [T, H]: what xla._chunk_operands_bwd computes, in the
+    tokens' rows (rows and num_slots: unused, the kernel reads cu_seqlens; they are the XLA
+    stand-in's, xla_operands_bwd)."""
+    from jax_kda.sm90.ffi_call import cute_call
+
+    q = tokens[0]
+    if intermediates[0].shape[0] == 0:  # no slots: no tokens either
+        shapes = [(*q.shape[:2], HEAD_DIM)] * 4 + [q.shape[:2]]
+        return tuple(jnp.zeros(shape, jnp.float32) for shape in shapes)
+    artifact, inputs, results = operands_bwd_call(
+        scale, tokens, cu_seqlens, intermediates, cotangents, precision
+    )
+    return tuple(cute_call(artifact, inputs, results)[3:])
+
+
+def xla_operands_bwd(scale, tokens, cu_seqlens, rows, num_slots, intermediates, cotangents,
+                     precision, decayed_bwd=None):  # fmt: skip
+    """operands_bwd_kernel's contract in XLA: xla._chunk_operands_bwd on the chunked tokens,
+    back in the tokens' rows (the stand-in of CPU tests, and the path without the kernel)."""
+    gamma, kk, w, u, t_inverse = intermediates
+    f32 = jnp.float32
+    q_c, k_c, v_c, beta_c = (xla._to_chunks(x.astype(f32), rows, num_slots) for x in tokens)
+    strict = jnp.arange(SCAN_CHUNK)[:, None] > jnp.arange(SCAN_CHUNK)[None, :]
+    lower = jnp.where(strict, beta_c[..., :, None] * kk, 0.0)
+    solved = jnp.concatenate([w, u], axis=-1)
+    qg = scale * q_c * jnp.exp(gamma)
+    kd = k_c * jnp.exp(gamma[:, :, -1:, :] - gamma)
+    decay = jnp.exp(gamma[:, :, -1, :])
+    residuals = (q_c, k_c, v_c, beta_c, gamma, kk, lower, solved, qg, kd, decay)
+    d_chunked = xla._chunk_operands_bwd(
+        scale, residuals, cotangents, decayed_bwd=decayed_bwd, t_inverse=t_inverse,
+        precision=precision,
+    )  # fmt: skip
+    return tuple(xla.from_chunks(d, rows) for d in d_chunked)
+
+
+def differentiable_chunk_operands(
+    run, decayed_bwd=None, precision=jax.lax.Precision.HIGHEST, fused_bwd=None
+):
     """xla.chunk_operands's contract from `run` (chunk_core_kernel, or a stand-in in CPU tests),
     with xla._chunk_operands_bwd (written out, parallel over chunks) as its backward; its
     decayed products' part by `decayed_bwd` (decayed_bwd_kernel) where given, else in XLA;
-    `precision` that of its dense products (with the chunk core's T^-1, the solve's too)."""
+    `precision` that of its dense products (with the chunk core's T^-1, the solve's too).
+    fused_bwd (operands_bwd_kernel's contract; takes precedence over decayed_bwd): the whole
+    backward from the token inputs and the core's intermediates, straight to the tokens."""
 
     @functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8))
     def operands(q, k, v, g, beta, cu_seqlens, rows, num_slots, scale):
@@ -484,6 +602,11 @@ def differentiable_chunk_operands(run, decayed_bwd=None, precision=jax.lax.Preci
     def operands_fwd(q, k, v, g, beta, cu_seqlens, rows, num_slots, scale):
         outputs = run(q, k, v, g, beta, cu_seqlens, num_slots, scale)
         w, u, qg, attn, kd, decay, gamma, kk, t_inverse = outputs
+        primal = (w, u, qg, attn, kd, decay)
+        like = tuple(jnp.zeros((0,), x.dtype) for x in (q, k, v, g, beta))  # the dtypes
+        if fused_bwd is not None:  # the tokens and the core's own outputs, nothing chunked
+            intermediates = (gamma, kk, w, u, t_inverse)
+            return primal, ((q, k, v, beta), cu_seqlens, intermediates, rows, like)
         # What xla._chunk_operands_bwd needs: the chunked inputs and the kernel's intermediates.
         f32 = jnp.float32
         q_c, k_c, v_c, beta_c = (
@@ -493,10 +616,17 @@ def differentiable_chunk_operands(run, decayed_bwd=None, precision=jax.lax.Preci
         lower = jnp.where(strict, beta_c[..., :, None] * kk, 0.0)
         solved = jnp.concatenate([w, u], axis=-1)
         residuals = (q_c, k_c, v_c, beta_c, gamma, kk, lower, solved, qg, kd, decay)
-        like = tuple(jnp.zeros((0,), x.dtype) for x in (q, k, v, g, beta))  # the dtypes
-        return (w, u, qg, attn, kd, decay), (residuals, t_inverse, rows, like)
+        return primal, (residuals, t_inverse, rows, like)
 
     def operands_bwd(num_slots, scale, saved, cotangents):
+        if fused_bwd is not None:
+            tokens, cu_seqlens, intermediates, rows, like = saved
+            d_tokens = fused_bwd(
+                scale, tokens, cu_seqlens, rows, num_slots, intermediates, cotangents[:6],
+                precision,
+            )  # fmt: skip
+            d_tokens = [d.astype(x.dtype) for d, x in zip(d_tokens, like, strict=True)]
+            return (*d_tokens, None, None)
         residuals, t_inverse, rows, like = saved
         d_chunked = xla._chunk_operands_bwd(
             scale, residuals, cotangents, decayed_bwd=decayed_bwd, t_inverse=t_inverse,
@@ -513,7 +643,7 @@ def differentiable_chunk_operands(run, decayed_bwd=None, precision=jax.lax.Preci
 
 def training_forward(
     q, k, v, g, beta, cu_seqlens, initial_state, scale, *, chunk_core=True, decayed_bwd=True,
-    scan_v_slice=None, dense_bf16x3=True, scan_tensor_cores=None,
+    scan_v_slice=None, dense_bf16x3=True, scan_tensor_cores=None, fused_operands_bwd=False,
 ):  # fmt: skip
     """The forward the sm90 backward differentiates (and the no-bound forward), exact for any
     g <= 0: the chunk-core kernel's per-chunk operands (their backward written out,
@@ -525,9 +655,13 @@ def training_forward(
     chunk_core=False takes the operands from the XLA path's code, decayed_bwd=False their
     backward's decayed products too; scan_v_slice and scan_tensor_cores pick the state-scan
     variant (None: the plan's); dense_bf16x3=False runs the dense products at HIGHEST (float32
-    FMAs)."""
+    FMAs); fused_operands_bwd=True takes the operands' backward past the solve as one kernel
+    (operands_bwd_kernel: decayed products, element-wise terms and the tokens' rows; it needs
+    decayed_bwd=True)."""
     if decayed_bwd and not chunk_core:
         raise ValueError("decayed_bwd=True needs chunk_core=True (the operands' backward it is in)")
+    if fused_operands_bwd and not decayed_bwd:
+        raise ValueError("fused_operands_bwd=True needs decayed_bwd=True (the kernel it extends)")
     precision = (
         jax.lax.DotAlgorithmPreset.BF16_BF16_F32_X3 if dense_bf16x3 else jax.lax.Precision.HIGHEST
     )
@@ -537,7 +671,10 @@ def training_forward(
     scan = differentiable_state_scan(kernel, precision)
     if chunk_core:
         operands = differentiable_chunk_operands(
-            chunk_core_kernel, decayed_bwd_kernel if decayed_bwd else None, precision
+            chunk_core_kernel,
+            decayed_bwd_kernel if decayed_bwd else None,
+            precision,
+            fused_bwd=operands_bwd_kernel if fused_operands_bwd else None,
         )
         return xla.forward(
             q, k, v, g, beta, cu_seqlens, initial_state, scale, scan=scan, operands=operands,
