@@ -210,7 +210,12 @@ def _variants(text: str) -> list[tuple[str, dict]]:
     per-chunk parts at HIGHEST around the SIMT scan), whatever training_forward's defaults."""
     out = []
     for name in text.split(","):
-        options = {"chunk_core": False, "decayed_bwd": False, "dense_bf16x3": False}
+        options = {
+            "chunk_core": False,
+            "decayed_bwd": False,
+            "fused_operands_bwd": False,
+            "dense_bf16x3": False,
+        }
         for part in name.split("+"):
             if part == "core":
                 options["chunk_core"] = True

@@ -58,7 +58,12 @@ def test_no_gpu_events_is_an_error_that_says_so():
 def test_train_variants_parse_into_training_forward_options():
     from benchmarks.kernel_profile import _variants
 
-    off = {"chunk_core": False, "decayed_bwd": False, "dense_bf16x3": False}
+    off = {
+        "chunk_core": False,
+        "decayed_bwd": False,
+        "fused_operands_bwd": False,
+        "dense_bf16x3": False,
+    }
     assert _variants("base,core,v64,core+dbwd+v64+x3") == [
         ("base", off),
         ("core", {**off, "chunk_core": True}),

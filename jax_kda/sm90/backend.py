@@ -643,7 +643,7 @@ def differentiable_chunk_operands(
 
 def training_forward(
     q, k, v, g, beta, cu_seqlens, initial_state, scale, *, chunk_core=True, decayed_bwd=True,
-    scan_v_slice=None, dense_bf16x3=True, scan_tensor_cores=None, fused_operands_bwd=False,
+    scan_v_slice=None, dense_bf16x3=True, scan_tensor_cores=None, fused_operands_bwd=True,
 ):  # fmt: skip
     """The forward the sm90 backward differentiates (and the no-bound forward), exact for any
     g <= 0: the chunk-core kernel's per-chunk operands (their backward written out,
@@ -660,6 +660,7 @@ def training_forward(
     decayed_bwd=True)."""
     if decayed_bwd and not chunk_core:
         raise ValueError("decayed_bwd=True needs chunk_core=True (the operands' backward it is in)")
+    fused_operands_bwd = fused_operands_bwd and chunk_core
     if fused_operands_bwd and not decayed_bwd:
         raise ValueError("fused_operands_bwd=True needs decayed_bwd=True (the kernel it extends)")
     precision = (

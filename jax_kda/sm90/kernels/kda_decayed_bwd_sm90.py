@@ -66,6 +66,7 @@ RT_BYTES = HEAD_DIM * 2 * PACKED * 2  # R^T image [128, 320] bf16: 80 KiB
 W_BYTES = ROWS * 2 * PACKED * 2  # packed cotangent image [64, 320] bf16: 40 KiB
 REGION_BYTES = RT_BYTES + W_BYTES
 BACK_A_BYTES = ROWS * 2 * SIDE * 2  # [64, 64] bf16: 8 KiB
+TAIL_BATCH = 16  # rows of the fused backward's element-wise tail loaded at once
 
 
 class DecayedBwdSm90:
@@ -442,33 +443,50 @@ class OperandsBwdSm90(DecayedBwdSm90):
         gam_last = s_gam[ROWS - 1, d]
         r_dgam = cute.make_rmem_tensor((half,), Float32)
         kd_sum = Float32(0.0)
-        for r in cutlass.range_constexpr(half):
-            i = part * half + r
-            gam = s_gam[i, d]
-            e = cute.math.exp(gam)
-            f = cute.math.exp(gam_last - gam)
-            kv = Float32(s_k[i, d])
-            qv = Float32(s_q[i, d])
-            b = s_beta[i]
-            d_rw = mDrw[slot, h, i, d]
-            d_ru = mDru[slot, h, i, d]
-            d_qg = mDqg[slot, h, i, d]
-            d_kd = mDkd[slot, h, i, d]
-            vv = Float32(0.0)
-            valid = active and c * ROWS + i < seqlen
-            if tokens > 0:
-                vv = Float32(mV[cutlass.max(cutlass.min(row0 + i, last_ok), 0), h, d])
-            if not valid:
-                vv = Float32(0.0)
-            kd_term = kv * f * d_kd
-            kd_sum = kd_sum + kd_term
-            r_dgam[r] = m_dgam_c[i, d] + b * kv * e * d_rw + scale * qv * e * d_qg - kd_term
-            s_terms[i, d] = d_rw * kv * e + d_ru * vv
-            if valid:
-                token = row0 + i
-                mDq[token, h, d] = m_dq_c[i, d] + scale * e * d_qg
-                mDk[token, h, d] = m_dk_c[i, d] + b * e * d_rw + f * d_kd
-                mDv[token, h, d] = b * d_ru
+        # In batches of TAIL_BATCH rows, every load of a batch issued before its stores (a
+        # store may alias a later load, so the compiler keeps them in order: row by row, each
+        # row's loads waited for one at a time; latency-bound)
+        r_in = cute.make_rmem_tensor((TAIL_BATCH, 8), Float32)
+        for bt in cutlass.range_constexpr(half // TAIL_BATCH):
+            for r in cutlass.range_constexpr(TAIL_BATCH):
+                i = part * half + bt * TAIL_BATCH + r
+                r_in[r, 0] = m_dq_c[i, d]
+                r_in[r, 1] = m_dk_c[i, d]
+                r_in[r, 2] = m_dgam_c[i, d]
+                r_in[r, 3] = mDrw[slot, h, i, d]
+                r_in[r, 4] = mDru[slot, h, i, d]
+                r_in[r, 5] = mDqg[slot, h, i, d]
+                r_in[r, 6] = mDkd[slot, h, i, d]
+                r_in[r, 7] = Float32(0.0)
+                if tokens > 0:
+                    r_in[r, 7] = Float32(mV[cutlass.max(cutlass.min(row0 + i, last_ok), 0), h, d])
+            for r in cutlass.range_constexpr(TAIL_BATCH):
+                i = part * half + bt * TAIL_BATCH + r
+                gam = s_gam[i, d]
+                e = cute.math.exp(gam)
+                f = cute.math.exp(gam_last - gam)
+                kv = Float32(s_k[i, d])
+                qv = Float32(s_q[i, d])
+                b = s_beta[i]
+                d_rw = r_in[r, 3]
+                d_ru = r_in[r, 4]
+                d_qg = r_in[r, 5]
+                d_kd = r_in[r, 6]
+                valid = active and c * ROWS + i < seqlen
+                vv = r_in[r, 7]
+                if not valid:
+                    vv = Float32(0.0)
+                kd_term = kv * f * d_kd
+                kd_sum = kd_sum + kd_term
+                r_dgam[bt * TAIL_BATCH + r] = (
+                    r_in[r, 2] + b * kv * e * d_rw + scale * qv * e * d_qg - kd_term
+                )
+                s_terms[i, d] = d_rw * kv * e + d_ru * vv
+                if valid:
+                    token = row0 + i
+                    mDq[token, h, d] = r_in[r, 0] + scale * e * d_qg
+                    mDk[token, h, d] = r_in[r, 1] + b * e * d_rw + f * d_kd
+                    mDv[token, h, d] = b * d_ru
         # dg: the reverse cumsum, within this warpgroup's rows, then across
         run = Float32(0.0)
         for r in cutlass.range_constexpr(half):
