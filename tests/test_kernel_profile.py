@@ -73,6 +73,7 @@ def test_train_variants_parse_into_training_forward_options():
             {
                 "chunk_core": True,
                 "decayed_bwd": True,
+                "fused_operands_bwd": False,
                 "scan_v_slice": 64,
                 "scan_tensor_cores": False,
                 "dense_bf16x3": True,

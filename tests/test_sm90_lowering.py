@@ -200,7 +200,7 @@ def test_operands_bwd_exports_for_sm90a():
 
 def test_training_forward_with_the_fused_operands_bwd_lowers_to_its_kernel():
     """training_forward(fused_operands_bwd=True): the fused kernel replaces the decayed
-    products' one, and the backward of the operands has no gather back to the tokens."""
+    products' one; without the decayed products' kernel it is refused, not dropped."""
     x = production_inputs([300, 0, 77], 2, seed=8)
 
     def step(q, k, v, g, beta, cu, state):
@@ -243,7 +243,7 @@ def test_training_forward_variants_lower_to_their_kernels():
         def forward(q, k, v, g, beta, state):
             return sm90.training_forward(
                 q, k, v, g, beta, cu, state, 0.3, chunk_core=True, decayed_bwd=True,
-                scan_v_slice=64, dense_bf16x3=True, fused_operands_bwd=False,
+                scan_v_slice=64, dense_bf16x3=True,
             )  # fmt: skip
 
         out, pullback = jax.vjp(forward, q, k, v, g, beta, state)
@@ -263,8 +263,8 @@ def test_training_forward_variants_lower_to_their_kernels():
 
 def test_training_lowers_under_scan_over_layers_checkpoint_and_vmap():
     """A model's training step: layers in lax.scan, each rematerialised (jax.checkpoint), and a
-    vmapped batch; every form lowers to the forward kernel, the chunk-core kernel, its fused
-    backward and both state-scan kernels."""
+    vmapped batch; every form lowers to the forward kernel, the chunk-core kernel, the decayed
+    products' backward and both state-scan kernels."""
     x = production_inputs([130, 0, 60], 2, seed=6)
     layer = _prefill(backend="sm90")
 
@@ -295,7 +295,7 @@ def test_training_lowers_under_scan_over_layers_checkpoint_and_vmap():
     for name, (fn, args) in cases.items():
         prefixes = set(re.findall(r'prefix = "(\w+)"', _lower(fn, *args)))
         kinds = {p.rsplit("_", 1)[0] for p in prefixes}
-        expected = {"kda_fwd_sm90_h2", "kda_chunk_operands_sm90", "kda_operands_bwd_sm90"}
+        expected = {"kda_fwd_sm90_h2", "kda_chunk_operands_sm90", "kda_decayed_bwd"}
         expected |= {"kda_state_scan_sm90_fwd", "kda_state_scan_sm90_rev"}
         assert kinds == expected, (
             name,
@@ -482,7 +482,7 @@ def test_grad_under_explicit_sharding_lowers_per_device():
             grad = jax.jit(jax.grad(loss, argnums=range(6)))
             text = grad.trace(*sharded).lower(lowering_platforms=("cuda",)).as_text()
         kinds = {p.rsplit("_", 1)[0] for p in re.findall(r'prefix = "(\\w+)"', text)}
-        assert {"kda_fwd_sm90", "kda_chunk_operands_sm90", "kda_operands_bwd_sm90"} <= {
+        assert {"kda_fwd_sm90", "kda_chunk_operands_sm90", "kda_decayed_bwd"} <= {
             k.rsplit("_", 1)[0] if k.startswith("kda_fwd") else k for k in kinds}, kinds
         assert "manual_computation" in text
         assert "stablehlo.while" not in text
@@ -520,7 +520,7 @@ def test_vmap_runs_the_sm90_path_as_one_call():
         prefixes = re.findall(r'prefix = "(\w+)"', text)
         kinds = sorted(p.rsplit("_", 1)[0] for p in prefixes)
         expected = ["kda_fwd_sm90"] if name == "vmap" else [
-            "kda_chunk_operands_sm90", "kda_fwd_sm90", "kda_operands_bwd_sm90",
+            "kda_chunk_operands_sm90", "kda_decayed_bwd", "kda_fwd_sm90",
             "kda_state_scan_sm90_fwd", "kda_state_scan_sm90_rev",
         ]  # fmt: skip
         assert [k.rsplit("_", 1)[0] if k.startswith("kda_fwd") else k for k in kinds] == expected
