@@ -261,6 +261,20 @@ CORE_CASES = {
 }
 
 
+def _core_case(case, seed):
+    """CORE_CASES[case]'s lengths and inputs (3 heads), g set as the case says: everywhere
+    (-5, -7.4, -8) or on every 7th token's every 3rd channel (-30, -inf)."""
+    lengths, data = CORE_CASES[case]
+    make = long_memory_inputs if data == "long-memory" else production_inputs
+    x = make(lengths, 3, seed=seed)
+    g = np.array(x.g)
+    if data in ("-5", "-7.4", "-8"):
+        g[:] = float(data)
+    elif data in ("-30", "-inf"):
+        g[::7, :, ::3] = float(data)
+    return lengths, x._replace(g=g)
+
+
 @pytest.mark.parametrize("case", CORE_CASES)
 def test_chunk_core_kernel_matches_xla(case):
     """The exact 64-token chunk core (kernels/kda_chunk_operands_sm90.py) against
@@ -269,16 +283,8 @@ def test_chunk_core_kernel_matches_xla(case):
     -7.4: a half block's decay of 59.2, just under SAFE_RANGE) and their first rows with the
     diagonal blocks pair by pair (-8 everywhere: 64; -30 and -inf on some tokens)."""
     register()
-    lengths, data = CORE_CASES[case]
-    x = (long_memory_inputs if data == "long-memory" else production_inputs)(
-        lengths, 3, seed=SEED + len(case)
-    )
-    if data in ("-5", "-7.4", "-8"):
-        x = x._replace(g=np.full_like(np.asarray(x.g), float(data)))
-    elif data in ("-30", "-inf"):
-        g = np.array(x.g)
-        g[::7, :, ::3] = float(data)
-        x = x._replace(g=g)
+    lengths, x = _core_case(case, SEED + len(case))
+    data = CORE_CASES[case][1]
     tokens, heads = x.q.shape[0], x.q.shape[1]
     num_slots = xla.chunk_slot_count(tokens, len(lengths))
     chunk = (num_slots, heads, 64, 128)
@@ -323,15 +329,8 @@ def test_decayed_bwd_kernel_matches_xla(case):
     xla._decayed_products_bwd on the same chunks and random cotangents, NaN-poisoned outputs;
     the cases are the chunk core's (both anchors, the pairwise diagonal blocks)."""
     register()
-    lengths, data = CORE_CASES[case]
-    x = (long_memory_inputs if data == "long-memory" else production_inputs)(
-        lengths, 3, seed=SEED + 7 * len(case)
-    )
-    g = np.array(x.g)
-    if data in ("-5", "-7.4", "-8"):
-        g[:] = float(data)
-    elif data in ("-30", "-inf"):
-        g[::7, :, ::3] = float(data)
+    lengths, x = _core_case(case, SEED + 7 * len(case))
+    g = x.g
     tokens = x.q.shape[0]
     num_slots = xla.chunk_slot_count(tokens, len(lengths))
     _, rows = xla._token_slots(jnp.asarray(x.cu_seqlens), tokens)
@@ -378,16 +377,8 @@ def test_operands_bwd_kernel_matches_xla(case):
     the tokens' rows, NaN-poisoned (a row it does not write stays NaN), both anchors, ragged,
     empty and gap slots."""
     register()
-    lengths, data = CORE_CASES[case]
-    x = (long_memory_inputs if data == "long-memory" else production_inputs)(
-        lengths, 3, seed=SEED + 11 * len(case)
-    )
-    g = np.array(x.g)
-    if data in ("-5", "-7.4", "-8"):
-        g[:] = float(data)
-    elif data in ("-30", "-inf"):
-        g[::7, :, ::3] = float(data)
-    g = np.maximum(g, -100.0)  # the gate floor, as the training forward applies it
+    lengths, x = _core_case(case, SEED + 11 * len(case))
+    g = np.maximum(x.g, -100.0)  # the gate floor, as the training forward applies it
     tokens = x.q.shape[0]
     num_slots = xla.chunk_slot_count(tokens, len(lengths))
     _, rows = xla._token_slots(jnp.asarray(x.cu_seqlens), tokens)

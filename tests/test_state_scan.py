@@ -235,8 +235,30 @@ def test_fused_operands_bwd_wiring_gives_the_xla_paths_gradients(dtype):
 
         return jax.jit(jax.grad(loss, argnums=range(6)))(*args)
 
-    operands = sm90.differentiable_chunk_operands(_xla_chunk_core, fused_bwd=sm90.xla_operands_bwd)
+    calls = []
+
+    def spy(scale, tokens, *rest):
+        calls.append([t.shape for t in tokens])  # what the forward saved: the tokens themselves
+        return sm90.xla_operands_bwd(scale, tokens, *rest)
+
+    operands = sm90.differentiable_chunk_operands(_xla_chunk_core, fused_bwd=spy)
     wired = grads(operands=operands)
+    assert calls == [[x.q.shape, x.k.shape, x.v.shape, x.beta.shape]], calls
     for name, a, b, arg in zip("q k v g beta state".split(), wired, grads(), args, strict=True):
         assert a.dtype == arg.dtype, name
         assert rms_ratio(a, b) <= 1e-5, (name, rms_ratio(a, b))
+
+
+def test_operands_bwd_kernel_with_no_slots_returns_zeros_without_a_launch():
+    """No tokens and no sequences: operands_bwd_kernel returns zero gradients of the tokens'
+    shapes (no kernel call: an empty grid cannot launch)."""
+    tokens = (*(jnp.zeros((0, 3, 128), jnp.bfloat16) for _ in range(3)), jnp.zeros((0, 3)))
+    chunk = jnp.zeros((0, 3, 64, 128), jnp.float32)
+    pairs = jnp.zeros((0, 3, 64, 64), jnp.float32)
+    intermediates = (chunk, pairs, chunk, chunk, pairs)
+    cotangents = (chunk, chunk, chunk, pairs, chunk, jnp.zeros((0, 3, 128), jnp.float32))
+    out = sm90.operands_bwd_kernel(
+        0.3, tokens, jnp.zeros((1,), jnp.int32), None, 0, intermediates, cotangents, None
+    )
+    assert [a.shape for a in out] == [(0, 3, 128)] * 4 + [(0, 3)]
+    assert all(a.dtype == jnp.float32 for a in out)
