@@ -426,17 +426,24 @@ def rms(x):
     return float(np.sqrt(np.mean(np.square(np.asarray(x, np.float64)))))
 
 
+def _training_case(data, seed):
+    """The oracle tests' call: lengths [300, 0, 77, 130], 2 heads, production or long-memory
+    data, or production data with g = -8 or -30 on every other channel."""
+    make = long_memory_inputs if data == "long-memory" else production_inputs
+    x = make([300, 0, 77, 130], 2, seed=seed)
+    if data in ("-8", "-30"):
+        g = np.array(x.g)
+        g[:, :, ::2] = float(data)
+        x = x._replace(g=g)
+    return x
+
+
 @pytest.mark.parametrize("data", ["production", "long-memory", "-8", "-30"])
 def test_training_forward_with_the_fused_operands_bwd_matches_float64_oracle(data):
     """sm90.training_forward(fused_operands_bwd=True): output and all six gradients against
     the float64 oracle, both anchors and harsh gates, ragged and empty sequences."""
     register()
-    make = long_memory_inputs if data == "long-memory" else production_inputs
-    x = make([300, 0, 77, 130], 2, seed=SEED + 19)
-    if data in ("-8", "-30"):
-        g = np.array(x.g)
-        g[:, :, ::2] = float(data)
-        x = x._replace(g=g)
+    x = _training_case(data, SEED + 19)
 
     def forward(q, k, v, g, beta, cu, state):
         return sm90.training_forward(q, k, v, g, beta, cu, state, 0.3, fused_operands_bwd=True)
@@ -457,12 +464,7 @@ def test_training_forward_with_the_new_kernels_matches_float64_oracle(data, dens
     oracle, at both anchors and harsh gates. Catches wiring errors (residuals, cotangent order,
     dtypes) that the kernel-level tests cannot."""
     register()
-    make = long_memory_inputs if data == "long-memory" else production_inputs
-    x = make([300, 0, 77, 130], 2, seed=SEED + 17)
-    if data in ("-8", "-30"):
-        g = np.array(x.g)
-        g[:, :, ::2] = float(data)
-        x = x._replace(g=g)
+    x = _training_case(data, SEED + 17)
 
     def forward(q, k, v, g, beta, cu, state):
         return sm90.training_forward(
