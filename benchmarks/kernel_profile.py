@@ -226,6 +226,9 @@ def _variants(text: str) -> list[tuple[str, dict]]:
                 options["fused_operands_bwd"] = True
             elif part == "x3":
                 options["dense_bf16x3"] = True
+            elif part == "x1":  # the dense products as one bf16 pass
+                options["dense_bf16x3"] = True
+                options["dense_single_bf16"] = True
             elif part in SCAN_VARIANTS:
                 options["scan_v_slice"], options["scan_tensor_cores"] = SCAN_VARIANTS[part]
             elif part != "base":

@@ -478,6 +478,29 @@ def test_training_forward_with_the_new_kernels_matches_float64_oracle(data, dens
     _check_grads(f"variants {data}", x, forward, scale=0.3, dg_scale_of_terms=harsh)
 
 
+@pytest.mark.parametrize("data", ["production", "long-memory", "-30"])
+def test_training_forward_with_single_pass_dense_products_matches_float64_oracle(data):
+    """sm90.training_forward(dense_single_bf16=True): the dense products around the scan as one
+    bf16 pass (benchmarks.precision_study: within the bar on the XLA path); output and all six
+    gradients against the float64 oracle."""
+    register()
+    make = long_memory_inputs if data == "long-memory" else production_inputs
+    x = make([300, 0, 77, 130], 2, seed=SEED + 23)
+    if data == "-30":
+        g = np.array(x.g)
+        g[:, :, ::2] = -30.0
+        x = x._replace(g=g)
+
+    def forward(q, k, v, g, beta, cu, state):
+        return sm90.training_forward(q, k, v, g, beta, cu, state, 0.3, dense_single_bf16=True)
+
+    o, final = jax.jit(forward)(*x)
+    ref_o, ref_final = recurrent_oracle(*x, scale=0.3)
+    print(f"x1 {data}: o {rms_ratio(o, ref_o):.2e} final {rms_ratio(final, ref_final):.2e}")
+    assert rms_ratio(o, ref_o) <= RMS_RATIO_BAR and rms_ratio(final, ref_final) <= RMS_RATIO_BAR
+    _check_grads(f"x1 {data}", x, forward, scale=0.3, dg_scale_of_terms=data == "-30")
+
+
 def _stacked_calls(lengths, heads, count, seed):
     """count packed calls of the same lengths, stacked on a leading axis for jax.vmap."""
     xs = [production_inputs(lengths, heads, seed=seed + i) for i in range(count)]

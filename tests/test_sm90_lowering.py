@@ -217,6 +217,21 @@ def test_training_forward_with_the_fused_operands_bwd_lowers_to_its_kernel():
         sm90.training_forward(*x[:7], 0.3, decayed_bwd=False, fused_operands_bwd=True)
 
 
+def test_training_forward_with_single_pass_dense_products_lowers_to_one_bf16_pass():
+    """dense_single_bf16=True: the dense products lower as one bf16 pass (float32
+    accumulation), and without dense_bf16x3 (what it replaces) it is refused."""
+    x = production_inputs([300, 0, 77], 2, seed=8)
+
+    def forward(q, k, v, g, beta, cu, state):
+        return sm90.training_forward(q, k, v, g, beta, cu, state, 0.3, dense_single_bf16=True)
+
+    text = _lower(forward, *x)
+    assert "num_primitive_operations = 1" in text
+    assert "num_primitive_operations = 3" not in text
+    with pytest.raises(ValueError, match="replaces the bf16x3 products"):
+        sm90.training_forward(*x[:7], 0.3, dense_bf16x3=False, dense_single_bf16=True)
+
+
 def test_grad_lowers_to_the_backward_kernels_and_no_loop():
     """jax.grad on the sm90 path: the forward kernel, the state scan forward (recompute) and
     reverse, and no XLA while loop (the serial passes are all in kernels)."""

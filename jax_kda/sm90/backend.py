@@ -644,6 +644,7 @@ def differentiable_chunk_operands(
 def training_forward(
     q, k, v, g, beta, cu_seqlens, initial_state, scale, *, chunk_core=True, decayed_bwd=True,
     scan_v_slice=None, dense_bf16x3=True, scan_tensor_cores=None, fused_operands_bwd=False,
+    dense_single_bf16=False,
 ):  # fmt: skip
     """The forward the sm90 backward differentiates (and the no-bound forward), exact for any
     g <= 0: the chunk-core kernel's per-chunk operands (their backward written out,
@@ -659,14 +660,20 @@ def training_forward(
     (operands_bwd_kernel: decayed products, element-wise terms and the tokens' rows; it needs
     decayed_bwd=True). It passes every GPU test but is slower than the XLA element-wise part it
     replaces (H200 profile: 2048x12x1 span 969 against 944 us, 8192x16x1 4542 against 4119):
-    its tail runs at one CTA an SM, latency-bound, so it is off by default."""
+    its tail runs at one CTA an SM, latency-bound, so it is off by default. dense_single_bf16=True
+    takes the dense products as one bf16 pass with float32 accumulation (benchmarks.precision_study:
+    within SPEC's bar on the XLA path; NOT yet run on a GPU)."""
     if decayed_bwd and not chunk_core:
         raise ValueError("decayed_bwd=True needs chunk_core=True (the operands' backward it is in)")
     if fused_operands_bwd and not decayed_bwd:
         raise ValueError("fused_operands_bwd=True needs decayed_bwd=True (the kernel it extends)")
+    if dense_single_bf16 and not dense_bf16x3:
+        raise ValueError("dense_single_bf16=True replaces the bf16x3 products: leave dense_bf16x3")
     precision = (
         jax.lax.DotAlgorithmPreset.BF16_BF16_F32_X3 if dense_bf16x3 else jax.lax.Precision.HIGHEST
     )
+    if dense_single_bf16:
+        precision = jax.lax.DotAlgorithmPreset.BF16_BF16_F32
     kernel = functools.partial(
         state_scan_kernel, v_slice=scan_v_slice, tensor_cores=scan_tensor_cores
     )
