@@ -221,6 +221,9 @@ def _variants(text: str) -> list[tuple[str, dict]]:
                 options["chunk_core"] = True
             elif part == "dbwd":
                 options["decayed_bwd"] = True
+            elif part == "dbwd1":  # the decayed products' backward with one bf16 pass a product
+                options["decayed_bwd"] = True
+                options["decayed_bwd_passes"] = 1
             elif part == "obwd":  # the fused operands' backward (it extends dbwd's kernel)
                 options["decayed_bwd"] = True
                 options["fused_operands_bwd"] = True

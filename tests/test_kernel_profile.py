@@ -87,5 +87,8 @@ def test_train_variants_parse_into_training_forward_options():
     assert _variants("core+x1")[0][1] == {
         **off, "chunk_core": True, "dense_bf16x3": True, "dense_single_bf16": True,
     }  # fmt: skip
+    assert _variants("core+dbwd1")[0][1] == {
+        **off, "chunk_core": True, "decayed_bwd": True, "decayed_bwd_passes": 1,
+    }  # fmt: skip
     with pytest.raises(argparse.ArgumentTypeError, match="unknown variant part 'v8'"):
         _variants("core+v8")

@@ -323,11 +323,13 @@ def test_chunk_core_kernel_matches_xla(case):
         assert error <= bar, (name, error)
 
 
+@pytest.mark.parametrize("passes", [3, 1], ids=["bf16x3", "bf16x1"])
 @pytest.mark.parametrize("case", CORE_CASES)
-def test_decayed_bwd_kernel_matches_xla(case):
+def test_decayed_bwd_kernel_matches_xla(case, passes):
     """The decayed products' backward (kernels/kda_decayed_bwd_sm90.py) against
     xla._decayed_products_bwd on the same chunks and random cotangents, NaN-poisoned outputs;
-    the cases are the chunk core's (both anchors, the pairwise diagonal blocks)."""
+    the cases are the chunk core's (both anchors, the pairwise diagonal blocks); bf16x3 and the
+    single-pass variant (NOT yet run on a GPU)."""
     register()
     lengths, x = _core_case(case, SEED + 7 * len(case))
     g = x.g
@@ -349,7 +351,7 @@ def test_decayed_bwd_kernel_matches_xla(case):
     def run(*inputs):
         poison = [jnp.full(shape.shape, jnp.nan, jnp.float32) for _ in range(3)]
         inputs = [inputs[0].astype(jnp.bfloat16), inputs[1].astype(jnp.bfloat16), *inputs[2:]]
-        return cute_call(sm90.decayed_bwd_artifact(), [*inputs, *poison], [shape] * 3,
+        return cute_call(sm90.decayed_bwd_artifact(passes), [*inputs, *poison], [shape] * 3,
                          aliases={5: 0, 6: 1, 7: 2})  # fmt: skip
 
     ours = run(q, k, gamma, d_kk, d_qk)
@@ -365,8 +367,11 @@ def test_decayed_bwd_kernel_matches_xla(case):
             error = float(np.sqrt(np.mean(np.square(np.asarray(a) - np.asarray(b)))) / terms)
         else:
             error = rms_ratio(a, b)
-        print(f"decayed bwd {case} {name}: {error:.1e} (bar 1e-4)")
-        assert error <= 1e-4, (name, error)
+        # one bf16 pass: operands rounded to 2^-9, about 3e-3 relative (precision_study); a
+        # wrong term or row is off by O(1) either way
+        bar = 1e-4 if passes == 3 else 2e-2
+        print(f"decayed bwd {case} x{passes} {name}: {error:.1e} (bar {bar:.0e})")
+        assert error <= bar, (name, error)
 
 
 @pytest.mark.parametrize("case", CORE_CASES)
@@ -478,11 +483,13 @@ def test_training_forward_with_the_new_kernels_matches_float64_oracle(data, dens
     _check_grads(f"variants {data}", x, forward, scale=0.3, dg_scale_of_terms=harsh)
 
 
+@pytest.mark.parametrize("dbwd_passes", [3, 1])
 @pytest.mark.parametrize("data", ["production", "long-memory", "-30"])
-def test_training_forward_with_single_pass_dense_products_matches_float64_oracle(data):
+def test_training_forward_with_single_pass_dense_products_matches_float64_oracle(data, dbwd_passes):
     """sm90.training_forward(dense_single_bf16=True): the dense products around the scan as one
-    bf16 pass (benchmarks.precision_study: within the bar on the XLA path); output and all six
-    gradients against the float64 oracle."""
+    bf16 pass (benchmarks.precision_study: within the bar on the XLA path), and with
+    decayed_bwd_passes=1 the decayed products' backward too; output and all six gradients
+    against the float64 oracle. NOT yet run on a GPU."""
     register()
     make = long_memory_inputs if data == "long-memory" else production_inputs
     x = make([300, 0, 77, 130], 2, seed=SEED + 23)
@@ -492,13 +499,17 @@ def test_training_forward_with_single_pass_dense_products_matches_float64_oracle
         x = x._replace(g=g)
 
     def forward(q, k, v, g, beta, cu, state):
-        return sm90.training_forward(q, k, v, g, beta, cu, state, 0.3, dense_single_bf16=True)
+        return sm90.training_forward(
+            q, k, v, g, beta, cu, state, 0.3, dense_single_bf16=True,
+            decayed_bwd_passes=dbwd_passes,
+        )  # fmt: skip
 
     o, final = jax.jit(forward)(*x)
     ref_o, ref_final = recurrent_oracle(*x, scale=0.3)
     print(f"x1 {data}: o {rms_ratio(o, ref_o):.2e} final {rms_ratio(final, ref_final):.2e}")
     assert rms_ratio(o, ref_o) <= RMS_RATIO_BAR and rms_ratio(final, ref_final) <= RMS_RATIO_BAR
-    _check_grads(f"x1 {data}", x, forward, scale=0.3, dg_scale_of_terms=data == "-30")
+    name = f"x1 dbwd x{dbwd_passes} {data}"
+    _check_grads(name, x, forward, scale=0.3, dg_scale_of_terms=data == "-30")
 
 
 def _stacked_calls(lengths, heads, count, seed):

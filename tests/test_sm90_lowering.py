@@ -232,6 +232,17 @@ def test_training_forward_with_single_pass_dense_products_lowers_to_one_bf16_pas
         sm90.training_forward(*x[:7], 0.3, dense_bf16x3=False, dense_single_bf16=True)
 
 
+def test_decayed_bwd_single_pass_variant_exports_for_sm90a():
+    """The decayed products' backward with one bf16 pass a product compiles and exports as its
+    own variant (the three-pass kernel keeps its name and cache entry)."""
+    artifact = sm90.decayed_bwd_artifact(1)
+    assert artifact.object_bytes[:4] == b"\x7fELF"
+    assert artifact.prefix == "kda_decayed_bwd_sm90_x1"
+    assert sm90.decayed_bwd_artifact().prefix == "kda_decayed_bwd_sm90"
+    with pytest.raises(ValueError, match="passes is 1 or 3"):
+        sm90.decayed_bwd_artifact(2)
+
+
 def test_grad_lowers_to_the_backward_kernels_and_no_loop():
     """jax.grad on the sm90 path: the forward kernel, the state scan forward (recompute) and
     reverse, and no XLA while loop (the serial passes are all in kernels)."""

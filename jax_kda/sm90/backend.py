@@ -430,9 +430,10 @@ def chunk_core_kernel(q, k, v, g, beta, cu_seqlens, num_slots, scale):
 
 
 @functools.cache
-def decayed_bwd_artifact():
+def decayed_bwd_artifact(passes: int = 3):
     """The exported backward of the in-chunk decayed products (kernels/kda_decayed_bwd_sm90.py);
-    slots and heads symbolic."""
+    slots and heads symbolic; `passes` bf16 passes a product (3: bf16x3; 1: one, NOT yet run
+    on a GPU)."""
     import cutlass.cute as cute
     from cutlass import BFloat16, Float32
 
@@ -450,12 +451,15 @@ def decayed_bwd_artifact():
         "d_qk": row_major_fake(Float32, pairs),
         **{name: row_major_fake(Float32, chunk) for name in ("dq", "dk", "dgamma")},
     }
-    return export(DecayedBwdSm90(), fakes, prefix="kda_decayed_bwd_sm90", config={})
+    prefix = "kda_decayed_bwd_sm90" + ("" if passes == 3 else f"_x{passes}")
+    config = {} if passes == 3 else {"passes": passes}
+    return export(DecayedBwdSm90(passes), fakes, prefix=prefix, config=config)
 
 
-def decayed_bwd_kernel(residuals, cotangents):
+def decayed_bwd_kernel(residuals, cotangents, passes: int = 3):
     """xla._decayed_products_bwd's contract ((q, k, gamma), (d_kk, d_qk) -> dq, dk, dgamma,
-    float32 chunks) on the kernel; q and k are taken as bfloat16 (the sm90 path's are)."""
+    float32 chunks) on the kernel (`passes`: decayed_bwd_artifact's); q and k are taken as
+    bfloat16 (the sm90 path's are)."""
     from jax_kda.sm90.ffi_call import cute_call
 
     q, k, gamma = residuals
@@ -468,7 +472,7 @@ def decayed_bwd_kernel(residuals, cotangents):
         *(x.astype(jnp.float32) for x in (gamma, d_kk, d_qk)),
     ]
     results = [jax.ShapeDtypeStruct(q.shape, jnp.float32) for _ in range(3)]
-    return tuple(cute_call(decayed_bwd_artifact(), inputs, results))
+    return tuple(cute_call(decayed_bwd_artifact(passes), inputs, results))
 
 
 @functools.cache
@@ -644,7 +648,7 @@ def differentiable_chunk_operands(
 def training_forward(
     q, k, v, g, beta, cu_seqlens, initial_state, scale, *, chunk_core=True, decayed_bwd=True,
     scan_v_slice=None, dense_bf16x3=True, scan_tensor_cores=None, fused_operands_bwd=False,
-    dense_single_bf16=False,
+    dense_single_bf16=False, decayed_bwd_passes=3,
 ):  # fmt: skip
     """The forward the sm90 backward differentiates (and the no-bound forward), exact for any
     g <= 0: the chunk-core kernel's per-chunk operands (their backward written out,
@@ -662,7 +666,8 @@ def training_forward(
     replaces (H200 profile: 2048x12x1 span 969 against 944 us, 8192x16x1 4542 against 4119):
     its tail runs at one CTA an SM, latency-bound, so it is off by default. dense_single_bf16=True
     takes the dense products as one bf16 pass with float32 accumulation (benchmarks.precision_study:
-    within SPEC's bar on the XLA path; NOT yet run on a GPU)."""
+    within SPEC's bar on the XLA path; NOT yet run on a GPU); decayed_bwd_passes=1 runs the
+    decayed products' backward kernel with one bf16 pass a product (NOT yet run on a GPU)."""
     if decayed_bwd and not chunk_core:
         raise ValueError("decayed_bwd=True needs chunk_core=True (the operands' backward it is in)")
     if fused_operands_bwd and not decayed_bwd:
@@ -681,7 +686,9 @@ def training_forward(
     if chunk_core:
         operands = differentiable_chunk_operands(
             chunk_core_kernel,
-            decayed_bwd_kernel if decayed_bwd else None,
+            functools.partial(decayed_bwd_kernel, passes=decayed_bwd_passes)
+            if decayed_bwd
+            else None,
             precision,
             fused_bwd=operands_bwd_kernel if fused_operands_bwd else None,
         )

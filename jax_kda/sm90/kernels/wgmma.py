@@ -3,7 +3,9 @@ images, and the bf16 hi/lo split that makes a product about float32-accurate.
 
 A float32 product A B runs as three bf16 products, A_hi B_hi + A_lo B_hi + A_hi B_lo (relative
 error about 2^-16, float32 accumulation). An operand image holds both halves along K: K-blocks
-[0, k_blocks) are the high parts, [k_blocks, 2 k_blocks) the low ones.
+[0, k_blocks) are the high parts, [k_blocks, 2 k_blocks) the low ones. With passes = 1 (the
+single-pass variants: one bf16 product, about 2^-9 relative per operand; benchmarks.
+precision_study measures what that costs) an image holds the bf16 value alone.
 """
 
 from __future__ import annotations
@@ -97,6 +99,23 @@ def put_split(image: cute.Tensor, row, col, half: cutlass.Constexpr[int], x: Flo
     image[row, half + col] = (x - x_hi.to(Float32)).to(BFloat16)
 
 
+def image_k(k: int, passes: int) -> int:
+    """K extent of an operand image of K = k: [hi | lo] for three passes, the value for one."""
+    if passes not in (1, 3):
+        raise ValueError(f"passes is 1 or 3, not {passes}")
+    return 2 * k if passes == 3 else k
+
+
+@cute.jit
+def put_operand(image: cute.Tensor, row, col, half: cutlass.Constexpr[int], x: Float32,
+                passes: cutlass.Constexpr[int] = 3):  # fmt: skip
+    """x into an operand image: put_split for three passes, bf16 x at (row, col) for one."""
+    if cutlass.const_expr(passes == 3):
+        put_split(image, row, col, half, x)
+    else:
+        image[row, col] = x.to(BFloat16)
+
+
 @cute.jit
 def gemm_bf16x3(
     mma: cute.TiledMma,
@@ -137,3 +156,28 @@ def product_bf16x3(
     gemm_bf16x3(mma, acc, f_a, f_a, k_blocks, f_b, k_blocks)
     cute.nvgpu.warpgroup.commit_group()
     cute.nvgpu.warpgroup.wait_group(0)
+
+
+@cute.jit
+def product_passes(
+    mma: cute.TiledMma,
+    acc: cute.Tensor,
+    f_a: cute.Tensor,
+    f_b: cute.Tensor,
+    k_blocks: cutlass.Constexpr[int],
+    set_accumulate: cutlass.Constexpr[bool] = True,
+    passes: cutlass.Constexpr[int] = 3,
+):
+    """product_bf16x3 for three passes; for one, acc = A B^T as one bf16 product of images
+    that hold the values alone (put_operand with passes=1)."""
+    if cutlass.const_expr(passes == 3):
+        product_bf16x3(mma, acc, f_a, f_b, k_blocks, set_accumulate)
+    else:
+        acc.fill(0.0)
+        cute.nvgpu.warpgroup.fence()
+        if cutlass.const_expr(set_accumulate):
+            mma.set(warpgroup.Field.ACCUMULATE, True)
+        for kb in cutlass.range_constexpr(k_blocks):
+            cute.gemm(mma, acc, f_a[None, None, kb], f_b[None, None, kb], acc)
+        cute.nvgpu.warpgroup.commit_group()
+        cute.nvgpu.warpgroup.wait_group(0)
