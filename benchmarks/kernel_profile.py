@@ -219,6 +219,9 @@ def _variants(text: str) -> list[tuple[str, dict]]:
         for part in name.split("+"):
             if part == "core":
                 options["chunk_core"] = True
+            elif part == "core1":  # the chunk core with one bf16 pass a product
+                options["chunk_core"] = True
+                options["chunk_core_passes"] = 1
             elif part == "dbwd":
                 options["decayed_bwd"] = True
             elif part == "dbwd1":  # the decayed products' backward with one bf16 pass a product

@@ -275,13 +275,15 @@ def _core_case(case, seed):
     return lengths, x._replace(g=g)
 
 
+@pytest.mark.parametrize("passes", [3, 1], ids=["bf16x3", "bf16x1"])
 @pytest.mark.parametrize("case", CORE_CASES)
-def test_chunk_core_kernel_matches_xla(case):
+def test_chunk_core_kernel_matches_xla(case, passes):
     """The exact 64-token chunk core (kernels/kda_chunk_operands_sm90.py) against
     xla._chunk_operands_with_residuals on the same slots: every output, NaN-poisoned. The cases
     cover both anchors: the blocks' middle rows (production, long memory, -5 everywhere, and
     -7.4: a half block's decay of 59.2, just under SAFE_RANGE) and their first rows with the
-    diagonal blocks pair by pair (-8 everywhere: 64; -30 and -inf on some tokens)."""
+    diagonal blocks pair by pair (-8 everywhere: 64; -30 and -inf on some tokens). Also the
+    single-pass variant (one bf16 product each; NOT yet run on a GPU)."""
     register()
     lengths, x = _core_case(case, SEED + len(case))
     data = CORE_CASES[case][1]
@@ -291,7 +293,7 @@ def test_chunk_core_kernel_matches_xla(case):
     pairs = (num_slots, heads, 64, 64)
     shapes = [chunk, chunk, chunk, pairs, chunk, (num_slots, heads, 128), chunk, pairs, pairs]
     results = [jax.ShapeDtypeStruct(s, jnp.float32) for s in shapes]
-    artifact = sm90.chunk_operands_artifact(0.3)
+    artifact = sm90.chunk_operands_artifact(0.3, passes)
 
     @jax.jit
     def run(*inputs):
@@ -319,7 +321,9 @@ def test_chunk_core_kernel_matches_xla(case):
         # row by row, jnp.cumsum in another order: with gates of -30 and below Gamma reaches
         # about -1000 and its differences lose about 1e-4.
         bar = 1e-4 if data in ("-30", "-inf") or name in ("w", "u", "attn", "kk", "tinv") else 1e-5
-        print(f"chunk core {case} {name}: {error:.1e} (bar {bar:.0e})")
+        if passes == 1 and name in ("w", "u", "attn", "kk", "tinv"):
+            bar = 2e-2  # products of bf16-rounded operands (2^-9 each): about 3e-3
+        print(f"chunk core {case} x{passes} {name}: {error:.1e} (bar {bar:.0e})")
         assert error <= bar, (name, error)
 
 
@@ -483,13 +487,14 @@ def test_training_forward_with_the_new_kernels_matches_float64_oracle(data, dens
     _check_grads(f"variants {data}", x, forward, scale=0.3, dg_scale_of_terms=harsh)
 
 
-@pytest.mark.parametrize("dbwd_passes", [3, 1])
+@pytest.mark.parametrize("single", ["dense", "dense+dbwd", "dense+dbwd+core"])
 @pytest.mark.parametrize("data", ["production", "long-memory", "-30"])
-def test_training_forward_with_single_pass_dense_products_matches_float64_oracle(data, dbwd_passes):
+def test_training_forward_with_single_pass_products_matches_float64_oracle(data, single):
     """sm90.training_forward(dense_single_bf16=True): the dense products around the scan as one
     bf16 pass (benchmarks.precision_study: within the bar on the XLA path), and with
-    decayed_bwd_passes=1 the decayed products' backward too; output and all six gradients
-    against the float64 oracle. NOT yet run on a GPU."""
+    decayed_bwd_passes=1 the decayed products' backward too, and with chunk_core_passes=1 the
+    chunk core; output and all six gradients against the float64 oracle. NOT yet run on a
+    GPU."""
     register()
     make = long_memory_inputs if data == "long-memory" else production_inputs
     x = make([300, 0, 77, 130], 2, seed=SEED + 23)
@@ -501,14 +506,15 @@ def test_training_forward_with_single_pass_dense_products_matches_float64_oracle
     def forward(q, k, v, g, beta, cu, state):
         return sm90.training_forward(
             q, k, v, g, beta, cu, state, 0.3, dense_single_bf16=True,
-            decayed_bwd_passes=dbwd_passes,
+            decayed_bwd_passes=1 if "dbwd" in single else 3,
+            chunk_core_passes=1 if "core" in single else 3,
         )  # fmt: skip
 
     o, final = jax.jit(forward)(*x)
     ref_o, ref_final = recurrent_oracle(*x, scale=0.3)
-    print(f"x1 {data}: o {rms_ratio(o, ref_o):.2e} final {rms_ratio(final, ref_final):.2e}")
+    print(f"{single} {data}: o {rms_ratio(o, ref_o):.2e} final {rms_ratio(final, ref_final):.2e}")
     assert rms_ratio(o, ref_o) <= RMS_RATIO_BAR and rms_ratio(final, ref_final) <= RMS_RATIO_BAR
-    name = f"x1 dbwd x{dbwd_passes} {data}"
+    name = f"single-pass {single} {data}"
     _check_grads(name, x, forward, scale=0.3, dg_scale_of_terms=data == "-30")
 
 

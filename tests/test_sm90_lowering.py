@@ -243,6 +243,14 @@ def test_decayed_bwd_single_pass_variant_exports_for_sm90a():
         sm90.decayed_bwd_artifact(2)
 
 
+def test_chunk_core_single_pass_variant_exports_for_sm90a():
+    """The chunk core with one bf16 pass a product compiles and exports as its own variant."""
+    artifact = sm90.chunk_operands_artifact(0.3, 1)
+    assert artifact.object_bytes[:4] == b"\x7fELF"
+    assert artifact.prefix.startswith("kda_chunk_operands_sm90_x1_")
+    assert sm90.chunk_operands_artifact(0.3).prefix != artifact.prefix
+
+
 def test_grad_lowers_to_the_backward_kernels_and_no_loop():
     """jax.grad on the sm90 path: the forward kernel, the state scan forward (recompute) and
     reverse, and no XLA while loop (the serial passes are all in kernels)."""

@@ -363,9 +363,10 @@ def differentiable_state_scan(run, precision=jax.lax.Precision.HIGHEST):
 
 
 @functools.cache
-def chunk_operands_artifact(scale: float):
+def chunk_operands_artifact(scale: float, passes: int = 3):
     """The exported exact 64-token chunk core (kernels/kda_chunk_operands_sm90.py) for this
-    scale; tokens, heads, slots and sequences symbolic."""
+    scale; tokens, heads, slots and sequences symbolic; `passes` bf16 passes a product (3:
+    bf16x3; 1: one, NOT yet run on a GPU)."""
     import cutlass.cute as cute
     from cutlass import BFloat16, Float32, Int32
 
@@ -395,15 +396,17 @@ def chunk_operands_artifact(scale: float):
         "tinv": row_major_fake(Float32, pairs),
     }
     scale_tag = hashlib.sha256(repr(scale).encode()).hexdigest()[:8]
+    suffix = "" if passes == 3 else f"_x{passes}"
+    config = {"scale": repr(scale)} if passes == 3 else {"scale": repr(scale), "passes": passes}
     return export(
-        ChunkOperandsSm90(ChunkOperandsConfig(scale=scale)),
+        ChunkOperandsSm90(ChunkOperandsConfig(scale=scale, passes=passes)),
         fakes,
-        prefix=f"kda_chunk_operands_sm90_{scale_tag}",
-        config={"scale": repr(scale)},
+        prefix=f"kda_chunk_operands_sm90{suffix}_{scale_tag}",
+        config=config,
     )
 
 
-def chunk_core_kernel(q, k, v, g, beta, cu_seqlens, num_slots, scale):
+def chunk_core_kernel(q, k, v, g, beta, cu_seqlens, num_slots, scale, passes=3):
     """The chunk-core kernel: (w, u, qg, attn, kd, decay, gamma, kk, tinv) from the packed
     tokens; tinv = T^-1, T = I + strictLower(beta kk)."""
     from jax_kda.sm90.ffi_call import cute_call
@@ -426,7 +429,7 @@ def chunk_core_kernel(q, k, v, g, beta, cu_seqlens, num_slots, scale):
     if num_slots == 0:  # no tokens and no sequences: nothing to launch (an empty grid)
         return tuple(jnp.zeros(r.shape, r.dtype) for r in results)
     inputs = [q, k, v, g.astype(f32), beta.astype(f32), jnp.asarray(cu_seqlens, jnp.int32)]
-    return tuple(cute_call(chunk_operands_artifact(scale), inputs, results))
+    return tuple(cute_call(chunk_operands_artifact(scale, passes), inputs, results))
 
 
 @functools.cache
@@ -648,7 +651,7 @@ def differentiable_chunk_operands(
 def training_forward(
     q, k, v, g, beta, cu_seqlens, initial_state, scale, *, chunk_core=True, decayed_bwd=True,
     scan_v_slice=None, dense_bf16x3=True, scan_tensor_cores=None, fused_operands_bwd=False,
-    dense_single_bf16=False, decayed_bwd_passes=3,
+    dense_single_bf16=False, decayed_bwd_passes=3, chunk_core_passes=3,
 ):  # fmt: skip
     """The forward the sm90 backward differentiates (and the no-bound forward), exact for any
     g <= 0: the chunk-core kernel's per-chunk operands (their backward written out,
@@ -667,7 +670,8 @@ def training_forward(
     its tail runs at one CTA an SM, latency-bound, so it is off by default. dense_single_bf16=True
     takes the dense products as one bf16 pass with float32 accumulation (benchmarks.precision_study:
     within SPEC's bar on the XLA path; NOT yet run on a GPU); decayed_bwd_passes=1 runs the
-    decayed products' backward kernel with one bf16 pass a product (NOT yet run on a GPU)."""
+    decayed products' backward kernel with one bf16 pass a product, chunk_core_passes=1 the
+    chunk core (neither yet run on a GPU)."""
     if decayed_bwd and not chunk_core:
         raise ValueError("decayed_bwd=True needs chunk_core=True (the operands' backward it is in)")
     if fused_operands_bwd and not decayed_bwd:
@@ -685,7 +689,7 @@ def training_forward(
     scan = differentiable_state_scan(kernel, precision)
     if chunk_core:
         operands = differentiable_chunk_operands(
-            chunk_core_kernel,
+            functools.partial(chunk_core_kernel, passes=chunk_core_passes),
             functools.partial(decayed_bwd_kernel, passes=decayed_bwd_passes)
             if decayed_bwd
             else None,
