@@ -232,6 +232,8 @@ def _variants(text: str) -> list[tuple[str, dict]]:
                 options["fused_operands_bwd"] = True
             elif part == "x3":
                 options["dense_bf16x3"] = True
+            elif part == "s1":  # the tensor-core state scan with one bf16 pass a product
+                options["scan_passes"] = 1
             elif part == "x1":  # the dense products as one bf16 pass
                 options["dense_bf16x3"] = True
                 options["dense_single_bf16"] = True

@@ -91,5 +91,6 @@ def test_train_variants_parse_into_training_forward_options():
         **off, "chunk_core": True, "decayed_bwd": True, "decayed_bwd_passes": 1,
     }  # fmt: skip
     assert _variants("core1")[0][1] == {**off, "chunk_core": True, "chunk_core_passes": 1}
+    assert _variants("s1")[0][1] == {**off, "scan_passes": 1}
     with pytest.raises(argparse.ArgumentTypeError, match="unknown variant part 'v8'"):
         _variants("core+v8")

@@ -90,6 +90,26 @@ def test_scan_kernel_matches_xla_scan(name, reverse, variant):
             np.testing.assert_array_equal(np.asarray(final[s]), np.asarray(y0[s]))
 
 
+@pytest.mark.parametrize("v_slice", [16, 32])
+@pytest.mark.parametrize("reverse", [False, True], ids=["forward", "reverse"])
+@pytest.mark.parametrize("name", ["ragged", "long", "gaps"])
+def test_single_pass_scan_kernel_matches_xla_scan(name, reverse, v_slice):
+    """The tensor-core scan with one bf16 pass a product (NOT yet run on a GPU) against XLA's
+    scan: bf16-rounded operands (2^-9 each) give about 3e-3; a wrong step is off by O(1)."""
+    register()
+    args = scan_operands(SCAN_LENGTHS[name], 3, SEED + 5 * len(name), reverse=reverse)
+    states, final = jax.jit(
+        lambda *a: sm90.state_scan_kernel(
+            *a, reverse=reverse, v_slice=v_slice, tensor_cores=True, passes=1
+        )
+    )(*args)
+    ref_states, ref_final = jax.jit(lambda *a: xla.state_scan(*a, reverse=reverse))(*args)
+    err_states = rms_ratio(states, ref_states) if ref_states.size else 0.0
+    err_final = rms_ratio(final, ref_final)
+    print(f"single-pass scan {name} reverse={reverse} t{v_slice}: {err_states:.1e} {err_final:.1e}")
+    assert err_states <= 2e-2 and err_final <= 2e-2
+
+
 def _check_grads(case, x, forward, scale=None, *, dg_scale_of_terms=False):
     """jax.grad of sum(o * w_o) + sum(final * w_f) through `forward` (q, k, v, g, beta, cu,
     state) -> (o, final) against the float64 oracle's.
@@ -487,14 +507,14 @@ def test_training_forward_with_the_new_kernels_matches_float64_oracle(data, dens
     _check_grads(f"variants {data}", x, forward, scale=0.3, dg_scale_of_terms=harsh)
 
 
-@pytest.mark.parametrize("single", ["dense", "dense+dbwd", "dense+dbwd+core"])
+@pytest.mark.parametrize("single", ["dense", "dense+dbwd", "dense+dbwd+core", "all"])
 @pytest.mark.parametrize("data", ["production", "long-memory", "-30"])
 def test_training_forward_with_single_pass_products_matches_float64_oracle(data, single):
     """sm90.training_forward(dense_single_bf16=True): the dense products around the scan as one
     bf16 pass (benchmarks.precision_study: within the bar on the XLA path), and with
-    decayed_bwd_passes=1 the decayed products' backward too, and with chunk_core_passes=1 the
-    chunk core; output and all six gradients against the float64 oracle. NOT yet run on a
-    GPU."""
+    decayed_bwd_passes=1 the decayed products' backward too, with chunk_core_passes=1 the
+    chunk core, and ("all") with scan_passes=1 the state scan; output and all six gradients
+    against the float64 oracle. NOT yet run on a GPU."""
     register()
     make = long_memory_inputs if data == "long-memory" else production_inputs
     x = make([300, 0, 77, 130], 2, seed=SEED + 23)
@@ -506,8 +526,9 @@ def test_training_forward_with_single_pass_products_matches_float64_oracle(data,
     def forward(q, k, v, g, beta, cu, state):
         return sm90.training_forward(
             q, k, v, g, beta, cu, state, 0.3, dense_single_bf16=True,
-            decayed_bwd_passes=1 if "dbwd" in single else 3,
-            chunk_core_passes=1 if "core" in single else 3,
+            decayed_bwd_passes=1 if "dbwd" in single or single == "all" else 3,
+            chunk_core_passes=1 if "core" in single or single == "all" else 3,
+            scan_passes=1 if single == "all" else 3,
         )  # fmt: skip
 
     o, final = jax.jit(forward)(*x)

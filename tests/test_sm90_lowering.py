@@ -251,6 +251,17 @@ def test_chunk_core_single_pass_variant_exports_for_sm90a():
     assert sm90.chunk_operands_artifact(0.3).prefix != artifact.prefix
 
 
+@pytest.mark.parametrize("reverse", [False, True], ids=["forward", "reverse"])
+def test_state_scan_single_pass_variants_export_for_sm90a(reverse):
+    """The tensor-core scan with one bf16 pass a product exports as its own variant; the SIMT
+    scans have none (refused, not ignored)."""
+    artifact = sm90.state_scan_artifact(reverse, 16, True, 1)
+    assert artifact.object_bytes[:4] == b"\x7fELF"
+    assert artifact.prefix.endswith("_t16x1")
+    with pytest.raises(ValueError, match="only the tensor-core state scan"):
+        sm90.state_scan_artifact(reverse, 16, False, 1)
+
+
 def test_grad_lowers_to_the_backward_kernels_and_no_loop():
     """jax.grad on the sm90 path: the forward kernel, the state scan forward (recompute) and
     reverse, and no XLA while loop (the serial passes are all in kernels)."""

@@ -207,18 +207,19 @@ def forward(q, k, v, g, beta, cu_seqlens, initial_state, scale, *, segments=None
 
 
 @functools.cache
-def state_scan_artifact(reverse: bool, v_slice: int, tensor_cores: bool = False):
+def state_scan_artifact(reverse: bool, v_slice: int, tensor_cores: bool = False, passes: int = 3):
     """The exported state-scan kernel for one direction and V-slice width: the SIMT kernel
     (kernels/kda_state_scan_sm90.py; v_slice 64 the m64 wgmma one), or with tensor_cores the
     one with the slice as wgmma N (kernels/kda_state_scan_tc_sm90.py, bf16 [hi | lo] operand
-    images from state_scan_operands). Slots, heads and sequences are all symbolic: one compile
+    images from state_scan_operands; passes=1: one bf16 product each, images of the values
+    alone, NOT yet run on a GPU). Slots, heads and sequences are all symbolic: one compile
     serves every call."""
     import cutlass.cute as cute
     from cutlass import BFloat16, Float32, Int32
 
     from jax_kda.sm90.export import export, row_major_fake
     from jax_kda.sm90.kernels.kda_state_scan_sm90 import ChunkStateScanSm90, ScanConfig
-    from jax_kda.sm90.kernels.kda_state_scan_tc_sm90 import ChunkStateScanTcSm90
+    from jax_kda.sm90.kernels.kda_state_scan_tc_sm90 import ChunkStateScanTcSm90, image_elems
     from jax_kda.sm90.kernels.kda_state_scan_wgmma_sm90 import ChunkStateScanWgmmaSm90
     from jax_kda.sm90.kernels.layout import SCAN_WGMMA_V_SLICE
 
@@ -226,9 +227,11 @@ def state_scan_artifact(reverse: bool, v_slice: int, tensor_cores: bool = False)
     slots, heads, seqs = cute.sym_int32(), cute.sym_int32(), cute.sym_int32()
     chunk_shape = (slots, heads, SCAN_CHUNK, HEAD_DIM)
     square = (HEAD_DIM, HEAD_DIM)
+    if passes != 3 and not tensor_cores:
+        raise ValueError("only the tensor-core state scan has a single-pass variant")
     if tensor_cores:
-        kernel = ChunkStateScanTcSm90(config)
-        image = (slots, heads, SCAN_CHUNK * 2 * HEAD_DIM)
+        kernel = ChunkStateScanTcSm90(config, passes)
+        image = (slots, heads, image_elems(passes))
         operands = {
             "a_img": row_major_fake(BFloat16, image),
             "bt_img": row_major_fake(BFloat16, image),
@@ -253,12 +256,15 @@ def state_scan_artifact(reverse: bool, v_slice: int, tensor_cores: bool = False)
     }
     direction = "rev" if reverse else "fwd"
     kind = "t" if tensor_cores else "v"
+    config = {"reverse": reverse, "v_slice": v_slice, "tensor_cores": tensor_cores}
+    suffix = ""
+    if passes != 3:
+        config["passes"] = passes
+        suffix = f"x{passes}"
     return export(
-        kernel,
-        fakes,
-        prefix=f"kda_state_scan_sm90_{direction}_{kind}{v_slice}",
-        config={"reverse": reverse, "v_slice": v_slice, "tensor_cores": tensor_cores},
-    )
+        kernel, fakes, prefix=f"kda_state_scan_sm90_{direction}_{kind}{v_slice}{suffix}",
+        config=config,
+    )  # fmt: skip
 
 
 def _truncated_split(x):
@@ -281,16 +287,21 @@ def _interleaved_image(x):
     return x.reshape(*lead, r * c)
 
 
-def state_scan_operands(a_op, b_op, addend, v_slice: int):
+def state_scan_operands(a_op, b_op, addend, v_slice: int, passes: int = 3):
     """The tensor-core scan's inputs from xla.state_scan's a_op, b_op [slots, H, 64, K] and
     addend [slots, H, rows, V], each as one contiguous block per (slot, head) that a bulk copy
     brings into shared memory as it is: A's image [64 tokens, hi | lo channels] and B^T's
     [channels, hi | lo tokens] (bf16, in the interleaved images' order), and the addend's
-    V slices [slots, H, V / v_slice, rows * v_slice]."""
-    a_hi, a_lo = _truncated_split(a_op)
-    b_hi, b_lo = _truncated_split(b_op)
-    a_img = _interleaved_image(jnp.concatenate([a_hi, a_lo], axis=-1))
-    bt_img = _interleaved_image(jnp.concatenate([b_hi, b_lo], axis=-2))
+    V slices [slots, H, V / v_slice, rows * v_slice]. passes=1: the images hold the bf16
+    values alone ([64 tokens, channels] and [channels, tokens])."""
+    if passes == 1:
+        a_img = _interleaved_image(a_op.astype(jnp.bfloat16))
+        bt_img = _interleaved_image(b_op.astype(jnp.bfloat16))
+    else:
+        a_hi, a_lo = _truncated_split(a_op)
+        b_hi, b_lo = _truncated_split(b_op)
+        a_img = _interleaved_image(jnp.concatenate([a_hi, a_lo], axis=-1))
+        bt_img = _interleaved_image(jnp.concatenate([b_hi, b_lo], axis=-2))
     slots, heads, rows, width = addend.shape
     slices = addend.reshape(slots, heads, rows, width // v_slice, v_slice)
     slices = jnp.transpose(slices, (0, 1, 3, 2, 4)).reshape(slots, heads, -1, rows * v_slice)
@@ -298,7 +309,8 @@ def state_scan_operands(a_op, b_op, addend, v_slice: int):
 
 
 def state_scan_kernel(
-    a_op, b_op, decay, addend, cu_seqlens, y0, *, reverse: bool, v_slice=None, tensor_cores=None
+    a_op, b_op, decay, addend, cu_seqlens, y0, *, reverse: bool, v_slice=None, tensor_cores=None,
+    passes=3,
 ):  # fmt: skip
     """xla.state_scan's contract, run by an sm90 state-scan kernel (no autodiff rule).
     v_slice, tensor_cores: the variant (kernels/layout.py SCAN_VARIANTS); None: the plan's
@@ -313,14 +325,14 @@ def state_scan_kernel(
         # 95 us at t16 against the SIMT kernel's 287 at v16); v_slice=64 is the m64 wgmma one.
         tensor_cores = v_slice in SCAN_TC_V_SLICES
     if tensor_cores:
-        a_op, b_op, addend = state_scan_operands(a_op, b_op, addend, v_slice)
+        a_op, b_op, addend = state_scan_operands(a_op, b_op, addend, v_slice, passes)
 
     results = [
         jax.ShapeDtypeStruct((a_op.shape[0], *y0.shape[1:]), jnp.float32),
         jax.ShapeDtypeStruct(y0.shape, jnp.float32),
     ]
     inputs = [a_op, b_op, decay, addend, jnp.asarray(cu_seqlens, jnp.int32), y0]
-    artifact = state_scan_artifact(reverse, v_slice, tensor_cores)
+    artifact = state_scan_artifact(reverse, v_slice, tensor_cores, passes)
     states, final = cute_call(artifact, inputs, results)
     return states, final
 
@@ -651,7 +663,7 @@ def differentiable_chunk_operands(
 def training_forward(
     q, k, v, g, beta, cu_seqlens, initial_state, scale, *, chunk_core=True, decayed_bwd=True,
     scan_v_slice=None, dense_bf16x3=True, scan_tensor_cores=None, fused_operands_bwd=False,
-    dense_single_bf16=False, decayed_bwd_passes=3, chunk_core_passes=3,
+    dense_single_bf16=False, decayed_bwd_passes=3, chunk_core_passes=3, scan_passes=3,
 ):  # fmt: skip
     """The forward the sm90 backward differentiates (and the no-bound forward), exact for any
     g <= 0: the chunk-core kernel's per-chunk operands (their backward written out,
@@ -671,7 +683,7 @@ def training_forward(
     takes the dense products as one bf16 pass with float32 accumulation (benchmarks.precision_study:
     within SPEC's bar on the XLA path; NOT yet run on a GPU); decayed_bwd_passes=1 runs the
     decayed products' backward kernel with one bf16 pass a product, chunk_core_passes=1 the
-    chunk core (neither yet run on a GPU)."""
+    chunk core, scan_passes=1 the tensor-core state scan (none yet run on a GPU)."""
     if decayed_bwd and not chunk_core:
         raise ValueError("decayed_bwd=True needs chunk_core=True (the operands' backward it is in)")
     if fused_operands_bwd and not decayed_bwd:
@@ -684,8 +696,9 @@ def training_forward(
     if dense_single_bf16:
         precision = jax.lax.DotAlgorithmPreset.BF16_BF16_F32
     kernel = functools.partial(
-        state_scan_kernel, v_slice=scan_v_slice, tensor_cores=scan_tensor_cores
-    )
+        state_scan_kernel, v_slice=scan_v_slice, tensor_cores=scan_tensor_cores,
+        passes=scan_passes,
+    )  # fmt: skip
     scan = differentiable_state_scan(kernel, precision)
     if chunk_core:
         operands = differentiable_chunk_operands(
