@@ -35,7 +35,7 @@ from jax_kda.constants import HEAD_DIM, SCAN_CHUNK
 from jax_kda.sm90.kernels.kda_state_scan_sm90 import ScanConfig
 from jax_kda.sm90.kernels.layout import SCAN_TC_V_SLICES
 from jax_kda.sm90.kernels.varlen import scan_slots, step_slot
-from jax_kda.sm90.kernels.wgmma import bf16_tiled_mma, gemm_bf16x3, image_k, inter_image_layout
+from jax_kda.sm90.kernels.wgmma import bf16_tiled_mma, gemm_passes, image_k, inter_image_layout
 
 NTHREADS = 128
 STAGES = 2
@@ -220,7 +220,7 @@ class ChunkStateScanTcSm90:
                 tok, v = c_x[i]
                 acc_x[i] = -s_add[tok, v]
         cute.nvgpu.warpgroup.fence()
-        self._gemm(mma_x, acc_x, f_a, f_y, HEAD_DIM // 16)
+        gemm_passes(mma_x, acc_x, f_a, f_y, HEAD_DIM // 16, self.passes)
         cute.nvgpu.warpgroup.commit_group()
         cute.nvgpu.warpgroup.wait_group(0)
 
@@ -237,20 +237,10 @@ class ChunkStateScanTcSm90:
         cute.arch.sync_threads()
         cute.nvgpu.warpgroup.fence()
         for m in cutlass.range_constexpr(2):
-            self._gemm(mma_y, acc_y[m], f_bt[m], f_x, SCAN_CHUNK // 16)
+            gemm_passes(mma_y, acc_y[m], f_bt[m], f_x, SCAN_CHUNK // 16, self.passes)
         cute.nvgpu.warpgroup.commit_group()
         cute.nvgpu.warpgroup.wait_group(0)
         cute.arch.sync_threads()  # the stage and the Y, X images free for the next chunk
-
-    @cute.jit
-    def _gemm(self, mma, acc, f_a, f_b, k_blocks: cutlass.Constexpr[int]):
-        """Issue acc += A B (no fence, commit or wait: the caller's): three bf16 products a
-        K-block from [hi | lo] images, or one from images of the values alone."""
-        if cutlass.const_expr(self.passes == 3):
-            gemm_bf16x3(mma, acc, f_a, f_a, k_blocks, f_b, k_blocks)
-        else:
-            for kb in cutlass.range_constexpr(k_blocks):
-                cute.gemm(mma, acc, f_a[None, None, kb], f_b[None, None, kb], acc)
 
     @cute.jit
     def _load(self, mA, mBt, mDecay, mAdd, slot, h, vsl, stage: cutlass.Constexpr[int], loads):

@@ -137,25 +137,22 @@ def gemm_bf16x3(
 
 
 @cute.jit
-def product_bf16x3(
+def gemm_passes(
     mma: cute.TiledMma,
     acc: cute.Tensor,
     f_a: cute.Tensor,
     f_b: cute.Tensor,
     k_blocks: cutlass.Constexpr[int],
-    set_accumulate: cutlass.Constexpr[bool] = True,
+    passes: cutlass.Constexpr[int] = 3,
 ):
-    """acc = A B^T, both operands [hi | lo] images in shared memory (the caller fenced and
-    synchronised their writes), three bf16 products per K-block; waited for on return.
-    set_accumulate=False where the call sits in a branch of one warpgroup: the caller sets the
-    MMA's ACCUMULATE field outside it (a field set inside cannot leave the branch)."""
-    acc.fill(0.0)
-    cute.nvgpu.warpgroup.fence()
-    if cutlass.const_expr(set_accumulate):
-        mma.set(warpgroup.Field.ACCUMULATE, True)
-    gemm_bf16x3(mma, acc, f_a, f_a, k_blocks, f_b, k_blocks)
-    cute.nvgpu.warpgroup.commit_group()
-    cute.nvgpu.warpgroup.wait_group(0)
+    """Issue acc += A B over k_blocks 16-wide K-blocks of two images (no fence, commit or wait:
+    the caller's): gemm_bf16x3 on [hi | lo] images for three passes, one bf16 product a K-block
+    on images of the values alone (put_operand with passes=1) for one."""
+    if cutlass.const_expr(passes == 3):
+        gemm_bf16x3(mma, acc, f_a, f_a, k_blocks, f_b, k_blocks)
+    else:
+        for kb in cutlass.range_constexpr(k_blocks):
+            cute.gemm(mma, acc, f_a[None, None, kb], f_b[None, None, kb], acc)
 
 
 @cute.jit
@@ -168,16 +165,14 @@ def product_passes(
     set_accumulate: cutlass.Constexpr[bool] = True,
     passes: cutlass.Constexpr[int] = 3,
 ):
-    """product_bf16x3 for three passes; for one, acc = A B^T as one bf16 product of images
-    that hold the values alone (put_operand with passes=1)."""
-    if cutlass.const_expr(passes == 3):
-        product_bf16x3(mma, acc, f_a, f_b, k_blocks, set_accumulate)
-    else:
-        acc.fill(0.0)
-        cute.nvgpu.warpgroup.fence()
-        if cutlass.const_expr(set_accumulate):
-            mma.set(warpgroup.Field.ACCUMULATE, True)
-        for kb in cutlass.range_constexpr(k_blocks):
-            cute.gemm(mma, acc, f_a[None, None, kb], f_b[None, None, kb], acc)
-        cute.nvgpu.warpgroup.commit_group()
-        cute.nvgpu.warpgroup.wait_group(0)
+    """acc = A B^T of two images in shared memory (the caller fenced and synchronised their
+    writes), gemm_passes' products; waited for on return. set_accumulate=False where the call
+    sits in a branch of one warpgroup: the caller sets the MMA's ACCUMULATE field outside it (a
+    field set inside cannot leave the branch)."""
+    acc.fill(0.0)
+    cute.nvgpu.warpgroup.fence()
+    if cutlass.const_expr(set_accumulate):
+        mma.set(warpgroup.Field.ACCUMULATE, True)
+    gemm_passes(mma, acc, f_a, f_b, k_blocks, passes)
+    cute.nvgpu.warpgroup.commit_group()
+    cute.nvgpu.warpgroup.wait_group(0)
