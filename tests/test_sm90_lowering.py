@@ -243,6 +243,27 @@ def test_decayed_bwd_single_pass_variant_exports_for_sm90a():
         sm90.decayed_bwd_artifact(2)
 
 
+@pytest.mark.parametrize("n, k, mn_major", [(64, 32, False), (64, 160, False), (64, 320, False),
+                                           (128, 32, True), (128, 160, True), (160, 128, False),
+                                           (256, 64, True), (64, 64, False)])  # fmt: skip
+def test_operand_images_take_exactly_their_elements(n, k, mn_major):
+    """An operand image of n rows and K = k spans n * k elements: the single-pass decayed
+    backward's K = 32 and 160 images, laid out with 128-byte atoms (64 K), spanned 2x and 1.2x
+    that, so its back products' two images overlapped (dk off by 1e12 on the GPU)."""
+    import cutlass.cute as cute
+
+    from jax_kda.sm90.kernels.wgmma import image_layout
+
+    spans = []
+
+    @cute.jit
+    def measure():
+        spans.append(cute.cosize(image_layout(n, k, mn_major).outer))
+
+    measure()
+    assert spans == [n * k]
+
+
 def test_chunk_core_single_pass_variant_exports_for_sm90a():
     """The chunk core with one bf16 pass a product compiles and exports as its own variant."""
     artifact = sm90.chunk_operands_artifact(0.3, 1)

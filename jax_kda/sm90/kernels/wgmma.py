@@ -36,11 +36,19 @@ def bf16_tiled_mma(tile_mn, a_source, b_mn_major: bool = False, a_mn_major: bool
 
 
 def image_layout(n: int, k: int, mn_major: bool = False):
-    """A wgmma operand image (rows n, K = k) in shared memory, 128-byte swizzle: K-major, or
-    N-major (consecutive n adjacent: threads that own one n each write it without conflicts)."""
+    """A wgmma operand image (rows n, K = k) in shared memory, swizzled: K-major, or N-major
+    (consecutive n adjacent: threads that own one n each write it without conflicts). The
+    widest swizzle (128, 64 or 32 bytes) whose atom tiles the major extent exactly, so the
+    image takes n * k elements and no more (a 128-byte atom pads K = 32 or 160 to 64 or 192)."""
     kind = warpgroup.SmemLayoutAtomKind
-    atom = warpgroup.make_smem_layout_atom(kind.MN_SW128 if mn_major else kind.K_SW128, BFloat16)
-    return cute.tile_to_shape(atom, (n, k), order=(1, 0) if mn_major else (0, 1))
+    major = n if mn_major else k
+    for width, mn_kind, k_kind in ((64, kind.MN_SW128, kind.K_SW128),
+                                   (32, kind.MN_SW64, kind.K_SW64),
+                                   (16, kind.MN_SW32, kind.K_SW32)):  # fmt: skip
+        if major % width == 0:
+            atom = warpgroup.make_smem_layout_atom(mn_kind if mn_major else k_kind, BFloat16)
+            return cute.tile_to_shape(atom, (n, k), order=(1, 0) if mn_major else (0, 1))
+    raise ValueError(f"an operand image's major extent is a multiple of 16, not {major}")
 
 
 def inter_image_layout(n: int, k: int, mn_major: bool = False):
