@@ -217,19 +217,22 @@ def test_training_forward_with_the_fused_operands_bwd_lowers_to_its_kernel():
         sm90.training_forward(*x[:7], 0.3, decayed_bwd=False, fused_operands_bwd=True)
 
 
-def test_training_forward_with_single_pass_dense_products_lowers_to_one_bf16_pass():
-    """dense_single_bf16=True: the dense products lower as one bf16 pass (float32
-    accumulation), and without dense_bf16x3 (what it replaces) it is refused."""
+@pytest.mark.parametrize(
+    "dense_precision, ops", [(None, 1), ("bf16", 1), ("bf16x3", 3), ("float32", None)]
+)
+def test_training_forward_dense_precision_lowers_to_its_bf16_passes(dense_precision, ops):
+    """The dense products lower as one bf16 pass by default (float32 accumulation), three with
+    dense_precision="bf16x3", neither at "float32" (HIGHEST); another value is refused."""
     x = production_inputs([300, 0, 77], 2, seed=8)
+    options = {} if dense_precision is None else {"dense_precision": dense_precision}
 
     def forward(q, k, v, g, beta, cu, state):
-        return sm90.training_forward(q, k, v, g, beta, cu, state, 0.3, dense_single_bf16=True)
+        return sm90.training_forward(q, k, v, g, beta, cu, state, 0.3, **options)
 
-    text = _lower(forward, *x)
-    assert "num_primitive_operations = 1" in text
-    assert "num_primitive_operations = 3" not in text
-    with pytest.raises(ValueError, match="replaces the bf16x3 products"):
-        sm90.training_forward(*x[:7], 0.3, dense_bf16x3=False, dense_single_bf16=True)
+    found = set(re.findall(r"num_primitive_operations = (\d+)", _lower(forward, *x)))
+    assert found == ({str(ops)} if ops else set())
+    with pytest.raises(ValueError, match="dense_precision is one of"):
+        sm90.training_forward(*x[:7], 0.3, dense_precision="tf32")
 
 
 def test_decayed_bwd_single_pass_variant_exports_for_sm90a():
@@ -309,7 +312,7 @@ def test_training_forward_variants_lower_to_their_kernels():
         def forward(q, k, v, g, beta, state):
             return sm90.training_forward(
                 q, k, v, g, beta, cu, state, 0.3, chunk_core=True, decayed_bwd=True,
-                scan_v_slice=64, dense_bf16x3=True,
+                scan_v_slice=64, dense_precision="bf16x3",
             )  # fmt: skip
 
         out, pullback = jax.vjp(forward, q, k, v, g, beta, state)

@@ -662,39 +662,42 @@ def differentiable_chunk_operands(
 
 def training_forward(
     q, k, v, g, beta, cu_seqlens, initial_state, scale, *, chunk_core=True, decayed_bwd=True,
-    scan_v_slice=None, dense_bf16x3=True, scan_tensor_cores=None, fused_operands_bwd=False,
-    dense_single_bf16=False, decayed_bwd_passes=3, chunk_core_passes=3, scan_passes=3,
+    scan_v_slice=None, scan_tensor_cores=None, fused_operands_bwd=False, dense_precision="bf16",
+    decayed_bwd_passes=1, chunk_core_passes=1, scan_passes=1,
 ):  # fmt: skip
     """The forward the sm90 backward differentiates (and the no-bound forward), exact for any
     g <= 0: the chunk-core kernel's per-chunk operands (their backward written out,
     xla._chunk_operands_bwd, with its decayed products on their kernel) around the state-scan
-    kernel, whose backward is the reverse scan; the dense products around the scan as bf16x3
-    tensor-core products (about 2^-16 relative, the kernels' own precision).
+    kernel, whose backward is the reverse scan, and the dense products around the scan.
 
-    The switches are for profiling (benchmarks.kernel_profile --train-variants) and tests:
-    chunk_core=False takes the operands from the XLA path's code, decayed_bwd=False their
-    backward's decayed products too; scan_v_slice and scan_tensor_cores pick the state-scan
-    variant (None: the plan's); dense_bf16x3=False runs the dense products at HIGHEST (float32
-    FMAs); fused_operands_bwd=True takes the operands' backward past the solve as one kernel
-    (operands_bwd_kernel: decayed products, element-wise terms and the tokens' rows; it needs
-    decayed_bwd=True). It passes every GPU test but is slower than the XLA element-wise part it
-    replaces (H200 profile: 2048x12x1 span 969 against 944 us, 8192x16x1 4542 against 4119):
-    its tail runs at one CTA an SM, latency-bound, so it is off by default. dense_single_bf16=True
-    takes the dense products as one bf16 pass with float32 accumulation (benchmarks.precision_study:
-    within SPEC's bar on the XLA path; NOT yet run on a GPU); decayed_bwd_passes=1 runs the
-    decayed products' backward kernel with one bf16 pass a product, chunk_core_passes=1 the
-    chunk core, scan_passes=1 the tensor-core state scan (none yet run on a GPU)."""
+    Precision: every product takes one bf16 tensor-core pass with float32 accumulation by
+    default (operands rounded to about 2^-9; H200 oracle tests about 4e-3 rms against SPEC's
+    1e-2; benchmarks.precision_study measures it on the XLA path). dense_precision="bf16x3" and
+    the kernels' *_passes=3 take three bf16 passes (A_hi B_hi + A_lo B_hi + A_hi B_lo, about
+    2^-16 relative, three times the tensor-core work and twice the operand images);
+    dense_precision="float32" runs the dense products at HIGHEST (float32 FMAs).
+
+    The other switches are for profiling (benchmarks.kernel_profile --train-variants) and
+    tests: chunk_core=False takes the operands from the XLA path's code, decayed_bwd=False
+    their backward's decayed products too; scan_v_slice and scan_tensor_cores pick the
+    state-scan variant (None: the plan's); fused_operands_bwd=True takes the operands' backward
+    past the solve as one kernel (operands_bwd_kernel: decayed products, element-wise terms and
+    the tokens' rows, three passes; it needs decayed_bwd=True). It passes every GPU test but is
+    slower than the XLA element-wise part it replaces (H200 profile: 2048x12x1 span 969 against
+    944 us, 8192x16x1 4542 against 4119): its tail runs at one CTA an SM, latency-bound, so it
+    is off by default."""
     if decayed_bwd and not chunk_core:
         raise ValueError("decayed_bwd=True needs chunk_core=True (the operands' backward it is in)")
     if fused_operands_bwd and not decayed_bwd:
         raise ValueError("fused_operands_bwd=True needs decayed_bwd=True (the kernel it extends)")
-    if dense_single_bf16 and not dense_bf16x3:
-        raise ValueError("dense_single_bf16=True replaces the bf16x3 products: leave dense_bf16x3")
-    precision = (
-        jax.lax.DotAlgorithmPreset.BF16_BF16_F32_X3 if dense_bf16x3 else jax.lax.Precision.HIGHEST
-    )
-    if dense_single_bf16:
-        precision = jax.lax.DotAlgorithmPreset.BF16_BF16_F32
+    presets = {
+        "bf16": jax.lax.DotAlgorithmPreset.BF16_BF16_F32,
+        "bf16x3": jax.lax.DotAlgorithmPreset.BF16_BF16_F32_X3,
+        "float32": jax.lax.Precision.HIGHEST,
+    }
+    if dense_precision not in presets:
+        raise ValueError(f"dense_precision is one of {sorted(presets)}, not {dense_precision!r}")
+    precision = presets[dense_precision]
     kernel = functools.partial(
         state_scan_kernel, v_slice=scan_v_slice, tensor_cores=scan_tensor_cores,
         passes=scan_passes,
