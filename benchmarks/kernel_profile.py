@@ -217,7 +217,6 @@ def _variants(text: str) -> list[tuple[str, dict]]:
             "fused_operands_bwd": False,
             "dense_precision": "float32",
             "chunk_core_passes": 3,
-            "decayed_bwd_passes": 3,
             "scan_passes": 3,
         }
         for part in name.split("+"):
@@ -228,9 +227,6 @@ def _variants(text: str) -> list[tuple[str, dict]]:
                 options["chunk_core_passes"] = 1
             elif part == "dbwd":
                 options["decayed_bwd"] = True
-            elif part == "dbwd1":  # the decayed products' backward with one bf16 pass a product
-                options["decayed_bwd"] = True
-                options["decayed_bwd_passes"] = 1
             elif part == "obwd":  # the fused operands' backward (it extends dbwd's kernel)
                 options["decayed_bwd"] = True
                 options["fused_operands_bwd"] = True

@@ -64,7 +64,6 @@ def test_train_variants_parse_into_training_forward_options():
         "fused_operands_bwd": False,
         "dense_precision": "float32",
         "chunk_core_passes": 3,
-        "decayed_bwd_passes": 3,
         "scan_passes": 3,
     }
     assert _variants("base,core,v64,core+dbwd+v64+x3") == [
@@ -89,9 +88,6 @@ def test_train_variants_parse_into_training_forward_options():
     }  # fmt: skip
     assert _variants("core+x1")[0][1] == {
         **off, "chunk_core": True, "dense_precision": "bf16",
-    }  # fmt: skip
-    assert _variants("core+dbwd1")[0][1] == {
-        **off, "chunk_core": True, "decayed_bwd": True, "decayed_bwd_passes": 1,
     }  # fmt: skip
     assert _variants("core1")[0][1] == {**off, "chunk_core": True, "chunk_core_passes": 1}
     assert _variants("s1")[0][1] == {**off, "scan_passes": 1}

@@ -94,7 +94,7 @@ def test_scan_kernel_matches_xla_scan(name, reverse, variant):
 @pytest.mark.parametrize("reverse", [False, True], ids=["forward", "reverse"])
 @pytest.mark.parametrize("name", ["ragged", "long", "gaps"])
 def test_single_pass_scan_kernel_matches_xla_scan(name, reverse, v_slice):
-    """The tensor-core scan with one bf16 pass a product (NOT yet run on a GPU) against XLA's
+    """The tensor-core scan with one bf16 pass a product against XLA's
     scan: bf16-rounded operands (2^-9 each) give about 3e-3; a wrong step is off by O(1)."""
     register()
     args = scan_operands(SCAN_LENGTHS[name], 3, SEED + 5 * len(name), reverse=reverse)
@@ -304,7 +304,7 @@ def test_chunk_core_kernel_matches_xla(case, passes):
     cover both anchors: the blocks' middle rows (production, long memory, -5 everywhere, and
     -7.4: a half block's decay of 59.2, just under SAFE_RANGE) and their first rows with the
     diagonal blocks pair by pair (-8 everywhere: 64; -30 and -inf on some tokens). Also the
-    single-pass variant (one bf16 product each; NOT yet run on a GPU)."""
+    single-pass variant (one bf16 product each)."""
     register()
     lengths, x = _core_case(case, SEED + len(case))
     data = CORE_CASES[case][1]
@@ -348,13 +348,11 @@ def test_chunk_core_kernel_matches_xla(case, passes):
         assert error <= bar, (name, error)
 
 
-@pytest.mark.parametrize("passes", [3, 1], ids=["bf16x3", "bf16x1"])
 @pytest.mark.parametrize("case", CORE_CASES)
-def test_decayed_bwd_kernel_matches_xla(case, passes):
+def test_decayed_bwd_kernel_matches_xla(case):
     """The decayed products' backward (kernels/kda_decayed_bwd_sm90.py) against
     xla._decayed_products_bwd on the same chunks and random cotangents, NaN-poisoned outputs;
-    the cases are the chunk core's (both anchors, the pairwise diagonal blocks); bf16x3 and the
-    single-pass variant (NOT yet run on a GPU)."""
+    the cases are the chunk core's (both anchors, the pairwise diagonal blocks)."""
     register()
     lengths, x = _core_case(case, SEED + 7 * len(case))
     g = x.g
@@ -376,7 +374,7 @@ def test_decayed_bwd_kernel_matches_xla(case, passes):
     def run(*inputs):
         poison = [jnp.full(shape.shape, jnp.nan, jnp.float32) for _ in range(3)]
         inputs = [inputs[0].astype(jnp.bfloat16), inputs[1].astype(jnp.bfloat16), *inputs[2:]]
-        return cute_call(sm90.decayed_bwd_artifact(passes), [*inputs, *poison], [shape] * 3,
+        return cute_call(sm90.decayed_bwd_artifact(), [*inputs, *poison], [shape] * 3,
                          aliases={5: 0, 6: 1, 7: 2})  # fmt: skip
 
     ours = run(q, k, gamma, d_kk, d_qk)
@@ -392,11 +390,8 @@ def test_decayed_bwd_kernel_matches_xla(case, passes):
             error = float(np.sqrt(np.mean(np.square(np.asarray(a) - np.asarray(b)))) / terms)
         else:
             error = rms_ratio(a, b)
-        # one bf16 pass: operands rounded to 2^-9, about 3e-3 relative (precision_study); a
-        # wrong term or row is off by O(1) either way
-        bar = 1e-4 if passes == 3 else 2e-2
-        print(f"decayed bwd {case} x{passes} {name}: {error:.1e} (bar {bar:.0e})")
-        assert error <= bar, (name, error)
+        print(f"decayed bwd {case} {name}: {error:.1e} (bar 1e-4)")
+        assert error <= 1e-4, (name, error)
 
 
 @pytest.mark.parametrize("case", CORE_CASES)
@@ -498,7 +493,7 @@ def test_training_forward_with_the_new_kernels_matches_float64_oracle(data, dens
         return sm90.training_forward(
             q, k, v, g, beta, cu, state, 0.3, chunk_core=True, decayed_bwd=True,
             scan_v_slice=32, scan_tensor_cores=True, dense_precision=dense_precision,
-            decayed_bwd_passes=3, chunk_core_passes=3, scan_passes=3,
+            chunk_core_passes=3, scan_passes=3,
         )  # fmt: skip
 
     o, final = jax.jit(forward)(*x)
@@ -509,14 +504,13 @@ def test_training_forward_with_the_new_kernels_matches_float64_oracle(data, dens
     _check_grads(f"variants {data}", x, forward, scale=0.3, dg_scale_of_terms=harsh)
 
 
-@pytest.mark.parametrize("single", ["dense", "dense+dbwd", "dense+dbwd+core", "all"])
+@pytest.mark.parametrize("single", ["dense", "dense+core", "all"])
 @pytest.mark.parametrize("data", ["production", "long-memory", "-30"])
 def test_training_forward_with_single_pass_products_matches_float64_oracle(data, single):
     """sm90.training_forward with one bf16 pass a product: the dense products around the scan
-    (benchmarks.precision_study: within the bar on the XLA path), with decayed_bwd_passes=1 the
-    decayed products' backward too, with chunk_core_passes=1 the chunk core, and ("all", the
-    defaults) with scan_passes=1 the state scan; output and all six gradients against the
-    float64 oracle."""
+    (benchmarks.precision_study: within the bar on the XLA path), with chunk_core_passes=1 the
+    chunk core too, and ("all", the defaults) with scan_passes=1 the state scan; output and all
+    six gradients against the float64 oracle."""
     register()
     make = long_memory_inputs if data == "long-memory" else production_inputs
     x = make([300, 0, 77, 130], 2, seed=SEED + 23)
@@ -528,7 +522,6 @@ def test_training_forward_with_single_pass_products_matches_float64_oracle(data,
     def forward(q, k, v, g, beta, cu, state):
         return sm90.training_forward(
             q, k, v, g, beta, cu, state, 0.3, dense_precision="bf16",
-            decayed_bwd_passes=1 if "dbwd" in single or single == "all" else 3,
             chunk_core_passes=1 if "core" in single or single == "all" else 3,
             scan_passes=1 if single == "all" else 3,
         )  # fmt: skip

@@ -235,24 +235,13 @@ def test_training_forward_dense_precision_lowers_to_its_bf16_passes(dense_precis
         sm90.training_forward(*x[:7], 0.3, dense_precision="tf32")
 
 
-def test_decayed_bwd_single_pass_variant_exports_for_sm90a():
-    """The decayed products' backward with one bf16 pass a product compiles and exports as its
-    own variant (the three-pass kernel keeps its name and cache entry)."""
-    artifact = sm90.decayed_bwd_artifact(1)
-    assert artifact.object_bytes[:4] == b"\x7fELF"
-    assert artifact.prefix == "kda_decayed_bwd_sm90_x1"
-    assert sm90.decayed_bwd_artifact().prefix == "kda_decayed_bwd_sm90"
-    with pytest.raises(ValueError, match="passes is 1 or 3"):
-        sm90.decayed_bwd_artifact(2)
-
-
 @pytest.mark.parametrize("n, k, mn_major", [(64, 32, False), (64, 160, False), (64, 320, False),
                                            (128, 32, True), (128, 160, True), (160, 128, False),
                                            (256, 64, True), (64, 64, False)])  # fmt: skip
 def test_operand_images_take_exactly_their_elements(n, k, mn_major):
-    """An operand image of n rows and K = k spans n * k elements: the single-pass decayed
-    backward's K = 32 and 160 images, laid out with 128-byte atoms (64 K), spanned 2x and 1.2x
-    that, so its back products' two images overlapped (dk off by 1e12 on the GPU)."""
+    """An operand image of n rows and K = k spans n * k elements. Laid out with 128-byte atoms
+    (64 K) alone, K = 32 and 160 images spanned 2x and 1.2x that: a single-pass decayed
+    backward's two back-product images overlapped (dk off by 1e12 on the GPU)."""
     import cutlass.cute as cute
 
     from jax_kda.sm90.kernels.wgmma import image_layout

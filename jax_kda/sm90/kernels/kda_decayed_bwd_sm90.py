@@ -50,10 +50,9 @@ from jax_kda.sm90.kernels.chunk64 import (
 from jax_kda.sm90.kernels.varlen import slot_owner
 from jax_kda.sm90.kernels.wgmma import (
     bf16_tiled_mma,
-    image_k,
     image_layout,
     product_passes,
-    put_operand,
+    put_split,
     view,
 )
 
@@ -64,26 +63,14 @@ GAM_ROW = HEAD_DIM + 8
 SIDE = 2 * BLOCK  # K of a back product: block I's 16 rows for d_kk, then for d_qk
 # The reused operand region (1024-byte aligned): R^T and the packed cotangent for the forward
 # products; then a back product's two images; then the pairwise pass's float32 scratch.
-
-
-def region_bytes(passes: int = 3):
-    """(R^T image, packed cotangent image, a back product's A image) bytes for `passes`: [128,
-    320], [64, 320] and [64, 64] bf16 at three passes (80, 40 and 8 KiB), half at one."""
-    return tuple(
-        n * image_k(k, passes) * 2 for n, k in ((HEAD_DIM, PACKED), (ROWS, PACKED), (ROWS, SIDE))
-    )
-
-
+RT_BYTES = HEAD_DIM * 2 * PACKED * 2  # R^T image [128, 320] bf16: 80 KiB
+W_BYTES = ROWS * 2 * PACKED * 2  # packed cotangent image [64, 320] bf16: 40 KiB
+REGION_BYTES = RT_BYTES + W_BYTES
+BACK_A_BYTES = ROWS * 2 * SIDE * 2  # [64, 64] bf16: 8 KiB
 TAIL_BATCH = 16  # rows of the fused backward's element-wise tail loaded at once
 
 
 class DecayedBwdSm90:
-    passes = 3  # bf16 passes a product (wgmma.image_k); DecayedBwdSm90(passes=1): one
-
-    def __init__(self, passes: int = 3):
-        image_k(1, passes)  # 1 or 3
-        self.passes = passes
-
     @cute.jit
     def __call__(
         self,
@@ -123,7 +110,7 @@ class DecayedBwdSm90:
         slot, h, _ = cute.arch.block_idx()
         d = tid % 128  # channel, in the element-wise phases
         part = tid // 128  # warpgroup: rows = part mod WGS; in products channels HALF_N part + n
-        shared = _allocate(self.passes)
+        shared = _allocate()
         _, s_q, s_k, s_gam, s_dkk, s_dqk, s_flag, _ = shared
 
         # ---- the chunk into shared memory; the cotangents for j <= i only
@@ -147,14 +134,10 @@ class DecayedBwdSm90:
         s_region, s_q, s_k, s_gam, s_dkk, s_dqk, s_flag, _ = shared
         row_major = cute.make_layout((ROWS, HEAD_DIM), stride=(HEAD_DIM, 1))
         raw = s_region.iterator
-        passes = self.passes
-        rt_bytes, _, back_a_bytes = region_bytes(passes)
-        packed_k = image_k(PACKED, passes)
-        side_k = image_k(SIDE, passes)
-        s_rt = view(raw, 0, image_layout(HEAD_DIM, packed_k, mn_major=True))
-        s_w = view(raw, rt_bytes, image_layout(ROWS, packed_k))
-        s_back_a = view(raw, 0, image_layout(ROWS, side_k))
-        s_back_b = view(raw, back_a_bytes, image_layout(HEAD_DIM, side_k, mn_major=True))
+        s_rt = view(raw, 0, image_layout(HEAD_DIM, 2 * PACKED, mn_major=True))
+        s_w = view(raw, RT_BYTES, image_layout(ROWS, 2 * PACKED))
+        s_back_a = view(raw, 0, image_layout(ROWS, 2 * SIDE))
+        s_back_b = view(raw, BACK_A_BYTES, image_layout(HEAD_DIM, 2 * SIDE, mn_major=True))
         s_back = cute.make_tensor(cute.recast_ptr(raw, dtype=Float32), row_major)  # pairwise
 
         pairwise, shift = choose_anchors(s_gam, s_flag, d)
@@ -165,7 +148,7 @@ class DecayedBwdSm90:
         c_out = thr.partition_C(cute.make_identity_tensor((ROWS, HALF_N)))
         n0 = part * HALF_N
         f_rt = mma.make_fragment_B(
-            thr.partition_B(cute.local_tile(s_rt, (HALF_N, packed_k), (part, 0)))
+            thr.partition_B(cute.local_tile(s_rt, (HALF_N, 2 * PACKED), (part, 0)))
         )
         f_w = mma.make_fragment_A(thr.partition_A(s_w))
         # Two accumulators live at a time (a third spilled): acc_sum holds back (the four back
@@ -177,7 +160,7 @@ class DecayedBwdSm90:
         # exp(Gamma_m - Gamma_j) for the rows j it pairs with
         f_a = mma.make_fragment_A(thr.partition_A(s_back_a))
         f_b = mma.make_fragment_B(
-            thr.partition_B(cute.local_tile(s_back_b, (HALF_N, side_k), (part, 0)))
+            thr.partition_B(cute.local_tile(s_back_b, (HALF_N, 2 * SIDE), (part, 0)))
         )
         acc_sum.fill(0.0)
         for b in cutlass.range_constexpr(BLOCKS):
@@ -191,16 +174,16 @@ class DecayedBwdSm90:
                     w = s_dkk[i, j]
                     if c >= BLOCK:
                         w = s_dqk[i, j]
-                put_operand(s_back_a, j, c, SIDE, w, passes)
+                put_split(s_back_a, j, c, SIDE, w)
             anchor = s_gam[BLOCK * b + shift, d]
             for c in cutlass.range(part, BLOCK, WGS, unroll=4):
                 i = BLOCK * b + c
                 r = cute.math.exp(s_gam[i, d] - anchor)
-                put_operand(s_back_b, d, c, SIDE, Float32(s_k[i, d]) * r, passes)
-                put_operand(s_back_b, d, BLOCK + c, SIDE, Float32(s_q[i, d]) * r, passes)
+                put_split(s_back_b, d, c, SIDE, Float32(s_k[i, d]) * r)
+                put_split(s_back_b, d, BLOCK + c, SIDE, Float32(s_q[i, d]) * r)
             cute.arch.fence_proxy("async.shared", space="cta")
             cute.arch.sync_threads()
-            product_passes(mma, acc_x, f_a, f_b, SIDE // 16, False, passes)
+            product_passes(mma, acc_x, f_a, f_b, SIDE // 16, False)
             for e in cutlass.range_constexpr(cute.size(acc_x)):
                 j, ch = c_out[e]
                 ch = ch + n0
@@ -210,7 +193,7 @@ class DecayedBwdSm90:
             cute.arch.sync_threads()  # the images are free for the next block
 
         # ---- R^T: the anchors' right factors, packed, transposed (chunk64.py)
-        put_right_factors(s_rt, s_k, s_gam, d, shift, pairwise, True, part, WGS, passes)
+        put_right_factors(s_rt, s_k, s_gam, d, shift, pairwise, True, part, WGS)
 
         # ---- P(d_kk, k) and P(d_qk, k): the cotangent in the packing of R, times R, times r_i
         for which in cutlass.range_constexpr(2):
@@ -223,10 +206,10 @@ class DecayedBwdSm90:
                 w = Float32(0.0)
                 if i // BLOCK == b and (j < BLOCK * b or pairwise == Int32(0)):
                     w = s_dw[i, j]
-                put_operand(s_w, i, p, PACKED, w, passes)
+                put_split(s_w, i, p, PACKED, w)
             cute.arch.fence_proxy("async.shared", space="cta")
             cute.arch.sync_threads()
-            product_passes(mma, acc_x, f_w, f_rt, PACKED // 16, False, passes)
+            product_passes(mma, acc_x, f_w, f_rt, PACKED // 16, False)
             for e in cutlass.range_constexpr(cute.size(acc_x)):
                 i, ch = c_out[e]
                 ch = ch + n0
@@ -274,14 +257,11 @@ class DecayedBwdSm90:
                     mDgamma[j, d] = mDgamma[j, d] - k_j * back
 
 
-def _allocate(passes: int = 3):
-    """The kernels' shared memory: (operand region, q, k, Gamma, d_kk, d_qk, flag, beta); the
-    region holds a product's two images (region_bytes) and, later, float32 [64, 128] scratch."""
+def _allocate():
+    """The kernels' shared memory: (operand region, q, k, Gamma, d_kk, d_qk, flag, beta)."""
     smem = SmemAllocator()
-    rt_bytes, w_bytes, _ = region_bytes(passes)
-    region = max(rt_bytes + w_bytes, ROWS * HEAD_DIM * 4 + 2 * 2 * HEAD_DIM * 4)
     row_major = cute.make_layout((ROWS, HEAD_DIM), stride=(HEAD_DIM, 1))
-    s_region = smem.allocate_tensor(Int32, cute.make_layout(region // 4), 1024)
+    s_region = smem.allocate_tensor(Int32, cute.make_layout(REGION_BYTES // 4), 1024)
     s_q = smem.allocate_tensor(BFloat16, row_major, 16)
     s_k = smem.allocate_tensor(BFloat16, row_major, 16)
     # Gamma's rows padded to GAM_ROW: the products' epilogues read it at accumulator
@@ -414,7 +394,7 @@ class OperandsBwdSm90(DecayedBwdSm90):
         d = tid % 128
         part = tid // 128
         scale = self.scale
-        shared = _allocate(self.passes)
+        shared = _allocate()
         s_region, s_q, s_k, s_gam, s_dkk, s_dqk, s_flag, s_beta = shared
 
         # ---- the chunk from the tokens (rows past the end and gap slots: q = k = beta = 0),
