@@ -207,25 +207,35 @@ def _main():
 def _variants(text: str) -> list[tuple[str, dict]]:
     """'base,core+v64' -> [('base', {all off}), ('core+v64', {'chunk_core': True, ...})]: every
     variant names the kernels it switches on and states the rest off ('base' is the XLA path's
-    per-chunk parts at HIGHEST around the SIMT scan), whatever training_forward's defaults."""
+    per-chunk parts at HIGHEST around the SIMT scan; the kernels at three bf16 passes a product
+    unless a part ends in 1), whatever training_forward's defaults."""
     out = []
     for name in text.split(","):
         options = {
             "chunk_core": False,
             "decayed_bwd": False,
             "fused_operands_bwd": False,
-            "dense_bf16x3": False,
+            "dense_precision": "float32",
+            "chunk_core_passes": 3,
+            "scan_passes": 3,
         }
         for part in name.split("+"):
             if part == "core":
                 options["chunk_core"] = True
+            elif part == "core1":  # the chunk core with one bf16 pass a product
+                options["chunk_core"] = True
+                options["chunk_core_passes"] = 1
             elif part == "dbwd":
                 options["decayed_bwd"] = True
             elif part == "obwd":  # the fused operands' backward (it extends dbwd's kernel)
                 options["decayed_bwd"] = True
                 options["fused_operands_bwd"] = True
             elif part == "x3":
-                options["dense_bf16x3"] = True
+                options["dense_precision"] = "bf16x3"
+            elif part == "s1":  # the tensor-core state scan with one bf16 pass a product
+                options["scan_passes"] = 1
+            elif part == "x1":  # the dense products as one bf16 pass
+                options["dense_precision"] = "bf16"
             elif part in SCAN_VARIANTS:
                 options["scan_v_slice"], options["scan_tensor_cores"] = SCAN_VARIANTS[part]
             elif part != "base":

@@ -62,7 +62,9 @@ def test_train_variants_parse_into_training_forward_options():
         "chunk_core": False,
         "decayed_bwd": False,
         "fused_operands_bwd": False,
-        "dense_bf16x3": False,
+        "dense_precision": "float32",
+        "chunk_core_passes": 3,
+        "scan_passes": 3,
     }
     assert _variants("base,core,v64,core+dbwd+v64+x3") == [
         ("base", off),
@@ -71,18 +73,23 @@ def test_train_variants_parse_into_training_forward_options():
         (
             "core+dbwd+v64+x3",
             {
+                **off,
                 "chunk_core": True,
                 "decayed_bwd": True,
-                "fused_operands_bwd": False,
                 "scan_v_slice": 64,
                 "scan_tensor_cores": False,
-                "dense_bf16x3": True,
+                "dense_precision": "bf16x3",
             },
         ),
     ]
     assert _variants("core+obwd+x3")[0][1] == {
         **off, "chunk_core": True, "decayed_bwd": True, "fused_operands_bwd": True,
-        "dense_bf16x3": True,
+        "dense_precision": "bf16x3",
     }  # fmt: skip
+    assert _variants("core+x1")[0][1] == {
+        **off, "chunk_core": True, "dense_precision": "bf16",
+    }  # fmt: skip
+    assert _variants("core1")[0][1] == {**off, "chunk_core": True, "chunk_core_passes": 1}
+    assert _variants("s1")[0][1] == {**off, "scan_passes": 1}
     with pytest.raises(argparse.ArgumentTypeError, match="unknown variant part 'v8'"):
         _variants("core+v8")

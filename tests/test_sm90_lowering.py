@@ -217,6 +217,64 @@ def test_training_forward_with_the_fused_operands_bwd_lowers_to_its_kernel():
         sm90.training_forward(*x[:7], 0.3, decayed_bwd=False, fused_operands_bwd=True)
 
 
+@pytest.mark.parametrize(
+    "dense_precision, ops", [(None, 1), ("bf16", 1), ("bf16x3", 3), ("float32", None)]
+)
+def test_training_forward_dense_precision_lowers_to_its_bf16_passes(dense_precision, ops):
+    """The dense products lower as one bf16 pass by default (float32 accumulation), three with
+    dense_precision="bf16x3", neither at "float32" (HIGHEST); another value is refused."""
+    x = production_inputs([300, 0, 77], 2, seed=8)
+    options = {} if dense_precision is None else {"dense_precision": dense_precision}
+
+    def forward(q, k, v, g, beta, cu, state):
+        return sm90.training_forward(q, k, v, g, beta, cu, state, 0.3, **options)
+
+    found = set(re.findall(r"num_primitive_operations = (\d+)", _lower(forward, *x)))
+    assert found == ({str(ops)} if ops else set())
+    with pytest.raises(ValueError, match="dense_precision is one of"):
+        sm90.training_forward(*x[:7], 0.3, dense_precision="tf32")
+
+
+@pytest.mark.parametrize("n, k, mn_major", [(64, 32, False), (64, 160, False), (64, 320, False),
+                                           (128, 32, True), (128, 160, True), (160, 128, False),
+                                           (256, 64, True), (64, 64, False)])  # fmt: skip
+def test_operand_images_take_exactly_their_elements(n, k, mn_major):
+    """An operand image of n rows and K = k spans n * k elements. Laid out with 128-byte atoms
+    (64 K) alone, K = 32 and 160 images spanned 2x and 1.2x that: a single-pass decayed
+    backward's two back-product images overlapped (dk off by 1e12 on the GPU)."""
+    import cutlass.cute as cute
+
+    from jax_kda.sm90.kernels.wgmma import image_layout
+
+    spans = []
+
+    @cute.jit
+    def measure():
+        spans.append(cute.cosize(image_layout(n, k, mn_major).outer))
+
+    measure()
+    assert spans == [n * k]
+
+
+def test_chunk_core_single_pass_variant_exports_for_sm90a():
+    """The chunk core with one bf16 pass a product compiles and exports as its own variant."""
+    artifact = sm90.chunk_operands_artifact(0.3, 1)
+    assert artifact.object_bytes[:4] == b"\x7fELF"
+    assert artifact.prefix.startswith("kda_chunk_operands_sm90_x1_")
+    assert sm90.chunk_operands_artifact(0.3).prefix != artifact.prefix
+
+
+@pytest.mark.parametrize("reverse", [False, True], ids=["forward", "reverse"])
+def test_state_scan_single_pass_variants_export_for_sm90a(reverse):
+    """The tensor-core scan with one bf16 pass a product exports as its own variant; the SIMT
+    scans have none (refused, not ignored)."""
+    artifact = sm90.state_scan_artifact(reverse, 16, True, 1)
+    assert artifact.object_bytes[:4] == b"\x7fELF"
+    assert artifact.prefix.endswith("_t16x1")
+    with pytest.raises(ValueError, match="only the tensor-core state scan"):
+        sm90.state_scan_artifact(reverse, 16, False, 1)
+
+
 def test_grad_lowers_to_the_backward_kernels_and_no_loop():
     """jax.grad on the sm90 path: the forward kernel, the state scan forward (recompute) and
     reverse, and no XLA while loop (the serial passes are all in kernels)."""
@@ -243,7 +301,7 @@ def test_training_forward_variants_lower_to_their_kernels():
         def forward(q, k, v, g, beta, state):
             return sm90.training_forward(
                 q, k, v, g, beta, cu, state, 0.3, chunk_core=True, decayed_bwd=True,
-                scan_v_slice=64, dense_bf16x3=True,
+                scan_v_slice=64, dense_precision="bf16x3",
             )  # fmt: skip
 
         out, pullback = jax.vjp(forward, q, k, v, g, beta, state)

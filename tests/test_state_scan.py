@@ -149,6 +149,24 @@ def _xla_chunk_core(q, k, v, g, beta, cu_seqlens, num_slots, scale):
     return (*outputs, gamma, kk, xla._blocked_unit_lower_solve(lower, identity))
 
 
+def test_single_pass_scan_operands_hold_the_bf16_values_in_image_order():
+    """state_scan_operands(passes=1): A as [64 tokens, channels] and B^T as [channels, tokens]
+    images of the bf16-rounded values alone, in the interleaved order (half the bytes)."""
+    rng = np.random.default_rng(5)
+    a = jnp.asarray(rng.standard_normal((3, 2, 64, 128)), jnp.float32)
+    b = jnp.asarray(rng.standard_normal((3, 2, 64, 128)), jnp.float32)
+    add = jnp.asarray(rng.standard_normal((3, 2, 64, 128)), jnp.float32)
+    run = jax.jit(sm90.state_scan_operands, static_argnums=(3, 4))
+    a_img, bt_img, _ = (np.asarray(x, np.float32) for x in run(a, b, add, 16, 1))
+    assert a_img.shape == bt_img.shape == (3, 2, 64 * 128)
+    for img, x in ((a_img, a), (bt_img, b)):
+        np.testing.assert_array_equal(
+            _from_image(img, 64, 128), np.asarray(x.astype(jnp.bfloat16), np.float32)
+        )
+    three = np.asarray(run(a, b, add, 16, 3)[0], np.float32)
+    assert three.shape == (3, 2, 2 * 64 * 128)
+
+
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_chunk_core_wiring_gives_the_xla_paths_gradients(dtype):
     """sm90.differentiable_chunk_operands around a stand-in for the kernel (same outputs, in XLA):

@@ -207,18 +207,19 @@ def forward(q, k, v, g, beta, cu_seqlens, initial_state, scale, *, segments=None
 
 
 @functools.cache
-def state_scan_artifact(reverse: bool, v_slice: int, tensor_cores: bool = False):
+def state_scan_artifact(reverse: bool, v_slice: int, tensor_cores: bool = False, passes: int = 3):
     """The exported state-scan kernel for one direction and V-slice width: the SIMT kernel
     (kernels/kda_state_scan_sm90.py; v_slice 64 the m64 wgmma one), or with tensor_cores the
     one with the slice as wgmma N (kernels/kda_state_scan_tc_sm90.py, bf16 [hi | lo] operand
-    images from state_scan_operands). Slots, heads and sequences are all symbolic: one compile
+    images from state_scan_operands; passes=1: one bf16 product each, images of the values
+    alone). Slots, heads and sequences are all symbolic: one compile
     serves every call."""
     import cutlass.cute as cute
     from cutlass import BFloat16, Float32, Int32
 
     from jax_kda.sm90.export import export, row_major_fake
     from jax_kda.sm90.kernels.kda_state_scan_sm90 import ChunkStateScanSm90, ScanConfig
-    from jax_kda.sm90.kernels.kda_state_scan_tc_sm90 import ChunkStateScanTcSm90
+    from jax_kda.sm90.kernels.kda_state_scan_tc_sm90 import ChunkStateScanTcSm90, image_elems
     from jax_kda.sm90.kernels.kda_state_scan_wgmma_sm90 import ChunkStateScanWgmmaSm90
     from jax_kda.sm90.kernels.layout import SCAN_WGMMA_V_SLICE
 
@@ -226,9 +227,11 @@ def state_scan_artifact(reverse: bool, v_slice: int, tensor_cores: bool = False)
     slots, heads, seqs = cute.sym_int32(), cute.sym_int32(), cute.sym_int32()
     chunk_shape = (slots, heads, SCAN_CHUNK, HEAD_DIM)
     square = (HEAD_DIM, HEAD_DIM)
+    if passes != 3 and not tensor_cores:
+        raise ValueError("only the tensor-core state scan has a single-pass variant")
     if tensor_cores:
-        kernel = ChunkStateScanTcSm90(config)
-        image = (slots, heads, SCAN_CHUNK * 2 * HEAD_DIM)
+        kernel = ChunkStateScanTcSm90(config, passes)
+        image = (slots, heads, image_elems(passes))
         operands = {
             "a_img": row_major_fake(BFloat16, image),
             "bt_img": row_major_fake(BFloat16, image),
@@ -253,12 +256,15 @@ def state_scan_artifact(reverse: bool, v_slice: int, tensor_cores: bool = False)
     }
     direction = "rev" if reverse else "fwd"
     kind = "t" if tensor_cores else "v"
+    config = {"reverse": reverse, "v_slice": v_slice, "tensor_cores": tensor_cores}
+    suffix = ""
+    if passes != 3:
+        config["passes"] = passes
+        suffix = f"x{passes}"
     return export(
-        kernel,
-        fakes,
-        prefix=f"kda_state_scan_sm90_{direction}_{kind}{v_slice}",
-        config={"reverse": reverse, "v_slice": v_slice, "tensor_cores": tensor_cores},
-    )
+        kernel, fakes, prefix=f"kda_state_scan_sm90_{direction}_{kind}{v_slice}{suffix}",
+        config=config,
+    )  # fmt: skip
 
 
 def _truncated_split(x):
@@ -281,16 +287,21 @@ def _interleaved_image(x):
     return x.reshape(*lead, r * c)
 
 
-def state_scan_operands(a_op, b_op, addend, v_slice: int):
+def state_scan_operands(a_op, b_op, addend, v_slice: int, passes: int = 3):
     """The tensor-core scan's inputs from xla.state_scan's a_op, b_op [slots, H, 64, K] and
     addend [slots, H, rows, V], each as one contiguous block per (slot, head) that a bulk copy
     brings into shared memory as it is: A's image [64 tokens, hi | lo channels] and B^T's
     [channels, hi | lo tokens] (bf16, in the interleaved images' order), and the addend's
-    V slices [slots, H, V / v_slice, rows * v_slice]."""
-    a_hi, a_lo = _truncated_split(a_op)
-    b_hi, b_lo = _truncated_split(b_op)
-    a_img = _interleaved_image(jnp.concatenate([a_hi, a_lo], axis=-1))
-    bt_img = _interleaved_image(jnp.concatenate([b_hi, b_lo], axis=-2))
+    V slices [slots, H, V / v_slice, rows * v_slice]. passes=1: the images hold the bf16
+    values alone ([64 tokens, channels] and [channels, tokens])."""
+    if passes == 1:
+        a_img = _interleaved_image(a_op.astype(jnp.bfloat16))
+        bt_img = _interleaved_image(b_op.astype(jnp.bfloat16))
+    else:
+        a_hi, a_lo = _truncated_split(a_op)
+        b_hi, b_lo = _truncated_split(b_op)
+        a_img = _interleaved_image(jnp.concatenate([a_hi, a_lo], axis=-1))
+        bt_img = _interleaved_image(jnp.concatenate([b_hi, b_lo], axis=-2))
     slots, heads, rows, width = addend.shape
     slices = addend.reshape(slots, heads, rows, width // v_slice, v_slice)
     slices = jnp.transpose(slices, (0, 1, 3, 2, 4)).reshape(slots, heads, -1, rows * v_slice)
@@ -298,7 +309,8 @@ def state_scan_operands(a_op, b_op, addend, v_slice: int):
 
 
 def state_scan_kernel(
-    a_op, b_op, decay, addend, cu_seqlens, y0, *, reverse: bool, v_slice=None, tensor_cores=None
+    a_op, b_op, decay, addend, cu_seqlens, y0, *, reverse: bool, v_slice=None, tensor_cores=None,
+    passes=3,
 ):  # fmt: skip
     """xla.state_scan's contract, run by an sm90 state-scan kernel (no autodiff rule).
     v_slice, tensor_cores: the variant (kernels/layout.py SCAN_VARIANTS); None: the plan's
@@ -313,14 +325,14 @@ def state_scan_kernel(
         # 95 us at t16 against the SIMT kernel's 287 at v16); v_slice=64 is the m64 wgmma one.
         tensor_cores = v_slice in SCAN_TC_V_SLICES
     if tensor_cores:
-        a_op, b_op, addend = state_scan_operands(a_op, b_op, addend, v_slice)
+        a_op, b_op, addend = state_scan_operands(a_op, b_op, addend, v_slice, passes)
 
     results = [
         jax.ShapeDtypeStruct((a_op.shape[0], *y0.shape[1:]), jnp.float32),
         jax.ShapeDtypeStruct(y0.shape, jnp.float32),
     ]
     inputs = [a_op, b_op, decay, addend, jnp.asarray(cu_seqlens, jnp.int32), y0]
-    artifact = state_scan_artifact(reverse, v_slice, tensor_cores)
+    artifact = state_scan_artifact(reverse, v_slice, tensor_cores, passes)
     states, final = cute_call(artifact, inputs, results)
     return states, final
 
@@ -363,9 +375,10 @@ def differentiable_state_scan(run, precision=jax.lax.Precision.HIGHEST):
 
 
 @functools.cache
-def chunk_operands_artifact(scale: float):
+def chunk_operands_artifact(scale: float, passes: int = 3):
     """The exported exact 64-token chunk core (kernels/kda_chunk_operands_sm90.py) for this
-    scale; tokens, heads, slots and sequences symbolic."""
+    scale; tokens, heads, slots and sequences symbolic; `passes` bf16 passes a product (3:
+    bf16x3; 1: one)."""
     import cutlass.cute as cute
     from cutlass import BFloat16, Float32, Int32
 
@@ -395,15 +408,17 @@ def chunk_operands_artifact(scale: float):
         "tinv": row_major_fake(Float32, pairs),
     }
     scale_tag = hashlib.sha256(repr(scale).encode()).hexdigest()[:8]
+    suffix = "" if passes == 3 else f"_x{passes}"
+    config = {"scale": repr(scale)} if passes == 3 else {"scale": repr(scale), "passes": passes}
     return export(
-        ChunkOperandsSm90(ChunkOperandsConfig(scale=scale)),
+        ChunkOperandsSm90(ChunkOperandsConfig(scale=scale, passes=passes)),
         fakes,
-        prefix=f"kda_chunk_operands_sm90_{scale_tag}",
-        config={"scale": repr(scale)},
+        prefix=f"kda_chunk_operands_sm90{suffix}_{scale_tag}",
+        config=config,
     )
 
 
-def chunk_core_kernel(q, k, v, g, beta, cu_seqlens, num_slots, scale):
+def chunk_core_kernel(q, k, v, g, beta, cu_seqlens, num_slots, scale, passes=3):
     """The chunk-core kernel: (w, u, qg, attn, kd, decay, gamma, kk, tinv) from the packed
     tokens; tinv = T^-1, T = I + strictLower(beta kk)."""
     from jax_kda.sm90.ffi_call import cute_call
@@ -426,7 +441,7 @@ def chunk_core_kernel(q, k, v, g, beta, cu_seqlens, num_slots, scale):
     if num_slots == 0:  # no tokens and no sequences: nothing to launch (an empty grid)
         return tuple(jnp.zeros(r.shape, r.dtype) for r in results)
     inputs = [q, k, v, g.astype(f32), beta.astype(f32), jnp.asarray(cu_seqlens, jnp.int32)]
-    return tuple(cute_call(chunk_operands_artifact(scale), inputs, results))
+    return tuple(cute_call(chunk_operands_artifact(scale, passes), inputs, results))
 
 
 @functools.cache
@@ -643,37 +658,52 @@ def differentiable_chunk_operands(
 
 def training_forward(
     q, k, v, g, beta, cu_seqlens, initial_state, scale, *, chunk_core=True, decayed_bwd=True,
-    scan_v_slice=None, dense_bf16x3=True, scan_tensor_cores=None, fused_operands_bwd=False,
+    scan_v_slice=None, scan_tensor_cores=None, fused_operands_bwd=False, dense_precision="bf16",
+    chunk_core_passes=1, scan_passes=1,
 ):  # fmt: skip
     """The forward the sm90 backward differentiates (and the no-bound forward), exact for any
     g <= 0: the chunk-core kernel's per-chunk operands (their backward written out,
     xla._chunk_operands_bwd, with its decayed products on their kernel) around the state-scan
-    kernel, whose backward is the reverse scan; the dense products around the scan as bf16x3
-    tensor-core products (about 2^-16 relative, the kernels' own precision).
+    kernel, whose backward is the reverse scan, and the dense products around the scan.
 
-    The switches are for profiling (benchmarks.kernel_profile --train-variants) and tests:
-    chunk_core=False takes the operands from the XLA path's code, decayed_bwd=False their
-    backward's decayed products too; scan_v_slice and scan_tensor_cores pick the state-scan
-    variant (None: the plan's); dense_bf16x3=False runs the dense products at HIGHEST (float32
-    FMAs); fused_operands_bwd=True takes the operands' backward past the solve as one kernel
-    (operands_bwd_kernel: decayed products, element-wise terms and the tokens' rows; it needs
-    decayed_bwd=True). It passes every GPU test but is slower than the XLA element-wise part it
-    replaces (H200 profile: 2048x12x1 span 969 against 944 us, 8192x16x1 4542 against 4119):
-    its tail runs at one CTA an SM, latency-bound, so it is off by default."""
+    Precision: the dense products, the chunk core's and the state scan's take one bf16
+    tensor-core pass with float32 accumulation by default (operands rounded to about 2^-9);
+    dense_precision="bf16x3" and chunk_core_passes=3 / scan_passes=3 take three
+    (A_hi B_hi + A_lo B_hi + A_hi B_lo, about 2^-16 relative, three times the tensor-core work,
+    twice the operand images), dense_precision="float32" runs the dense products at HIGHEST.
+    The decayed products' backward keeps three passes: with one, dg missed the float64 oracle
+    on production data (rms_ratio 2.4e-2 at [300, 0, 77, 130], 4.9e-2 at 16384 tokens, H200):
+    dg there is a small difference of large terms.
+
+    The other switches are for profiling (benchmarks.kernel_profile --train-variants) and
+    tests: chunk_core=False takes the operands from the XLA path's code, decayed_bwd=False
+    their backward's decayed products too; scan_v_slice and scan_tensor_cores pick the
+    state-scan variant (None: the plan's); fused_operands_bwd=True takes the operands' backward
+    past the solve as one kernel (operands_bwd_kernel: decayed products, element-wise terms and
+    the tokens' rows, three passes; it needs decayed_bwd=True). It passes every GPU test but is
+    slower than the XLA element-wise part it replaces (H200 profile: 2048x12x1 span 969 against
+    944 us, 8192x16x1 4542 against 4119): its tail runs at one CTA an SM, latency-bound, so it
+    is off by default."""
     if decayed_bwd and not chunk_core:
         raise ValueError("decayed_bwd=True needs chunk_core=True (the operands' backward it is in)")
     if fused_operands_bwd and not decayed_bwd:
         raise ValueError("fused_operands_bwd=True needs decayed_bwd=True (the kernel it extends)")
-    precision = (
-        jax.lax.DotAlgorithmPreset.BF16_BF16_F32_X3 if dense_bf16x3 else jax.lax.Precision.HIGHEST
-    )
+    presets = {
+        "bf16": jax.lax.DotAlgorithmPreset.BF16_BF16_F32,
+        "bf16x3": jax.lax.DotAlgorithmPreset.BF16_BF16_F32_X3,
+        "float32": jax.lax.Precision.HIGHEST,
+    }
+    if dense_precision not in presets:
+        raise ValueError(f"dense_precision is one of {sorted(presets)}, not {dense_precision!r}")
+    precision = presets[dense_precision]
     kernel = functools.partial(
-        state_scan_kernel, v_slice=scan_v_slice, tensor_cores=scan_tensor_cores
-    )
+        state_scan_kernel, v_slice=scan_v_slice, tensor_cores=scan_tensor_cores,
+        passes=scan_passes,
+    )  # fmt: skip
     scan = differentiable_state_scan(kernel, precision)
     if chunk_core:
         operands = differentiable_chunk_operands(
-            chunk_core_kernel,
+            functools.partial(chunk_core_kernel, passes=chunk_core_passes),
             decayed_bwd_kernel if decayed_bwd else None,
             precision,
             fused_bwd=operands_bwd_kernel if fused_operands_bwd else None,

@@ -21,7 +21,7 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32
 
 from jax_kda.constants import HEAD_DIM, SCAN_CHUNK
-from jax_kda.sm90.kernels.wgmma import put_split
+from jax_kda.sm90.kernels.wgmma import put_operand
 
 ROWS = SCAN_CHUNK  # 64 tokens a chunk
 BLOCK = 16  # rows of a block: one anchor each
@@ -148,10 +148,12 @@ def put_right_factors(
     transposed: cutlass.Constexpr[bool],
     part,
     parts: cutlass.Constexpr[int],
+    passes: cutlass.Constexpr[int] = 3,
 ):
     """Channel d of the packed right factors k_j exp(Gamma_{m_I} - Gamma_j), block I's anchor
     with the rows j < 16 (I + 1), as bf16 hi/lo into an image: at (packed row, d) with K = the
-    channels' [hi | lo], or transposed at (d, packed row) with K = the packed rows' [hi | lo].
+    channels' [hi | lo], or transposed at (d, packed row) with K = the packed rows' [hi | lo]
+    (with passes = 1: bf16 values alone, wgmma.put_operand).
     This thread takes the rows j = part mod parts (the CTA's `parts` groups of 128 threads
     share them). With first-row anchors (pairwise) the diagonal blocks' entries are zero: the
     pairwise pass takes them (their factors could overflow)."""
@@ -162,6 +164,6 @@ def put_right_factors(
             if j >= BLOCK * b and pairwise != Int32(0):
                 x = Float32(0.0)
             if cutlass.const_expr(transposed):
-                put_split(image, d, block_offset(b) + j, PACKED, x)
+                put_operand(image, d, block_offset(b) + j, PACKED, x, passes)
             else:
-                put_split(image, block_offset(b) + j, d, HEAD_DIM, x)
+                put_operand(image, block_offset(b) + j, d, HEAD_DIM, x, passes)

@@ -55,9 +55,10 @@ from jax_kda.sm90.kernels.chunk64 import (
 from jax_kda.sm90.kernels.varlen import slot_owner
 from jax_kda.sm90.kernels.wgmma import (
     bf16_tiled_mma,
+    image_k,
     image_layout,
-    product_bf16x3,
-    put_split,
+    product_passes,
+    put_operand,
     view,
 )
 
@@ -67,21 +68,34 @@ WARPS = NTHREADS // 32
 HALF = ROWS // WGS  # rows of a warpgroup in the row-split phases
 
 # Byte offsets inside the reused operand region (1024-byte aligned, for the 128-byte swizzle).
-LEFT_BYTES = ROWS * 2 * HEAD_DIM * 2  # left image [64, 256] bf16: 32 KiB
-RIGHT_BYTES = PACKED * 2 * HEAD_DIM * 2  # right image [160, 256] bf16: 80 KiB
-REGION_BYTES = LEFT_BYTES + RIGHT_BYTES
-RT_BYTES = 2 * HEAD_DIM * 2 * ROWS * 2  # R^T image [256, 128] bf16: 64 KiB (after the products)
-TINV_BYTES = ROWS * 2 * ROWS * 2  # T^-1 image [64, 128] bf16: 16 KiB
+
+
+def region_bytes(passes: int = 3):
+    """Bytes of (left image [64, K 128], right image [160, K 128], R^T image [256, K 64]) for
+    `passes` (wgmma.image_k): 32, 80 and 64 KiB at three passes, half at one. The region holds
+    left and right for the products, then R^T and the T^-1 image [64, K 64] after it."""
+    return tuple(
+        n * image_k(k, passes) * 2
+        for n, k in ((ROWS, HEAD_DIM), (PACKED, HEAD_DIM), (2 * HEAD_DIM, ROWS))
+    )
+
+
+for _passes in (1, 3):  # R^T and the T^-1 image fit where the products' images were
+    _left, _right, _rt = region_bytes(_passes)
+    assert _rt + ROWS * image_k(ROWS, _passes) * 2 <= _left + _right
 
 
 @dataclasses.dataclass(frozen=True)
 class ChunkOperandsConfig:
     scale: float
+    passes: int = 3  # bf16 passes a product: 3 (bf16x3) or 1
 
 
 class ChunkOperandsSm90:
     def __init__(self, config: ChunkOperandsConfig):
         self.scale = float(config.scale)
+        image_k(1, config.passes)  # 1 or 3
+        self.passes = config.passes
 
     @cute.jit
     def __call__(
@@ -140,11 +154,14 @@ class ChunkOperandsSm90:
         d = tid % 128  # channel
         part = tid // 128  # warpgroup: 0 issues the wgmma
         scale = self.scale
+        passes = self.passes
+        left_bytes, right_bytes, rt_bytes = region_bytes(passes)
+        region = left_bytes + right_bytes
 
         smem = SmemAllocator()
         row_major = cute.make_layout((ROWS, HEAD_DIM), stride=(HEAD_DIM, 1))
         s_region = smem.allocate_tensor(
-            Int32, cute.make_layout(REGION_BYTES // 4), 1024
+            Int32, cute.make_layout(region // 4), 1024
         )  # the operand images, reused
         s_q = smem.allocate_tensor(BFloat16, row_major, 16)
         s_k = smem.allocate_tensor(BFloat16, row_major, 16)
@@ -159,10 +176,10 @@ class ChunkOperandsSm90:
         s_flag = smem.allocate_tensor(Int32, cute.make_layout(1), 4)
 
         raw = s_region.iterator
-        s_left = view(raw, 0, image_layout(ROWS, 2 * HEAD_DIM))
-        s_right = view(raw, LEFT_BYTES, image_layout(PACKED, 2 * HEAD_DIM))
-        s_rt = view(raw, 0, image_layout(2 * HEAD_DIM, 2 * ROWS, mn_major=True))
-        s_tinv_img = view(raw, RT_BYTES, image_layout(ROWS, 2 * ROWS))
+        s_left = view(raw, 0, image_layout(ROWS, image_k(HEAD_DIM, passes)))
+        s_right = view(raw, left_bytes, image_layout(PACKED, image_k(HEAD_DIM, passes)))
+        s_rt = view(raw, 0, image_layout(2 * HEAD_DIM, image_k(ROWS, passes), mn_major=True))
+        s_tinv_img = view(raw, rt_bytes, image_layout(ROWS, image_k(ROWS, passes)))
         s_tinv = s_qk
 
         active, bos, seqlen, c = slot_owner(mCu, slot, SCAN_CHUNK)
@@ -221,7 +238,7 @@ class ChunkOperandsSm90:
         # ---- middle-row anchors where the decay allows, else first-row ones (chunk64.py)
         pairwise, shift = choose_anchors(s_gam, s_flag, d)
         # ---- the right operand: every anchor's factors, packed (chunk64.py)
-        put_right_factors(s_right, s_k, s_gam, d, shift, pairwise, False, part, WGS)
+        put_right_factors(s_right, s_k, s_gam, d, shift, pairwise, False, part, WGS, passes)
         cute.arch.sync_threads()
 
         mma_pairs.set(warpgroup.Field.ACCUMULATE, True)  # here: not inside the branches below
@@ -239,11 +256,11 @@ class ChunkOperandsSm90:
                 if cutlass.const_expr(which == 1):
                     x = s_q[i, d]
                 r = Float32(x) * cute.math.exp(s_gam[i, d] - s_gam[anchor_row, d])
-                put_split(s_left, i, d, HEAD_DIM, r)
+                put_operand(s_left, i, d, HEAD_DIM, r, passes)
             cute.arch.fence_proxy("async.shared", space="cta")
             cute.arch.sync_threads()
             if part == 0:
-                product_bf16x3(mma_pairs, acc, f_left, f_right, HEAD_DIM // 16, False)
+                product_passes(mma_pairs, acc, f_left, f_right, HEAD_DIM // 16, False, passes)
                 s_out = s_kk if cutlass.const_expr(which == 0) else s_qk
                 for e in cutlass.range_constexpr(cute.size(acc)):
                     i, p = c_pairs[e]
@@ -314,13 +331,14 @@ class ChunkOperandsSm90:
             i = e_idx // ROWS
             j = e_idx % ROWS
             t_ij = s_tinv[i, j]
-            put_split(s_tinv_img, i, j, ROWS, t_ij)
+            put_operand(s_tinv_img, i, j, ROWS, t_ij, passes)
             mTinv[slot, h, i, j] = t_ij  # for the backward: its solve is then one product
         for r in cutlass.range_constexpr(HALF):
             t = part * HALF + r
             b_t = s_beta[t]
-            put_split(s_rt, d, t, ROWS, b_t * Float32(s_k[t, d]) * cute.math.exp(s_gam[t, d]))
-            put_split(s_rt, HEAD_DIM + d, t, ROWS, b_t * r_v[r])
+            r_k = b_t * Float32(s_k[t, d]) * cute.math.exp(s_gam[t, d])
+            put_operand(s_rt, d, t, ROWS, r_k, passes)
+            put_operand(s_rt, HEAD_DIM + d, t, ROWS, b_t * r_v[r], passes)
         cute.arch.fence_proxy("async.shared", space="cta")
         cute.arch.sync_threads()
 
@@ -331,7 +349,7 @@ class ChunkOperandsSm90:
         c_solve = thr_s.partition_C(cute.make_identity_tensor((ROWS, 2 * HEAD_DIM)))
         acc_s = cute.make_rmem_tensor(mma_solve.partition_shape_C((ROWS, 2 * HEAD_DIM)), Float32)
         if part == 0:
-            product_bf16x3(mma_solve, acc_s, f_tinv, f_rt, ROWS // 16, False)
+            product_passes(mma_solve, acc_s, f_tinv, f_rt, ROWS // 16, False, passes)
             for e in cutlass.range_constexpr(cute.size(acc_s)):
                 i, n = c_solve[e]
                 if n < HEAD_DIM:

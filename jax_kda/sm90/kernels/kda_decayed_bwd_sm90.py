@@ -51,7 +51,7 @@ from jax_kda.sm90.kernels.varlen import slot_owner
 from jax_kda.sm90.kernels.wgmma import (
     bf16_tiled_mma,
     image_layout,
-    product_bf16x3,
+    product_passes,
     put_split,
     view,
 )
@@ -183,7 +183,7 @@ class DecayedBwdSm90:
                 put_split(s_back_b, d, BLOCK + c, SIDE, Float32(s_q[i, d]) * r)
             cute.arch.fence_proxy("async.shared", space="cta")
             cute.arch.sync_threads()
-            product_bf16x3(mma, acc_x, f_a, f_b, SIDE // 16, False)
+            product_passes(mma, acc_x, f_a, f_b, SIDE // 16, False)
             for e in cutlass.range_constexpr(cute.size(acc_x)):
                 j, ch = c_out[e]
                 ch = ch + n0
@@ -209,7 +209,7 @@ class DecayedBwdSm90:
                 put_split(s_w, i, p, PACKED, w)
             cute.arch.fence_proxy("async.shared", space="cta")
             cute.arch.sync_threads()
-            product_bf16x3(mma, acc_x, f_w, f_rt, PACKED // 16, False)
+            product_passes(mma, acc_x, f_w, f_rt, PACKED // 16, False)
             for e in cutlass.range_constexpr(cute.size(acc_x)):
                 i, ch = c_out[e]
                 ch = ch + n0

@@ -35,18 +35,24 @@ from jax_kda.constants import HEAD_DIM, SCAN_CHUNK
 from jax_kda.sm90.kernels.kda_state_scan_sm90 import ScanConfig
 from jax_kda.sm90.kernels.layout import SCAN_TC_V_SLICES
 from jax_kda.sm90.kernels.varlen import scan_slots, step_slot
-from jax_kda.sm90.kernels.wgmma import bf16_tiled_mma, gemm_bf16x3, inter_image_layout
+from jax_kda.sm90.kernels.wgmma import bf16_tiled_mma, gemm_passes, image_k, inter_image_layout
 
 NTHREADS = 128
 STAGES = 2
-A_K = 2 * HEAD_DIM  # A image: [64 tokens, hi | lo channels]
-BT_K = 2 * SCAN_CHUNK  # B^T image: [128 channels, hi | lo tokens]
-IMAGE_ELEMS = SCAN_CHUNK * A_K  # both images: 16384 bf16, 32 KiB
+
+
+def image_elems(passes: int = 3) -> int:
+    """bf16 elements of the A image [64 tokens, hi | lo channels] (or the B^T image [128
+    channels, hi | lo tokens]) of one chunk: 16384 (32 KiB) at three passes; at one the values
+    alone, [64, 128] (wgmma.image_k)."""
+    return SCAN_CHUNK * image_k(HEAD_DIM, passes)
+
+
 HALF = HEAD_DIM // 2  # product 2 is two m64 products: channels [0, 64) and [64, 128)
 
 
 class ChunkStateScanTcSm90:
-    def __init__(self, config: ScanConfig):
+    def __init__(self, config: ScanConfig, passes: int = 3):
         if config.v_slice not in SCAN_TC_V_SLICES:
             raise ValueError(
                 f"the tensor-core scan owns {SCAN_TC_V_SLICES} state columns, got {config.v_slice}"
@@ -54,6 +60,10 @@ class ChunkStateScanTcSm90:
         self.reverse = config.reverse
         self.vs = config.v_slice
         self.addend_rows = config.addend_rows
+        self.passes = passes  # bf16 passes a product (wgmma.image_k): 3, or 1 (NOT GPU-run)
+        self.a_k = image_k(HEAD_DIM, passes)
+        self.bt_k = image_k(SCAN_CHUNK, passes)
+        self.image_elems = image_elems(passes)
 
     @cute.jit
     def __call__(
@@ -98,11 +108,11 @@ class ChunkStateScanTcSm90:
         n_slots = mStates.shape[0]
 
         smem = SmemAllocator()
-        lay_a = inter_image_layout(SCAN_CHUNK, A_K)
-        lay_bt = inter_image_layout(HEAD_DIM, BT_K, mn_major=True)
-        lay_y = inter_image_layout(VS, 2 * HEAD_DIM, mn_major=True)  # B of product 1
-        lay_x = inter_image_layout(VS, 2 * SCAN_CHUNK, mn_major=True)  # B of product 2
-        flat = cute.make_layout(IMAGE_ELEMS)
+        lay_a = inter_image_layout(SCAN_CHUNK, self.a_k)
+        lay_bt = inter_image_layout(HEAD_DIM, self.bt_k, mn_major=True)
+        lay_y = inter_image_layout(VS, self.a_k, mn_major=True)  # B of product 1
+        lay_x = inter_image_layout(VS, self.bt_k, mn_major=True)  # B of product 2
+        flat = cute.make_layout(self.image_elems)
         raw_a = [smem.allocate_tensor(BFloat16, flat, 1024) for _ in range(STAGES)]
         raw_bt = [smem.allocate_tensor(BFloat16, flat, 1024) for _ in range(STAGES)]
         s_a = [cute.make_tensor(r.iterator, lay_a) for r in raw_a]
@@ -128,7 +138,7 @@ class ChunkStateScanTcSm90:
         thr_y = mma_y.get_slice(tid)
         f_a = [mma_x.make_fragment_A(thr_x.partition_A(s_a[s])) for s in range(STAGES)]
         f_bt = [[mma_y.make_fragment_A(thr_y.partition_A(
-                    cute.local_tile(s_bt[s], (HALF, BT_K), (m, 0)))) for m in range(2)]
+                    cute.local_tile(s_bt[s], (HALF, self.bt_k), (m, 0)))) for m in range(2)]
                 for s in range(STAGES)]  # fmt: skip
         f_y = mma_x.make_fragment_B(thr_x.partition_B(s_y))
         f_x = mma_y.make_fragment_B(thr_y.partition_B(s_x))
@@ -186,7 +196,8 @@ class ChunkStateScanTcSm90:
                 mStates[slot, h, ch, vbase + v] = y
                 y_hi = y.to(BFloat16)
                 s_y[v, ch] = y_hi
-                s_y[v, HEAD_DIM + ch] = (y - y_hi.to(Float32)).to(BFloat16)
+                if cutlass.const_expr(self.passes == 3):
+                    s_y[v, HEAD_DIM + ch] = (y - y_hi.to(Float32)).to(BFloat16)
         cute.arch.mbarrier_wait(mbar, phase)  # the chunk's copies landed
         cute.arch.fence_proxy("async.shared", space="cta")
         cute.arch.sync_threads()  # the chunk's images and Y's visible to every thread
@@ -209,7 +220,7 @@ class ChunkStateScanTcSm90:
                 tok, v = c_x[i]
                 acc_x[i] = -s_add[tok, v]
         cute.nvgpu.warpgroup.fence()
-        gemm_bf16x3(mma_x, acc_x, f_a, f_a, HEAD_DIM // 16, f_y, HEAD_DIM // 16)
+        gemm_passes(mma_x, acc_x, f_a, f_y, HEAD_DIM // 16, self.passes)
         cute.nvgpu.warpgroup.commit_group()
         cute.nvgpu.warpgroup.wait_group(0)
 
@@ -220,12 +231,13 @@ class ChunkStateScanTcSm90:
             x = -acc_x[i]
             x_hi = x.to(BFloat16)
             s_x[v, tok] = x_hi
-            s_x[v, SCAN_CHUNK + tok] = (x - x_hi.to(Float32)).to(BFloat16)
+            if cutlass.const_expr(self.passes == 3):
+                s_x[v, SCAN_CHUNK + tok] = (x - x_hi.to(Float32)).to(BFloat16)
         cute.arch.fence_proxy("async.shared", space="cta")
         cute.arch.sync_threads()
         cute.nvgpu.warpgroup.fence()
         for m in cutlass.range_constexpr(2):
-            gemm_bf16x3(mma_y, acc_y[m], f_bt[m], f_bt[m], SCAN_CHUNK // 16, f_x, SCAN_CHUNK // 16)
+            gemm_passes(mma_y, acc_y[m], f_bt[m], f_x, SCAN_CHUNK // 16, self.passes)
         cute.nvgpu.warpgroup.commit_group()
         cute.nvgpu.warpgroup.wait_group(0)
         cute.arch.sync_threads()  # the stage and the Y, X images free for the next chunk
@@ -237,11 +249,11 @@ class ChunkStateScanTcSm90:
         raw_a, raw_bt, raw_add, s_decay, s_mbar = loads
         mbar = s_mbar.iterator + stage
         add_elems = self.addend_rows * self.vs
-        nbytes = 2 * IMAGE_ELEMS * 2 + (add_elems + HEAD_DIM) * 4
+        nbytes = 2 * self.image_elems * 2 + (add_elems + HEAD_DIM) * 4
         cute.arch.mbarrier_arrive_and_expect_tx(mbar, nbytes)
         pieces = (
-            (mA[slot, h, None], raw_a[stage], BFloat16, IMAGE_ELEMS),
-            (mBt[slot, h, None], raw_bt[stage], BFloat16, IMAGE_ELEMS),
+            (mA[slot, h, None], raw_a[stage], BFloat16, self.image_elems),
+            (mBt[slot, h, None], raw_bt[stage], BFloat16, self.image_elems),
             (mAdd[slot, h, vsl, None], raw_add[stage], Float32, add_elems),
             (mDecay[slot, h, None], s_decay[stage], Float32, HEAD_DIM),
         )

@@ -3,7 +3,9 @@ images, and the bf16 hi/lo split that makes a product about float32-accurate.
 
 A float32 product A B runs as three bf16 products, A_hi B_hi + A_lo B_hi + A_hi B_lo (relative
 error about 2^-16, float32 accumulation). An operand image holds both halves along K: K-blocks
-[0, k_blocks) are the high parts, [k_blocks, 2 k_blocks) the low ones.
+[0, k_blocks) are the high parts, [k_blocks, 2 k_blocks) the low ones. With passes = 1 (the
+single-pass variants: one bf16 product, about 2^-9 relative per operand; benchmarks.
+precision_study measures what that costs) an image holds the bf16 value alone.
 """
 
 from __future__ import annotations
@@ -34,11 +36,19 @@ def bf16_tiled_mma(tile_mn, a_source, b_mn_major: bool = False, a_mn_major: bool
 
 
 def image_layout(n: int, k: int, mn_major: bool = False):
-    """A wgmma operand image (rows n, K = k) in shared memory, 128-byte swizzle: K-major, or
-    N-major (consecutive n adjacent: threads that own one n each write it without conflicts)."""
+    """A wgmma operand image (rows n, K = k) in shared memory, swizzled: K-major, or N-major
+    (consecutive n adjacent: threads that own one n each write it without conflicts). The
+    widest swizzle (128, 64 or 32 bytes) whose atom tiles the major extent exactly, so the
+    image takes n * k elements and no more (a 128-byte atom pads K = 32 or 160 to 64 or 192)."""
     kind = warpgroup.SmemLayoutAtomKind
-    atom = warpgroup.make_smem_layout_atom(kind.MN_SW128 if mn_major else kind.K_SW128, BFloat16)
-    return cute.tile_to_shape(atom, (n, k), order=(1, 0) if mn_major else (0, 1))
+    major = n if mn_major else k
+    for width, mn_kind, k_kind in ((64, kind.MN_SW128, kind.K_SW128),
+                                   (32, kind.MN_SW64, kind.K_SW64),
+                                   (16, kind.MN_SW32, kind.K_SW32)):  # fmt: skip
+        if major % width == 0:
+            atom = warpgroup.make_smem_layout_atom(mn_kind if mn_major else k_kind, BFloat16)
+            return cute.tile_to_shape(atom, (n, k), order=(1, 0) if mn_major else (0, 1))
+    raise ValueError(f"an operand image's major extent is a multiple of 16, not {major}")
 
 
 def inter_image_layout(n: int, k: int, mn_major: bool = False):
@@ -97,6 +107,23 @@ def put_split(image: cute.Tensor, row, col, half: cutlass.Constexpr[int], x: Flo
     image[row, half + col] = (x - x_hi.to(Float32)).to(BFloat16)
 
 
+def image_k(k: int, passes: int) -> int:
+    """K extent of an operand image of K = k: [hi | lo] for three passes, the value for one."""
+    if passes not in (1, 3):
+        raise ValueError(f"passes is 1 or 3, not {passes}")
+    return 2 * k if passes == 3 else k
+
+
+@cute.jit
+def put_operand(image: cute.Tensor, row, col, half: cutlass.Constexpr[int], x: Float32,
+                passes: cutlass.Constexpr[int] = 3):  # fmt: skip
+    """x into an operand image: put_split for three passes, bf16 x at (row, col) for one."""
+    if cutlass.const_expr(passes == 3):
+        put_split(image, row, col, half, x)
+    else:
+        image[row, col] = x.to(BFloat16)
+
+
 @cute.jit
 def gemm_bf16x3(
     mma: cute.TiledMma,
@@ -118,22 +145,42 @@ def gemm_bf16x3(
 
 
 @cute.jit
-def product_bf16x3(
+def gemm_passes(
+    mma: cute.TiledMma,
+    acc: cute.Tensor,
+    f_a: cute.Tensor,
+    f_b: cute.Tensor,
+    k_blocks: cutlass.Constexpr[int],
+    passes: cutlass.Constexpr[int] = 3,
+):
+    """Issue acc += A B over k_blocks 16-wide K-blocks of two images (no fence, commit or wait:
+    the caller's): gemm_bf16x3 on [hi | lo] images for three passes, one bf16 product a K-block
+    on images of the values alone (put_operand with passes=1) for one."""
+    if cutlass.const_expr(passes == 3):
+        gemm_bf16x3(mma, acc, f_a, f_a, k_blocks, f_b, k_blocks)
+    else:
+        for kb in cutlass.range_constexpr(k_blocks):
+            cute.gemm(mma, acc, f_a[None, None, kb], f_b[None, None, kb], acc)
+
+
+@cute.jit
+def product_passes(
     mma: cute.TiledMma,
     acc: cute.Tensor,
     f_a: cute.Tensor,
     f_b: cute.Tensor,
     k_blocks: cutlass.Constexpr[int],
     set_accumulate: cutlass.Constexpr[bool] = True,
+    passes: cutlass.Constexpr[int] = 3,
 ):
-    """acc = A B^T, both operands [hi | lo] images in shared memory (the caller fenced and
-    synchronised their writes), three bf16 products per K-block; waited for on return.
-    set_accumulate=False where the call sits in a branch of one warpgroup: the caller sets the
-    MMA's ACCUMULATE field outside it (a field set inside cannot leave the branch)."""
+    """acc = A B^T of two images in shared memory (the caller fenced and synchronised their
+    writes), gemm_passes' products; waited for on return. set_accumulate=False where the call
+    sits in a branch of one warpgroup: the caller sets the MMA's ACCUMULATE field outside it (a
+    field set inside cannot leave the branch)."""
     acc.fill(0.0)
     cute.nvgpu.warpgroup.fence()
     if cutlass.const_expr(set_accumulate):
         mma.set(warpgroup.Field.ACCUMULATE, True)
-    gemm_bf16x3(mma, acc, f_a, f_a, k_blocks, f_b, k_blocks)
+    gemm_passes(mma, acc, f_a, f_b, k_blocks, passes)
     cute.nvgpu.warpgroup.commit_group()
     cute.nvgpu.warpgroup.wait_group(0)
