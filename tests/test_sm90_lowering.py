@@ -101,7 +101,7 @@ def test_auto_picks_sm90_for_bf16_and_xla_for_float32():
             r'prefix = "(\w+)"', _lower(_prefill(backend=backend, gate_lower_bound=None), *x)
         )
         kinds = {p.rsplit("_", 1)[0] for p in prefixes}
-        assert kinds == {"kda_chunk_operands_sm90", "kda_state_scan_sm90_fwd"}, prefixes
+        assert kinds == {"kda_chunk_operands_sm90_x1", "kda_state_scan_sm90_fwd"}, prefixes
     x32 = production_inputs([20], 2, seed=3, dtype=jnp.float32)
     assert TARGET not in _lower(_prefill(), *x32)
     with pytest.raises(jax_kda.BackendUnavailableError, match="take bfloat16 q, k, v; got float32"):
@@ -287,7 +287,9 @@ def test_grad_lowers_to_the_backward_kernels_and_no_loop():
     text = _lower(jax.grad(loss, argnums=(0, 1, 2, 3, 4, 6)), *x)
     prefixes = re.findall(r'prefix = "(\w+)"', text)
     assert any(p.startswith("kda_fwd_sm90_") for p in prefixes), prefixes
-    assert "kda_state_scan_sm90_fwd_t16" in prefixes and "kda_state_scan_sm90_rev_t16" in prefixes
+    # the tensor-core scan at one bf16 pass a product, the backward's default
+    assert "kda_state_scan_sm90_fwd_t16x1" in prefixes
+    assert "kda_state_scan_sm90_rev_t16x1" in prefixes
     assert "stablehlo.while" not in text
 
 
@@ -301,7 +303,7 @@ def test_training_forward_variants_lower_to_their_kernels():
         def forward(q, k, v, g, beta, state):
             return sm90.training_forward(
                 q, k, v, g, beta, cu, state, 0.3, chunk_core=True, decayed_bwd=True,
-                scan_v_slice=64, dense_precision="bf16x3",
+                scan_v_slice=64, dense_precision="bf16x3", chunk_core_passes=3,
             )  # fmt: skip
 
         out, pullback = jax.vjp(forward, q, k, v, g, beta, state)
@@ -353,7 +355,7 @@ def test_training_lowers_under_scan_over_layers_checkpoint_and_vmap():
     for name, (fn, args) in cases.items():
         prefixes = set(re.findall(r'prefix = "(\w+)"', _lower(fn, *args)))
         kinds = {p.rsplit("_", 1)[0] for p in prefixes}
-        expected = {"kda_fwd_sm90_h2", "kda_chunk_operands_sm90", "kda_decayed_bwd"}
+        expected = {"kda_fwd_sm90_h2", "kda_chunk_operands_sm90_x1", "kda_decayed_bwd"}
         expected |= {"kda_state_scan_sm90_fwd", "kda_state_scan_sm90_rev"}
         assert kinds == expected, (
             name,
@@ -540,7 +542,7 @@ def test_grad_under_explicit_sharding_lowers_per_device():
             grad = jax.jit(jax.grad(loss, argnums=range(6)))
             text = grad.trace(*sharded).lower(lowering_platforms=("cuda",)).as_text()
         kinds = {p.rsplit("_", 1)[0] for p in re.findall(r'prefix = "(\\w+)"', text)}
-        assert {"kda_fwd_sm90", "kda_chunk_operands_sm90", "kda_decayed_bwd"} <= {
+        assert {"kda_fwd_sm90", "kda_chunk_operands_sm90_x1", "kda_decayed_bwd"} <= {
             k.rsplit("_", 1)[0] if k.startswith("kda_fwd") else k for k in kinds}, kinds
         assert "manual_computation" in text
         assert "stablehlo.while" not in text
@@ -578,7 +580,7 @@ def test_vmap_runs_the_sm90_path_as_one_call():
         prefixes = re.findall(r'prefix = "(\w+)"', text)
         kinds = sorted(p.rsplit("_", 1)[0] for p in prefixes)
         expected = ["kda_fwd_sm90"] if name == "vmap" else [
-            "kda_chunk_operands_sm90", "kda_decayed_bwd", "kda_fwd_sm90",
+            "kda_chunk_operands_sm90_x1", "kda_decayed_bwd", "kda_fwd_sm90",
             "kda_state_scan_sm90_fwd", "kda_state_scan_sm90_rev",
         ]  # fmt: skip
         assert [k.rsplit("_", 1)[0] if k.startswith("kda_fwd") else k for k in kinds] == expected

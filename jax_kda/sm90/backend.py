@@ -310,11 +310,12 @@ def state_scan_operands(a_op, b_op, addend, v_slice: int, passes: int = 3):
 
 def state_scan_kernel(
     a_op, b_op, decay, addend, cu_seqlens, y0, *, reverse: bool, v_slice=None, tensor_cores=None,
-    passes=3,
+    passes=None,
 ):  # fmt: skip
     """xla.state_scan's contract, run by an sm90 state-scan kernel (no autodiff rule).
     v_slice, tensor_cores: the variant (kernels/layout.py SCAN_VARIANTS); None: the plan's
-    width, on tensor cores."""
+    width, on tensor cores. passes: bf16 passes a product of the tensor-core kernel (1 or 3);
+    None: one there, and the float32 SIMT kernels' own arithmetic elsewhere."""
     from jax_kda.sm90.ffi_call import cute_call
 
     num_heads, num_sequences = y0.shape[1], y0.shape[0]
@@ -324,6 +325,8 @@ def state_scan_kernel(
         # The tensor-core kernel where it has the width (H200, 2048x12x1, both directions:
         # 95 us at t16 against the SIMT kernel's 287 at v16); v_slice=64 is the m64 wgmma one.
         tensor_cores = v_slice in SCAN_TC_V_SLICES
+    if passes is None:
+        passes = 1 if tensor_cores else 3
     if tensor_cores:
         a_op, b_op, addend = state_scan_operands(a_op, b_op, addend, v_slice, passes)
 
@@ -659,7 +662,7 @@ def differentiable_chunk_operands(
 def training_forward(
     q, k, v, g, beta, cu_seqlens, initial_state, scale, *, chunk_core=True, decayed_bwd=True,
     scan_v_slice=None, scan_tensor_cores=None, fused_operands_bwd=False, dense_precision="bf16",
-    chunk_core_passes=1, scan_passes=1,
+    chunk_core_passes=1, scan_passes=None,
 ):  # fmt: skip
     """The forward the sm90 backward differentiates (and the no-bound forward), exact for any
     g <= 0: the chunk-core kernel's per-chunk operands (their backward written out,
@@ -671,6 +674,8 @@ def training_forward(
     dense_precision="bf16x3" and chunk_core_passes=3 / scan_passes=3 take three
     (A_hi B_hi + A_lo B_hi + A_hi B_lo, about 2^-16 relative, three times the tensor-core work,
     twice the operand images), dense_precision="float32" runs the dense products at HIGHEST.
+    scan_passes=None: one on the tensor-core scan, and float32 where the plan or
+    scan_tensor_cores picks a SIMT scan (which has no bf16 passes to choose).
     The decayed products' backward keeps three passes: with one, dg missed the float64 oracle
     on production data (rms_ratio 2.4e-2 at [300, 0, 77, 130], 4.9e-2 at 16384 tokens, H200):
     dg there is a small difference of large terms.
