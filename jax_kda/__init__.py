@@ -1,12 +1,15 @@
 """jax_kda: Kimi Delta Attention (KDA) prefill for JAX.
 
 ``jax_kda.prefill`` runs CuTe DSL sm90 kernels through the XLA FFI on Hopper and a pure-XLA
-chunked implementation everywhere else; see its docstring for the contract.
+chunked implementation everywhere else; see its docstring for the contract. ``jax_kda.decode``
+is the one-token step for serving, on the same state layout. ``jax_kda.nn`` (with the ``nn``
+extra: flax) has the Flax NNX layer, ``KimiDeltaAttention``.
 """
 
 from jax_kda.api import BACKENDS, BackendUnavailableError, prefill
 from jax_kda.checks import check_cu_seqlens
 from jax_kda.constants import HEAD_DIM
+from jax_kda.decode_step import decode
 from jax_kda.gate import l2_normalize, safe_gate
 from jax_kda.sm90.kernels.layout import CHUNK
 from jax_kda.sm90.plan import PrefillPlan, WorkspaceBuffer, plan_prefill
@@ -19,6 +22,7 @@ __all__ = [
     "PrefillPlan",
     "WorkspaceBuffer",
     "check_cu_seqlens",
+    "decode",
     "l2_normalize",
     "plan_prefill",
     "prefill",

@@ -277,15 +277,37 @@ def _require_array(name, x):
 
 def _validate(q, k, v, g, beta, cu_seqlens, initial_state) -> bool:
     """Check shapes and dtypes; returns True for the batched [B, T, H, 128] form."""
+    _validate_tokens(q, k, v, g, beta, layouts={3: "[T, H, 128]", 4: "[B, T, H, 128]"})
+    batched = q.ndim == 4
+    if batched and q.shape[0] == 0:
+        raise ValueError(
+            f"q: got {_describe(q)}, expected at least one row (B >= 1); an empty packed batch "
+            "is q of shape [0, H, 128] with cu_seqlens of N + 1 zeros"
+        )
+    if cu_seqlens is not None:
+        if batched:
+            raise ValueError(
+                "cu_seqlens: must be None for the batched [B, T, H, 128] form (one sequence per "
+                "row); pack the sequences as [T, H, 128] to pass cu_seqlens"
+            )
+        num_sequences = _validate_cu_seqlens(cu_seqlens)
+    else:
+        num_sequences = q.shape[0] if batched else 1
+    if initial_state is not None:
+        _validate_state("initial_state", initial_state, num_sequences, q.shape[-2])
+    return batched
+
+
+def _validate_tokens(q, k, v, g, beta, *, layouts: dict[int, str]) -> None:
+    """Shapes and dtypes of the per-token inputs: q, k, v, g [..., H, 128] (q, k, v of one
+    float dtype, g float32) and beta [..., H] float32; `layouts` maps each rank q may have to
+    the name of its layout, for the messages."""
     for name, x in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta)):
         _require_array(name, x)
-    if q.ndim not in (3, 4):
-        raise ValueError(
-            f"q: got {_describe(q)}, expected rank 3 [T, H, {HEAD_DIM}] or rank 4 "
-            f"[B, T, H, {HEAD_DIM}]"
-        )
-    batched = q.ndim == 4
-    layout = "[B, T, H, 128]" if batched else "[T, H, 128]"
+    if q.ndim not in layouts:
+        expected = " or ".join(f"rank {rank} {layout}" for rank, layout in layouts.items())
+        raise ValueError(f"q: got {_describe(q)}, expected {expected}")
+    layout = layouts[q.ndim]
     if q.shape[-1] != HEAD_DIM:
         raise ValueError(f"q: got head dim {q.shape[-1]} ({_describe(q)}), expected {HEAD_DIM}")
     if q.shape[-2] == 0:
@@ -307,39 +329,31 @@ def _validate(q, k, v, g, beta, cu_seqlens, initial_state) -> bool:
     if beta.dtype != jnp.float32:
         raise TypeError(f"beta: got dtype {beta.dtype}, expected float32")
 
-    heads = q.shape[-2]
-    if batched and q.shape[0] == 0:
+
+def _validate_cu_seqlens(cu_seqlens) -> int:
+    """cu_seqlens: [N + 1] int32 with N >= 1 (its values are not read); returns N."""
+    _require_array("cu_seqlens", cu_seqlens)
+    if cu_seqlens.ndim != 1 or cu_seqlens.shape[0] < 2:
+        raise ValueError(f"cu_seqlens: got {_describe(cu_seqlens)}, expected shape [N + 1], N >= 1")
+    if cu_seqlens.dtype != jnp.int32:
+        raise TypeError(f"cu_seqlens: got dtype {cu_seqlens.dtype}, expected int32")
+    return cu_seqlens.shape[0] - 1
+
+
+def _validate_state(name, state, rows, heads, rows_name="N") -> None:
+    """state: [rows, heads, 128, 128] float32 ([V, K]); rows None: any count (a pool)."""
+    _require_array(name, state)
+    expected = (rows, heads, HEAD_DIM, HEAD_DIM)
+    if state.ndim != 4 or any(
+        want is not None and got != want for got, want in zip(state.shape, expected, strict=True)
+    ):
+        shown = ", ".join(rows_name if want is None else str(want) for want in expected)
         raise ValueError(
-            f"q: got {_describe(q)}, expected at least one row (B >= 1); an empty packed batch "
-            "is q of shape [0, H, 128] with cu_seqlens of N + 1 zeros"
+            f"{name}: got {_describe(state)}, expected shape ({shown}) "
+            f"[{rows_name}, H, 128(V), 128(K)]"
         )
-    if cu_seqlens is not None:
-        _require_array("cu_seqlens", cu_seqlens)
-        if batched:
-            raise ValueError(
-                "cu_seqlens: must be None for the batched [B, T, H, 128] form (one sequence per "
-                "row); pack the sequences as [T, H, 128] to pass cu_seqlens"
-            )
-        if cu_seqlens.ndim != 1 or cu_seqlens.shape[0] < 2:
-            raise ValueError(
-                f"cu_seqlens: got {_describe(cu_seqlens)}, expected shape [N + 1], N >= 1"
-            )
-        if cu_seqlens.dtype != jnp.int32:
-            raise TypeError(f"cu_seqlens: got dtype {cu_seqlens.dtype}, expected int32")
-        num_sequences = cu_seqlens.shape[0] - 1
-    else:
-        num_sequences = q.shape[0] if batched else 1
-    if initial_state is not None:
-        _require_array("initial_state", initial_state)
-        expected = (num_sequences, heads, HEAD_DIM, HEAD_DIM)
-        if tuple(initial_state.shape) != expected:
-            raise ValueError(
-                f"initial_state: got {_describe(initial_state)}, expected shape {expected} "
-                "[N, H, 128(V), 128(K)]"
-            )
-        if initial_state.dtype != jnp.float32:
-            raise TypeError(f"initial_state: got dtype {initial_state.dtype}, expected float32")
-    return batched
+    if state.dtype != jnp.float32:
+        raise TypeError(f"{name}: got dtype {state.dtype}, expected float32")
 
 
 def _validate_gate_lower_bound(bound) -> None:

@@ -21,12 +21,7 @@ def safe_gate(a, a_log=None, dt_bias=None, *, lower_bound=GATE_LOWER_BOUND_MIN):
     Returns:
       g: a's shape, float32, every value in [lb, 0): pass gate_lower_bound=lb to prefill.
     """
-    if isinstance(lower_bound, bool) or not isinstance(lower_bound, (int, float)):
-        raise TypeError(f"lower_bound: got {type(lower_bound).__name__}, expected a Python float")
-    if not GATE_LOWER_BOUND_MIN <= lower_bound < 0:
-        raise ValueError(
-            f"lower_bound: got {lower_bound}, expected a number in [{GATE_LOWER_BOUND_MIN}, 0)"
-        )
+    check_lower_bound(lower_bound)
     if a.ndim < 2 or a.shape[-1] != HEAD_DIM:
         raise ValueError(f"a: got shape {tuple(a.shape)}, expected [..., H, {HEAD_DIM}]")
     heads = a.shape[-2]
@@ -42,6 +37,16 @@ def safe_gate(a, a_log=None, dt_bias=None, *, lower_bound=GATE_LOWER_BOUND_MIN):
             raise ValueError(f"a_log: got shape {tuple(a_log.shape)}, expected ({heads},)")
         x = x * jnp.exp(a_log.astype(jnp.float32))[:, None]
     return lower_bound * jax.nn.sigmoid(x)
+
+
+def check_lower_bound(lower_bound) -> None:
+    """The safe gate's lb: a Python float in [-5, 0), or a TypeError / ValueError naming it."""
+    if isinstance(lower_bound, bool) or not isinstance(lower_bound, (int, float)):
+        raise TypeError(f"lower_bound: got {type(lower_bound).__name__}, expected a Python float")
+    if not GATE_LOWER_BOUND_MIN <= lower_bound < 0:
+        raise ValueError(
+            f"lower_bound: got {lower_bound}, expected a number in [{GATE_LOWER_BOUND_MIN}, 0)"
+        )
 
 
 def l2_normalize(x):

@@ -1,0 +1,121 @@
+"""``python -m benchmarks.decode``: GPU time of ``jax_kda.decode`` against its HBM floor.
+
+Not yet run on a GPU: written and checked on the CPU only (where the floor means nothing). The
+step is memory-bound: each (sequence, head) state, 64 KiB of float32, is read and written once,
+beside a token's q, k, v, g, beta and o; the floor is those bytes at the H200's bandwidth
+(benchmarks/hbm.py), and the goal is a step within 2x of it.
+
+Per shape (N sequences x H heads), two rows: the states as one [N, H, 128, 128] array, and as a
+pool of 2N rows of which the step gathers and scatters N by index. GPU time comes from the
+harness's jitted loop of chained steps (benchmarks/jax_measure.py: the state carried in place
+from step to step, the token inputs tied to it); accuracy from the float64 oracle.
+
+    python -m benchmarks.decode [--only 64x32,pool] [--quick] [--seed N]
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import jax
+import numpy as np
+
+import jax_kda
+from benchmarks.hbm import HBM_BYTES_PER_SECOND, decode_bytes, decode_floor_us
+from benchmarks.jax_measure import measure, tied_to_state
+from benchmarks.timing import FULL, QUICK
+from jax_kda.oracle import production_inputs, recurrent_oracle, rms_ratio
+
+DECODE_SHAPES = ((1, 16), (8, 16), (64, 16), (256, 16), (64, 32), (256, 32), (1024, 32))
+"""(sequences, heads) per step: one sequence to a large serving batch, Kimi Linear's head counts."""
+QUICK_SHAPES = ((2, 1), (3, 2))
+POOL_ROWS_PER_SEQUENCE = 2
+LAYOUTS = ("dense", "pool")
+
+
+def step(args, state):
+    """One decode step in the harness's form: (next state, outputs)."""
+    tied = tied_to_state(args, state)
+    o, new_state = jax_kda.decode(
+        tied["q"], tied["k"], tied["v"], tied["g"], tied["beta"], state,
+        state_indices=args.get("state_indices"),
+    )  # fmt: skip
+    return new_state, (o,)
+
+
+def decode_inputs(num_sequences: int, heads: int, pooled: bool, seed: int):
+    """(args, state, rows): SPEC's production data for one token per sequence; with `pooled`,
+    the states in a pool of 2N rows and `state_indices` a random choice of N of them; `rows`
+    the pool rows the sequences use (numpy)."""
+    x = production_inputs([1] * num_sequences, heads, seed=seed)
+    args = dict(q=x.q, k=x.k, v=x.v, g=x.g, beta=x.beta)
+    if not pooled:
+        return args, x.initial_state, np.arange(num_sequences)
+    rng = np.random.default_rng(seed + 1)
+    pool_rows = POOL_ROWS_PER_SEQUENCE * num_sequences
+    pool = (0.05 * rng.standard_normal((pool_rows, *x.initial_state.shape[1:]))).astype(np.float32)
+    rows = rng.permutation(pool_rows)[:num_sequences].astype(np.int32)
+    return {**args, "state_indices": rows}, pool, rows
+
+
+def measure_decode(num_sequences: int, heads: int, layout: str, settings, seed: int) -> dict:
+    pooled = layout == "pool"
+    args, state, rows = decode_inputs(num_sequences, heads, pooled, seed)
+    timings, (new_state, (o,)) = measure(
+        step, jax.device_put(args), jax.device_put(state), settings
+    )
+    cu = np.arange(num_sequences + 1, dtype=np.int32)
+    ref_o, ref_state = recurrent_oracle(
+        args["q"], args["k"], args["v"], args["g"], args["beta"], cu, state[rows]
+    )
+    floor = decode_floor_us(num_sequences, heads, pooled=pooled)
+    return {
+        "shape": f"{num_sequences}x{heads}",
+        "layout": layout,
+        "bytes": decode_bytes(num_sequences, heads, pooled=pooled),
+        "floor_us": floor,
+        "gpu_us": timings.gpu_us,
+        "floor_ratio": timings.gpu_us / floor,
+        "per_call_us": timings.per_call_us,
+        "o_rms_ratio": rms_ratio(o, ref_o),
+        "state_rms_ratio": rms_ratio(new_state[rows], ref_state),
+    }
+
+
+def main(argv=None) -> list[dict]:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--only", default="", help="comma-separated shapes (64x32) or layouts")
+    parser.add_argument("--quick", action="store_true", help="tiny shapes, few calls (CPU)")
+    parser.add_argument("--seed", type=int, default=0)
+    options = parser.parse_args(argv)
+    terms = {t for t in options.only.split(",") if t}
+    shapes = QUICK_SHAPES if options.quick else DECODE_SHAPES
+    settings = QUICK if options.quick else FULL
+    device = jax.devices()[0]
+    print(
+        f"benchmarks.decode on {device.device_kind}; floor at "
+        f"{HBM_BYTES_PER_SECOND / 1e12:.1f} TB/s (the H200's HBM"
+        f"{'' if device.platform == 'gpu' else '; meaningless off the GPU'})",
+        flush=True,
+    )
+    print("| N x H | states | MB moved | floor us | gpu us | x floor | o rms | state rms |")
+    print("|---|---|---|---|---|---|---|---|")
+    rows = []
+    for num_sequences, heads in shapes:
+        for layout in LAYOUTS:
+            name = f"{num_sequences}x{heads}"
+            if terms and not terms & {name, layout}:
+                continue
+            row = measure_decode(num_sequences, heads, layout, settings, options.seed)
+            rows.append(row)
+            print(
+                f"| {name} | {layout} | {row['bytes'] / 1e6:.2f} | {row['floor_us']:.2f} | "
+                f"{row['gpu_us']:.2f} | {row['floor_ratio']:.2f} | {row['o_rms_ratio']:.1e} | "
+                f"{row['state_rms_ratio']:.1e} |",
+                flush=True,
+            )
+    return rows
+
+
+if __name__ == "__main__":
+    main()
