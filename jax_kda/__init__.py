@@ -10,7 +10,7 @@ from jax_kda.api import BACKENDS, BackendUnavailableError, prefill
 from jax_kda.checks import check_cu_seqlens
 from jax_kda.constants import HEAD_DIM
 from jax_kda.decode_step import decode
-from jax_kda.gate import l2_normalize, safe_gate
+from jax_kda.gate import kda_gate, l2_normalize, safe_gate
 from jax_kda.sm90.kernels.layout import CHUNK
 from jax_kda.sm90.plan import PrefillPlan, WorkspaceBuffer, plan_prefill
 
@@ -23,6 +23,7 @@ __all__ = [
     "WorkspaceBuffer",
     "check_cu_seqlens",
     "decode",
+    "kda_gate",
     "l2_normalize",
     "plan_prefill",
     "prefill",

@@ -12,6 +12,7 @@ import numpy as np
 
 from jax_kda import sharding, sm90, xla
 from jax_kda.constants import GATE_LOWER_BOUND_MIN, HEAD_DIM, default_scale
+from jax_kda.gate import check_lower_bound, kda_gate, l2_normalize
 
 BACKENDS = ("auto", "xla", "sm90")
 _QKV_DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32)
@@ -43,6 +44,12 @@ def prefill(
     output_final_state=True,
     gate_lower_bound=None,
     backend="auto",
+    use_qk_l2norm_in_kernel=False,
+    use_gate_in_kernel=False,
+    A_log=None,
+    dt_bias=None,
+    lower_bound=None,
+    use_beta_sigmoid_in_kernel=False,
 ):
     """Kimi Delta Attention prefill (forward pass), jittable and differentiable.
 
@@ -67,17 +74,40 @@ def prefill(
     backend: "auto" (the sm90 kernels on Hopper when the call fits them, else "xla"), "sm90" or
       "xla". An explicit backend that cannot serve the call raises BackendUnavailableError.
 
+    Input preparation, with fla's names (code ports one to one; differentiable for the raw
+    inputs; today plain JAX before the recurrence on both backends, not yet inside the sm90
+    kernels: one element-wise pass over q, k, g and beta that XLA may fuse):
+      use_qk_l2norm_in_kernel: q, k are taken as x * rsqrt(sum(x^2) + 1e-6) per head.
+      use_gate_in_kernel: g is the raw gate projection a (any float dtype), made the decay by
+        jax_kda.kda_gate: with lower_bound (in [-5, 0)) the safe gate
+        lower_bound * sigmoid(exp(A_log[h]) * (a + dt_bias[h])), which also states
+        gate_lower_bound = lower_bound; without, -exp(A_log[h]) * softplus(a + dt_bias[h]).
+        A_log: [HV] or None (amplitude 1); dt_bias: [HV, 128] or [HV * 128] or None.
+      use_beta_sigmoid_in_kernel: beta holds logits (any float dtype); sigmoid(beta) is used.
+    Grouped value heads (GVA, fla's convention): q and k may have H heads and v, g, beta and
+    the states HV = G * H; value head j reads q and k head j // G (q and k are repeated G times,
+    as fla's reference does; on sm90 that repetition is an XLA copy, not yet in the kernels).
+
     Returns:
       (o, final_state): o has q's shape and dtype; final_state is [N, H, 128, 128] float32
       ([V, K]) or None.
     """
-    batched = _validate(q, k, v, g, beta, cu_seqlens, initial_state)
+    batched = _validate(
+        q, k, v, g, beta, cu_seqlens, initial_state, raw_gate=_flag(
+            "use_gate_in_kernel", use_gate_in_kernel), beta_logits=_flag(
+            "use_beta_sigmoid_in_kernel", use_beta_sigmoid_in_kernel),
+    )  # fmt: skip
     scale = _validate_scale(scale)
     if backend not in BACKENDS:
         raise ValueError(f"backend: got {backend!r}, expected one of {BACKENDS}")
     if not isinstance(output_final_state, bool):
         raise TypeError(f"output_final_state: got {output_final_state!r}, expected a bool")
     _validate_gate_lower_bound(gate_lower_bound)
+    q, k, g, beta, gate_lower_bound = _prepare_inputs(
+        q, k, v, g, beta, gate_lower_bound, _flag("use_qk_l2norm_in_kernel",
+        use_qk_l2norm_in_kernel), use_gate_in_kernel, A_log, dt_bias, lower_bound,
+        use_beta_sigmoid_in_kernel,
+    )  # fmt: skip
 
     num_heads = q.shape[-2]
     if batched:
@@ -275,9 +305,14 @@ def _require_array(name, x):
         raise TypeError(f"{name}: got {type(x).__name__}, expected a jax or numpy array")
 
 
-def _validate(q, k, v, g, beta, cu_seqlens, initial_state) -> bool:
+def _validate(
+    q, k, v, g, beta, cu_seqlens, initial_state, *, raw_gate=False, beta_logits=False
+) -> bool:
     """Check shapes and dtypes; returns True for the batched [B, T, H, 128] form."""
-    _validate_tokens(q, k, v, g, beta, layouts={3: "[T, H, 128]", 4: "[B, T, H, 128]"})
+    _validate_tokens(
+        q, k, v, g, beta, layouts={3: "[T, H, 128]", 4: "[B, T, H, 128]"}, raw_gate=raw_gate,
+        beta_logits=beta_logits,
+    )  # fmt: skip
     batched = q.ndim == 4
     if batched and q.shape[0] == 0:
         raise ValueError(
@@ -294,14 +329,18 @@ def _validate(q, k, v, g, beta, cu_seqlens, initial_state) -> bool:
     else:
         num_sequences = q.shape[0] if batched else 1
     if initial_state is not None:
-        _validate_state("initial_state", initial_state, num_sequences, q.shape[-2])
+        _validate_state("initial_state", initial_state, num_sequences, v.shape[-2])
     return batched
 
 
-def _validate_tokens(q, k, v, g, beta, *, layouts: dict[int, str]) -> None:
-    """Shapes and dtypes of the per-token inputs: q, k, v, g [..., H, 128] (q, k, v of one
-    float dtype, g float32) and beta [..., H] float32; `layouts` maps each rank q may have to
-    the name of its layout, for the messages."""
+def _validate_tokens(
+    q, k, v, g, beta, *, layouts: dict[int, str], raw_gate=False, beta_logits=False
+) -> None:
+    """Shapes and dtypes of the per-token inputs: q, k [..., H, 128], v, g [..., HV, 128] with
+    HV a multiple of H (grouped value heads; HV = H without them), q, k, v of one float dtype,
+    g float32 (any float dtype where raw_gate: the gate projection) and beta [..., HV] float32
+    (any float dtype where beta_logits); `layouts` maps each rank q may have to the name of its
+    layout, for the messages."""
     for name, x in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta)):
         _require_array(name, x)
     if q.ndim not in layouts:
@@ -314,20 +353,81 @@ def _validate_tokens(q, k, v, g, beta, *, layouts: dict[int, str]) -> None:
         raise ValueError(f"q: got {_describe(q)}, expected at least one head (H >= 1)")
     if q.dtype not in _QKV_DTYPES:
         raise TypeError(f"q: got dtype {q.dtype}, expected bfloat16 (or float16, float32)")
-    for name, x in (("k", k), ("v", v), ("g", g)):
-        if x.shape != q.shape:
-            raise ValueError(
-                f"{name}: got {_describe(x)}, expected shape {tuple(q.shape)} {layout}"
-            )
+    if k.shape != q.shape:
+        raise ValueError(f"k: got {_describe(k)}, expected shape {tuple(q.shape)} {layout}")
+    heads = q.shape[-2]
+    value_heads = v.shape[-2] if v.ndim == q.ndim else None
+    if (
+        value_heads is None
+        or v.shape[:-2] != q.shape[:-2]
+        or v.shape[-1] != HEAD_DIM
+        or value_heads == 0
+        or value_heads % heads
+    ):
+        raise ValueError(
+            f"v: got {_describe(v)}, expected shape {tuple(q.shape)} {layout}, or with a "
+            f"multiple of q's {heads} heads (grouped value heads)"
+        )
+    if g.shape != v.shape:
+        raise ValueError(f"g: got {_describe(g)}, expected v's shape {tuple(v.shape)}")
     for name, x in (("k", k), ("v", v)):
         if x.dtype != q.dtype:
             raise TypeError(f"{name}: got dtype {x.dtype}, expected q's dtype {q.dtype}")
-    if g.dtype != jnp.float32:
+    if raw_gate:
+        if g.dtype not in _QKV_DTYPES:
+            raise TypeError(f"g: got dtype {g.dtype}, expected a float dtype (the gate input)")
+    elif g.dtype != jnp.float32:
         raise TypeError(f"g: got dtype {g.dtype}, expected float32 (the log-decay)")
-    if beta.shape != q.shape[:-1]:
-        raise ValueError(f"beta: got {_describe(beta)}, expected shape {tuple(q.shape[:-1])}")
-    if beta.dtype != jnp.float32:
+    if beta.shape != v.shape[:-1]:
+        raise ValueError(f"beta: got {_describe(beta)}, expected shape {tuple(v.shape[:-1])}")
+    if beta_logits:
+        if beta.dtype not in _QKV_DTYPES:
+            raise TypeError(f"beta: got dtype {beta.dtype}, expected a float dtype (logits)")
+    elif beta.dtype != jnp.float32:
         raise TypeError(f"beta: got dtype {beta.dtype}, expected float32")
+
+
+def _flag(name, value) -> bool:
+    if not isinstance(value, bool):
+        raise TypeError(f"{name}: got {value!r}, expected a bool")
+    return value
+
+
+def _prepare_inputs(
+    q, k, v, g, beta, gate_lower_bound, use_qk_l2norm, use_gate, a_log, dt_bias, lower_bound,
+    use_beta_sigmoid,
+):  # fmt: skip
+    """prefill's input preparation (its docstring): returns (q, k, g, beta, gate_lower_bound)
+    as the recurrence takes them, q and k with v's heads."""
+    if not use_gate:
+        for name, value in (("A_log", a_log), ("dt_bias", dt_bias), ("lower_bound", lower_bound)):
+            if value is not None:
+                raise ValueError(
+                    f"{name}: given without use_gate_in_kernel=True, which is what reads it "
+                    "(g is then the log-decay itself)"
+                )
+    if use_qk_l2norm:
+        q, k = l2_normalize(q), l2_normalize(k)
+    groups = v.shape[-2] // q.shape[-2]
+    if groups > 1:
+        q, k = jnp.repeat(q, groups, axis=-2), jnp.repeat(k, groups, axis=-2)
+    if use_gate:
+        for name, value in (("A_log", a_log), ("dt_bias", dt_bias)):
+            if value is not None:
+                _require_array(name, value)
+        if lower_bound is not None:
+            check_lower_bound(lower_bound)
+            if gate_lower_bound is not None and gate_lower_bound > lower_bound:
+                raise ValueError(
+                    f"gate_lower_bound: got {gate_lower_bound}, above lower_bound "
+                    f"{lower_bound}, which the gate can reach: leave it out"
+                )
+            if gate_lower_bound is None:
+                gate_lower_bound = float(lower_bound)
+        g = kda_gate(g, a_log, dt_bias, lower_bound=lower_bound)
+    if use_beta_sigmoid:
+        beta = jax.nn.sigmoid(beta.astype(jnp.float32))
+    return q, k, g, beta, gate_lower_bound
 
 
 def _validate_cu_seqlens(cu_seqlens) -> int:

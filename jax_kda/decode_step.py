@@ -35,7 +35,8 @@ def decode(q, k, v, g, beta, state, *, scale=None, state_indices=None):
 
     Args:
       q, k, v: [N, H, 128] bfloat16, float16 or float32 (one dtype); q and k are expected
-        L2-normalised.
+        L2-normalised. Grouped value heads as in prefill: q and k may have H heads and v, g,
+        beta and the state HV = G * H.
       g: [N, H, 128] float32, the per-channel natural-log decay (<= 0; -inf resets the channel:
         gates below -100 are taken as -100, as in prefill).
       beta: [N, H] float32, in (0, 1).
@@ -57,7 +58,9 @@ def decode(q, k, v, g, beta, state, *, scale=None, state_indices=None):
     """
     _validate_tokens(q, k, v, g, beta, layouts={3: "[N, H, 128]"})
     scale = _validate_scale(scale)
-    num_sequences, heads = q.shape[:2]
+    num_sequences, heads = v.shape[:2]
+    if heads != q.shape[1]:  # grouped value heads: value head j reads q and k head j // G
+        q, k = (jnp.repeat(x, heads // q.shape[1], axis=1) for x in (q, k))
     if state_indices is None:
         _validate_state("state", state, num_sequences, heads)
         new_state, o = _step(q, k, v, g, beta, state, scale)

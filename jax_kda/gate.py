@@ -16,27 +16,45 @@ def safe_gate(a, a_log=None, dt_bias=None, *, lower_bound=GATE_LOWER_BOUND_MIN):
 
     Args:
       a: [..., H, 128], the gate projection, any float dtype (computed in float32).
-      a_log: [H] or None (amplitude 1). dt_bias: [H, 128] or None (no bias).
+      a_log: [H] or None (amplitude 1). dt_bias: [H, 128] (or fla's flat [H * 128]) or None
+        (no bias).
       lower_bound: lb, a Python float in [-5, 0).
     Returns:
       g: a's shape, float32, every value in [lb, 0): pass gate_lower_bound=lb to prefill.
     """
     check_lower_bound(lower_bound)
+    return kda_gate(a, a_log, dt_bias, lower_bound=lower_bound)
+
+
+def kda_gate(a, a_log=None, dt_bias=None, *, lower_bound=None):
+    """fla's KDA gate (its `use_gate_in_kernel` forms), in float32:
+    lower_bound None: g = -exp(a_log[h]) * softplus(a + dt_bias[h]) (Kimi Linear; any g <= 0);
+    else the safe gate g = lb * sigmoid(exp(a_log[h]) * (a + dt_bias[h])), every g in [lb, 0).
+
+    a: [..., H, 128], any float dtype; a_log: [H] or None (amplitude 1); dt_bias: [H, 128] or
+    [H * 128] (fla's layout) or None (no bias); lower_bound: None or a Python float in [-5, 0).
+    """
+    if lower_bound is not None:
+        check_lower_bound(lower_bound)
     if a.ndim < 2 or a.shape[-1] != HEAD_DIM:
         raise ValueError(f"a: got shape {tuple(a.shape)}, expected [..., H, {HEAD_DIM}]")
     heads = a.shape[-2]
     x = a.astype(jnp.float32)
     if dt_bias is not None:
-        if tuple(dt_bias.shape) != (heads, HEAD_DIM):
+        if tuple(dt_bias.shape) not in ((heads, HEAD_DIM), (heads * HEAD_DIM,)):
             raise ValueError(
-                f"dt_bias: got shape {tuple(dt_bias.shape)}, expected ({heads}, {HEAD_DIM})"
+                f"dt_bias: got shape {tuple(dt_bias.shape)}, expected ({heads}, {HEAD_DIM}) "
+                f"or ({heads * HEAD_DIM},)"
             )
-        x = x + dt_bias.astype(jnp.float32)
+        x = x + dt_bias.astype(jnp.float32).reshape(heads, HEAD_DIM)
+    amplitude = jnp.ones((heads,), jnp.float32)
     if a_log is not None:
         if tuple(a_log.shape) != (heads,):
             raise ValueError(f"a_log: got shape {tuple(a_log.shape)}, expected ({heads},)")
-        x = x * jnp.exp(a_log.astype(jnp.float32))[:, None]
-    return lower_bound * jax.nn.sigmoid(x)
+        amplitude = jnp.exp(a_log.astype(jnp.float32))
+    if lower_bound is None:
+        return -amplitude[:, None] * jax.nn.softplus(x)
+    return lower_bound * jax.nn.sigmoid(x * amplitude[:, None])
 
 
 def check_lower_bound(lower_bound) -> None:

@@ -36,7 +36,7 @@ from jax_kda.api import (
 )
 from jax_kda.constants import HEAD_DIM
 from jax_kda.decode_step import decode
-from jax_kda.gate import check_lower_bound, l2_normalize, safe_gate
+from jax_kda.gate import check_lower_bound, kda_gate, l2_normalize
 
 _COMPUTE_DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32)
 
@@ -283,11 +283,7 @@ class KimiDeltaAttention(nnx.Module):
 
     def _gate(self, f):
         """f: [T, H, 128] -> g float32 <= 0."""
-        dt_bias = self.dt_bias[...].reshape(self.num_heads, HEAD_DIM)
-        if self.lower_bound is not None:
-            return safe_gate(f, self.A_log[...], dt_bias, lower_bound=self.lower_bound)
-        amplitude = jnp.exp(self.A_log[...].astype(jnp.float32))[:, None]
-        return -amplitude * jax.nn.softplus(f.astype(jnp.float32) + dt_bias.astype(jnp.float32))
+        return kda_gate(f, self.A_log[...], self.dt_bias[...], lower_bound=self.lower_bound)
 
     def _check(self, x, cu_seqlens, cache) -> bool:
         """Shapes of the call's arguments; True for the batched form."""

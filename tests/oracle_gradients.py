@@ -1,5 +1,7 @@
 """Float64 gradients of the recurrent oracle: the one reference every gradient test compares to."""
 
+from typing import NamedTuple
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -37,3 +39,71 @@ def float64_gradients(x, w_o, w_f, scale=None):
             args = [a[:, heads] for a in (*x[:5], x.initial_state, w_o, w_f)]
             groups.append(grad(*(jnp.asarray(a, jnp.float64) for a in args)))
         return [np.concatenate([np.asarray(g[i]) for g in groups], axis=1) for i in range(6)]
+
+
+class RawInputs(NamedTuple):
+    """Inputs before prefill's input preparation: q, k [T, H, 128] unnormalised; v [T, HV, 128];
+    a (the gate projection) [T, HV, 128]; beta logits [T, HV]; A_log [HV]; dt_bias [HV * 128]
+    (fla's layout); cu_seqlens; initial_state [N, HV, 128, 128]."""
+
+    q: np.ndarray
+    k: np.ndarray
+    v: np.ndarray
+    a: np.ndarray
+    beta: np.ndarray
+    cu_seqlens: np.ndarray
+    initial_state: np.ndarray
+    a_log: np.ndarray
+    dt_bias: np.ndarray
+
+
+def raw_inputs(lengths, heads, value_heads, *, seed, dtype=jnp.bfloat16) -> RawInputs:
+    """Fresh random raw inputs (fla's test settings: A_log = log U(1, 16)), q, k, v in dtype."""
+    rng = np.random.default_rng(seed)
+    total = int(np.sum(lengths))
+    qk = (total, heads, 128)
+    vg = (total, value_heads, 128)
+    cast = [np.asarray(jnp.asarray(rng.standard_normal(s), dtype)) for s in (qk, qk, vg)]
+    state = (0.1 * rng.standard_normal((len(lengths), value_heads, 128, 128))).astype(np.float32)
+    cu = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
+    return RawInputs(
+        *cast,
+        rng.standard_normal(vg).astype(np.float32),
+        rng.standard_normal((total, value_heads)).astype(np.float32),
+        cu,
+        state,
+        np.log(rng.uniform(1.0, 16.0, value_heads)).astype(np.float32),
+        (0.5 * rng.standard_normal(value_heads * 128)).astype(np.float32),
+    )
+
+
+def prepared_float64(x: RawInputs, w_o, w_f, *, lower_bound=None, scale=None):
+    """The float64 statement of prefill with every input preparation on (q/k L2 norm, the gate
+    from a, A_log and dt_bias: the safe form with lower_bound, else fla's softplus form; beta
+    logits; q and k repeated over grouped value heads): (o, final_state) and the gradients of
+    sum(o * w_o) + sum(final * w_f) for q, k, v, a, beta, initial_state, A_log, dt_bias."""
+    with jax.enable_x64(True):
+
+        def outputs(q, k, v, a, b, state, a_log, dt_bias):
+            def l2(x):
+                return x / jnp.sqrt(jnp.sum(x * x, axis=-1, keepdims=True) + 1e-6)
+
+            groups = v.shape[1] // q.shape[1]
+            q, k = (jnp.repeat(l2(t), groups, axis=1) for t in (q, k))
+            pre = a + dt_bias.reshape(-1, 128)
+            amplitude = jnp.exp(a_log)[:, None]
+            if lower_bound is None:
+                g = -amplitude * jax.nn.softplus(pre)
+            else:
+                g = lower_bound * jax.nn.sigmoid(amplitude * pre)
+            beta = jax.nn.sigmoid(b)
+            return recurrent_oracle(q, k, v, g, beta, x.cu_seqlens, state, scale=scale)
+
+        def loss(*args):
+            o, final = outputs(*args)
+            return jnp.sum(o * w_o) + jnp.sum(final * w_f)
+
+        args = [jnp.asarray(t, jnp.float64) for t in (*x[:5], x.initial_state, x.a_log, x.dt_bias)]
+        o, final = jax.jit(outputs)(*args)
+        grads = jax.jit(jax.grad(loss, argnums=range(8)))(*args)
+        return np.asarray(o), np.asarray(final), [np.asarray(t) for t in grads]

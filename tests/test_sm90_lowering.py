@@ -108,6 +108,33 @@ def test_auto_picks_sm90_for_bf16_and_xla_for_float32():
         _lower(_prefill(backend="sm90"), *x32)
 
 
+@pytest.mark.parametrize("lower_bound", [-5.0, None], ids=["safe-gate", "softplus-gate"])
+def test_prepared_inputs_and_grouped_heads_lower_to_the_kernels(lower_bound):
+    """fla's input flags and grouped value heads (q, k with 1 head, v with 2) on sm90: with the
+    safe gate's lower_bound the fast forward kernel serves the call (the bound is stated by
+    the gate), without it the exact forward; the gradient lowers to the backward kernels."""
+    from oracle_gradients import raw_inputs
+
+    x = raw_inputs([70, 0, 30], 1, 2, seed=4)
+
+    def loss(q, k, v, a, b, state, a_log, dt_bias):
+        o, final = jax_kda.prefill(
+            q, k, v, a, b, cu_seqlens=x.cu_seqlens, initial_state=state, backend="sm90",
+            use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, A_log=a_log,
+            dt_bias=dt_bias, lower_bound=lower_bound, use_beta_sigmoid_in_kernel=True,
+        )  # fmt: skip
+        return jnp.sum(o.astype(jnp.float32) ** 2) + jnp.sum(final**2)
+
+    args = (*x[:5], x.initial_state, x.a_log, x.dt_bias)
+    text = _lower(jax.grad(loss, argnums=range(8)), *args)
+    kinds = {p.rsplit("_", 1)[0] for p in re.findall(r'prefix = "(\w+)"', text)}
+    forward = {"kda_fwd_sm90_h2"} if lower_bound is not None else set()
+    assert kinds == forward | {
+        "kda_chunk_operands_sm90_x1", "kda_decayed_bwd", "kda_state_scan_sm90_fwd",
+        "kda_state_scan_sm90_rev",
+    }, kinds  # fmt: skip
+
+
 def test_calls_beyond_32_bit_indexing_go_to_xla_or_are_refused():
     tokens, heads = 1 << 19, 64  # 2^32 elements in q; only shapes, no data
     shapes = [

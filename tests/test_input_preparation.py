@@ -1,0 +1,145 @@
+"""prefill's input preparation with fla's names (q/k L2 norm, the gate from its projection,
+beta logits) and grouped value heads, on the XLA backend, against a float64 statement of the
+whole (tests/oracle_gradients.py: prepared_float64), forward and every gradient."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from oracle_gradients import prepared_float64, raw_inputs
+
+import jax_kda
+from jax_kda.oracle import recurrent_oracle, rms_ratio
+
+BAR = 1e-2  # SPEC's: q, k, v are bf16 and the normalised q, k are rounded to bf16 again
+RAW_NAMES = ("q", "k", "v", "a", "beta", "initial_state", "A_log", "dt_bias")
+
+
+def _prepared_prefill(x, lower_bound, **options):
+    def call(q, k, v, a, b, state, a_log, dt_bias):
+        return jax_kda.prefill(
+            q, k, v, a, b, cu_seqlens=x.cu_seqlens, initial_state=state, scale=0.3,
+            use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, A_log=a_log,
+            dt_bias=dt_bias, lower_bound=lower_bound, use_beta_sigmoid_in_kernel=True,
+            **options,
+        )  # fmt: skip
+
+    return call
+
+
+@pytest.mark.parametrize("lower_bound", [None, -5.0], ids=["softplus-gate", "safe-gate"])
+@pytest.mark.parametrize("groups", [1, 2], ids=["H", "GVA-2"])
+def test_prepared_inputs_match_float64_forward_and_gradients(lower_bound, groups):
+    """o, the final state and the gradients of all eight raw inputs (unnormalised q and k, v,
+    the gate projection a, beta logits, the initial state, A_log and dt_bias) against float64
+    autodiff of the prepared recurrence. A preparation dropped or done twice, a wrong head
+    grouping or a gradient that misses a path misses the bar by far."""
+    x = raw_inputs([90, 0, 70], 1, groups, seed=11 + groups)
+    rng = np.random.default_rng(5)
+    w_o = rng.standard_normal(x.v.shape).astype(np.float32)
+    w_f = rng.standard_normal(x.initial_state.shape).astype(np.float32)
+    call = _prepared_prefill(x, lower_bound)
+
+    def loss(*args):
+        o, final = call(*args)
+        return jnp.sum(o.astype(jnp.float32) * w_o) + jnp.sum(final * w_f)
+
+    args = (*x[:5], x.initial_state, x.a_log, x.dt_bias)
+    o, final = jax.jit(call)(*args)
+    grads = jax.jit(jax.grad(loss, argnums=range(8)))(*args)
+    ref_o, ref_final, ref_grads = prepared_float64(x, w_o, w_f, lower_bound=lower_bound, scale=0.3)
+    assert rms_ratio(o, ref_o) <= BAR and rms_ratio(final, ref_final) <= BAR
+    for name, ours, ref, arg in zip(RAW_NAMES, grads, ref_grads, args, strict=True):
+        assert ours.shape == np.shape(arg), name
+        assert rms_ratio(ours, ref) <= BAR, (name, rms_ratio(ours, ref))
+    # the grouping matters: value head 1 with q, k head 0 is not value head 1 with its own
+    if groups == 2:
+        assert rms_ratio(o[:, 1], o[:, 0]) > 0.5
+
+
+def test_flags_equal_preparing_the_inputs_by_hand():
+    """The flags are exactly the preparation written out (jax_kda.l2_normalize, kda_gate,
+    sigmoid, jnp.repeat over the groups) followed by a plain call, bit for bit on XLA."""
+    x = raw_inputs([40, 25], 2, 4, seed=3)
+    o, final = jax.jit(_prepared_prefill(x, -3.0))(*x[:5], x.initial_state, x.a_log, x.dt_bias)
+    q, k = (jnp.repeat(jax_kda.l2_normalize(jnp.asarray(t)), 2, axis=1) for t in (x.q, x.k))
+    g = jax_kda.kda_gate(jnp.asarray(x.a), x.a_log, x.dt_bias, lower_bound=-3.0)
+    beta = jax.nn.sigmoid(jnp.asarray(x.beta))
+
+    def plain(q, k, v, g, beta):
+        return jax_kda.prefill(
+            q, k, v, g, beta, cu_seqlens=x.cu_seqlens, initial_state=x.initial_state,
+            scale=0.3, gate_lower_bound=-3.0,
+        )  # fmt: skip
+
+    by_hand = jax.jit(plain)(q, k, x.v, g, beta)
+    np.testing.assert_array_equal(np.asarray(o), np.asarray(by_hand[0]))
+    np.testing.assert_array_equal(np.asarray(final), np.asarray(by_hand[1]))
+
+
+def test_kda_gate_forms():
+    """kda_gate against numpy: the softplus form without a bound, the safe form with one, dt_bias
+    flat ([H * 128], fla) or [H, 128], A_log optional."""
+    rng = np.random.default_rng(0)
+    a = rng.standard_normal((7, 3, 128)).astype(np.float32)
+    a_log = rng.standard_normal(3).astype(np.float32)
+    bias = rng.standard_normal((3, 128)).astype(np.float32)
+    pre = a + bias
+    softplus = -np.exp(a_log)[:, None] * np.log1p(np.exp(pre))
+    safe = -4.0 / (1.0 + np.exp(-np.exp(a_log)[:, None] * pre))
+    np.testing.assert_allclose(jax_kda.kda_gate(a, a_log, bias.reshape(-1)), softplus, rtol=1e-5)
+    np.testing.assert_allclose(jax_kda.kda_gate(a, a_log, bias, lower_bound=-4.0), safe, rtol=1e-5)
+    unit = jax_kda.kda_gate(a, None, None, lower_bound=-4.0)
+    np.testing.assert_allclose(unit, -4.0 / (1.0 + np.exp(-a)), rtol=1e-5)
+    with pytest.raises(ValueError, match=r"dt_bias: got shape \(3, 64\)"):
+        jax_kda.kda_gate(a, a_log, bias[:, :64])
+
+
+def test_decode_with_grouped_value_heads_equals_repeated_q_and_k():
+    x = raw_inputs([1, 1, 1], 2, 4, seed=9)
+    q, k = (jax_kda.l2_normalize(jnp.asarray(t)) for t in (x.q, x.k))
+    g = jax_kda.kda_gate(jnp.asarray(x.a), x.a_log, x.dt_bias)
+    beta = jax.nn.sigmoid(jnp.asarray(x.beta))
+    grouped = jax_kda.decode(q, k, x.v, g, beta, x.initial_state)
+    repeated = jax_kda.decode(
+        jnp.repeat(q, 2, axis=1), jnp.repeat(k, 2, axis=1), x.v, g, beta, x.initial_state
+    )
+    for a, b in zip(grouped, repeated, strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    ref_o, ref_final = recurrent_oracle(
+        np.repeat(np.asarray(q, np.float32), 2, axis=1), np.repeat(np.asarray(k, np.float32), 2, 1),
+        x.v, np.asarray(g), np.asarray(beta), x.cu_seqlens, x.initial_state,
+    )  # fmt: skip
+    assert rms_ratio(grouped[0], ref_o) <= BAR and rms_ratio(grouped[1], ref_final) <= BAR
+
+
+def _call(**overrides):
+    x = raw_inputs([20], 2, 2, seed=1)
+    kwargs = {"q": x.q, "k": x.k, "v": x.v, "g": x.a, "beta": x.beta}
+    options = {"initial_state": x.initial_state}
+    options.update(overrides)
+    positional = [options.pop(n, kwargs[n]) for n in ("q", "k", "v", "g", "beta")]
+    return jax_kda.prefill(*positional, **options)
+
+
+@pytest.mark.parametrize(
+    "overrides, error, message",
+    [
+        ({"lower_bound": -5.0}, ValueError, "lower_bound: given without use_gate_in_kernel"),
+        ({"A_log": np.zeros(2, np.float32)}, ValueError, "A_log: given without"),
+        ({"use_gate_in_kernel": 1}, TypeError, "use_gate_in_kernel: got 1, expected a bool"),
+        ({"use_qk_l2norm_in_kernel": "yes"}, TypeError, "use_qk_l2norm_in_kernel: got 'yes'"),
+        ({"use_gate_in_kernel": True, "lower_bound": -6.0}, ValueError, r"lower_bound: got -6"),
+        ({"use_gate_in_kernel": True, "lower_bound": -3.0, "gate_lower_bound": -2.0}, ValueError,
+         "gate_lower_bound: got -2.0, above lower_bound -3.0"),
+        ({"use_gate_in_kernel": True, "dt_bias": np.zeros((2, 64), np.float32)}, ValueError,
+         r"dt_bias: got shape \(2, 64\)"),
+        ({"g": np.zeros((20, 2, 128), jnp.bfloat16)}, TypeError, "g: got dtype bfloat16"),
+        ({"v": np.zeros((20, 3, 128), jnp.bfloat16)}, ValueError, "multiple of q's 2 heads"),
+        ({"use_beta_sigmoid_in_kernel": False, "beta": np.zeros((20, 2), np.float16)}, TypeError,
+         "beta: got dtype float16, expected float32"),
+    ],
+)  # fmt: skip
+def test_preparation_arguments_are_checked(overrides, error, message):
+    with pytest.raises(error, match=message):
+        _call(**overrides)
