@@ -88,14 +88,17 @@ def _step(q, k, v, g, beta, state, scale):
     """The recurrence on [N, H, ...] in float32; returns (new state [N, H, V, K], o)."""
     out_dtype = q.dtype
     q, k, v = (x.astype(jnp.float32) for x in (q, k, v))
-    decayed = state * jnp.exp(jnp.maximum(g, GATE_FLOOR))[:, :, None, :]
-    # St k and St q in one pass over the state: o = scale * St_new q needs only St q, the
-    # correction and k . q, so the state is read once for both products and written once.
+    decay = jnp.exp(jnp.maximum(g, GATE_FLOOR))  # [N, H, K]
+    # (St Diag(decay)) x = St (decay * x): the decay goes onto k and q, so no decayed copy of
+    # the state is made. St k and St q in one pass over the state: o = scale * St_new q needs
+    # only St q, the correction and k . q; the update is then one more pass that reads the
+    # state and writes the new one.
     products = jnp.einsum(
-        "nhvk,nhjk->nhjv", decayed, jnp.stack([k, q], axis=2), precision=_PRECISION
-    )
+        "nhvk,nhjk->nhjv", state, jnp.stack([k, q], axis=2) * decay[:, :, None, :],
+        precision=_PRECISION,
+    )  # fmt: skip
     correction = beta[..., None] * (v - products[:, :, 0])  # [N, H, V]
-    new_state = decayed + correction[..., None] * k[:, :, None, :]
+    new_state = state * decay[:, :, None, :] + correction[..., None] * k[:, :, None, :]
     k_dot_q = jnp.sum(k * q, axis=-1, keepdims=True)
     o = scale * (products[:, :, 1] + correction * k_dot_q)
     return new_state, o.astype(out_dtype)
