@@ -4,6 +4,7 @@
 chunked implementation everywhere else; see its docstring for the contract.
 """
 
+from jax_kda import parallel
 from jax_kda.api import BACKENDS, BackendUnavailableError, prefill
 from jax_kda.checks import check_cu_seqlens
 from jax_kda.constants import HEAD_DIM
@@ -20,6 +21,7 @@ __all__ = [
     "WorkspaceBuffer",
     "check_cu_seqlens",
     "l2_normalize",
+    "parallel",
     "plan_prefill",
     "prefill",
     "safe_gate",
