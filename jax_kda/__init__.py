@@ -6,6 +6,7 @@ is the one-token step for serving, on the same state layout. ``jax_kda.nn`` (wit
 extra: flax) has the Flax NNX layer, ``KimiDeltaAttention``.
 """
 
+from jax_kda import parallel
 from jax_kda.api import BACKENDS, BackendUnavailableError, prefill
 from jax_kda.checks import check_cu_seqlens
 from jax_kda.constants import HEAD_DIM
@@ -25,6 +26,7 @@ __all__ = [
     "decode",
     "kda_gate",
     "l2_normalize",
+    "parallel",
     "plan_prefill",
     "prefill",
     "safe_gate",

@@ -579,6 +579,41 @@ def test_grad_under_explicit_sharding_lowers_per_device():
     _run_on_host_devices(script, 2)
 
 
+def test_context_parallel_grad_lowers_per_device():
+    """jax.grad of jax_kda.parallel.prefill_on_mesh on the sm90 backend, tokens of packed
+    sequences split over two host devices, lowering for CUDA in a fresh process: the kernels
+    run inside the per-device computation, the pairs cross devices by all_gather, the final
+    states by all_reduce, and the fold of the pairs is unrolled (no device-side loop)."""
+    script = textwrap.dedent(
+        """
+        import re
+        import jax, jax.numpy as jnp, numpy as np
+        from jax.sharding import Mesh
+        from jax_kda import parallel
+        from jax_kda.oracle import production_inputs
+
+        mesh = Mesh(np.array(jax.devices()), ("tokens",))
+        x = production_inputs([100, 0, 156], 2, seed=2)
+
+        def loss(q, k, v, g, beta, state):
+            o, final = parallel.prefill_on_mesh(
+                q, k, v, g, beta, cu_seqlens=x.cu_seqlens, initial_state=state, mesh=mesh,
+                token_axis="tokens", backend="sm90", gate_lower_bound=-5.0)
+            return jnp.sum(o.astype(jnp.float32) ** 2) + jnp.sum(final ** 2)
+
+        grad = jax.jit(jax.grad(loss, argnums=range(6)))
+        text = grad.trace(*x[:5], x.initial_state).lower(lowering_platforms=("cuda",)).as_text()
+        kinds = {p.rsplit("_", 1)[0] for p in re.findall(r'prefix = "(\\w+)"', text)}
+        # the forward runs both passes as one call on twice the heads (h4)
+        assert {"kda_fwd_sm90_h4", "kda_state_scan_sm90_rev", "kda_decayed_bwd"} <= kinds, kinds
+        assert "manual_computation" in text and "stablehlo.all_gather" in text
+        assert "stablehlo.all_reduce" in text and "stablehlo.while" not in text
+        print("ok")
+        """
+    )
+    _run_on_host_devices(script, 2)
+
+
 def _vmapped_calls():
     """Three packed calls of two sequences each, stacked for jax.vmap; and a loss."""
     xs = [production_inputs([40, 24], 2, seed=20 + i) for i in range(3)]
