@@ -373,18 +373,18 @@ def _validate_tokens(
     for name, x in (("k", k), ("v", v)):
         if x.dtype != q.dtype:
             raise TypeError(f"{name}: got dtype {x.dtype}, expected q's dtype {q.dtype}")
-    if raw_gate:
-        if g.dtype not in _QKV_DTYPES:
-            raise TypeError(f"g: got dtype {g.dtype}, expected a float dtype (the gate input)")
-    elif g.dtype != jnp.float32:
-        raise TypeError(f"g: got dtype {g.dtype}, expected float32 (the log-decay)")
+    _check_float_dtype("g", g, raw_gate, "the gate input", " (the log-decay)")
     if beta.shape != v.shape[:-1]:
         raise ValueError(f"beta: got {_describe(beta)}, expected shape {tuple(v.shape[:-1])}")
-    if beta_logits:
-        if beta.dtype not in _QKV_DTYPES:
-            raise TypeError(f"beta: got dtype {beta.dtype}, expected a float dtype (logits)")
-    elif beta.dtype != jnp.float32:
-        raise TypeError(f"beta: got dtype {beta.dtype}, expected float32")
+    _check_float_dtype("beta", beta, beta_logits, "logits", "")
+
+
+def _check_float_dtype(name, x, any_float: bool, raw: str, meaning: str) -> None:
+    """x's dtype: float32, or any float dtype where any_float (raw inputs prefill prepares)."""
+    if any_float and x.dtype not in _QKV_DTYPES:
+        raise TypeError(f"{name}: got dtype {x.dtype}, expected a float dtype ({raw})")
+    if not any_float and x.dtype != jnp.float32:
+        raise TypeError(f"{name}: got dtype {x.dtype}, expected float32{meaning}")
 
 
 def _flag(name, value) -> bool:

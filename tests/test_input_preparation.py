@@ -6,25 +6,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from oracle_gradients import prepared_float64, raw_inputs
+from oracle_gradients import prepared_check, prepared_prefill, raw_inputs
 
 import jax_kda
 from jax_kda.oracle import recurrent_oracle, rms_ratio
 
 BAR = 1e-2  # SPEC's: q, k, v are bf16 and the normalised q, k are rounded to bf16 again
-RAW_NAMES = ("q", "k", "v", "a", "beta", "initial_state", "A_log", "dt_bias")
-
-
-def _prepared_prefill(x, lower_bound, **options):
-    def call(q, k, v, a, b, state, a_log, dt_bias):
-        return jax_kda.prefill(
-            q, k, v, a, b, cu_seqlens=x.cu_seqlens, initial_state=state, scale=0.3,
-            use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, A_log=a_log,
-            dt_bias=dt_bias, lower_bound=lower_bound, use_beta_sigmoid_in_kernel=True,
-            **options,
-        )  # fmt: skip
-
-    return call
 
 
 @pytest.mark.parametrize("lower_bound", [None, -5.0], ids=["softplus-gate", "safe-gate"])
@@ -35,23 +22,7 @@ def test_prepared_inputs_match_float64_forward_and_gradients(lower_bound, groups
     autodiff of the prepared recurrence. A preparation dropped or done twice, a wrong head
     grouping or a gradient that misses a path misses the bar by far."""
     x = raw_inputs([90, 0, 70], 1, groups, seed=11 + groups)
-    rng = np.random.default_rng(5)
-    w_o = rng.standard_normal(x.v.shape).astype(np.float32)
-    w_f = rng.standard_normal(x.initial_state.shape).astype(np.float32)
-    call = _prepared_prefill(x, lower_bound)
-
-    def loss(*args):
-        o, final = call(*args)
-        return jnp.sum(o.astype(jnp.float32) * w_o) + jnp.sum(final * w_f)
-
-    args = (*x[:5], x.initial_state, x.a_log, x.dt_bias)
-    o, final = jax.jit(call)(*args)
-    grads = jax.jit(jax.grad(loss, argnums=range(8)))(*args)
-    ref_o, ref_final, ref_grads = prepared_float64(x, w_o, w_f, lower_bound=lower_bound, scale=0.3)
-    assert rms_ratio(o, ref_o) <= BAR and rms_ratio(final, ref_final) <= BAR
-    for name, ours, ref, arg in zip(RAW_NAMES, grads, ref_grads, args, strict=True):
-        assert ours.shape == np.shape(arg), name
-        assert rms_ratio(ours, ref) <= BAR, (name, rms_ratio(ours, ref))
+    _, o = prepared_check(x, lower_bound, BAR, seed=5)
     # the grouping matters: value head 1 with q, k head 0 is not value head 1 with its own
     if groups == 2:
         assert rms_ratio(o[:, 1], o[:, 0]) > 0.5
@@ -61,7 +32,7 @@ def test_flags_equal_preparing_the_inputs_by_hand():
     """The flags are exactly the preparation written out (jax_kda.l2_normalize, kda_gate,
     sigmoid, jnp.repeat over the groups) followed by a plain call, bit for bit on XLA."""
     x = raw_inputs([40, 25], 2, 4, seed=3)
-    o, final = jax.jit(_prepared_prefill(x, -3.0))(*x[:5], x.initial_state, x.a_log, x.dt_bias)
+    o, final = jax.jit(prepared_prefill(x, -3.0))(*x[:5], x.initial_state, x.a_log, x.dt_bias)
     q, k = (jnp.repeat(jax_kda.l2_normalize(jnp.asarray(t)), 2, axis=1) for t in (x.q, x.k))
     g = jax_kda.kda_gate(jnp.asarray(x.a), x.a_log, x.dt_bias, lower_bound=-3.0)
     beta = jax.nn.sigmoid(jnp.asarray(x.beta))
