@@ -78,6 +78,11 @@ def context_parallel_prefill(
             "packed form, [T / D, H, 128] (pack a batched [B, T, H, 128] input as B sequences)"
         )
     api._validate(q, k, v, g, beta, cu_seqlens, initial_state)
+    if v.shape[1] != q.shape[1]:
+        raise ValueError(
+            f"v: got {v.shape[1]} heads for q's {q.shape[1]}: grouped value heads are not served "
+            "here yet; repeat q and k over the groups (jnp.repeat(q, G, axis=1))"
+        )
     shard_tokens, heads = q.shape[0], q.shape[1]
     devices = lax.axis_size(axis_name)
     device = lax.axis_index(axis_name)

@@ -191,3 +191,10 @@ def test_batched_form_is_refused_with_a_reason():
     rows = [a.reshape(2, 64, *a.shape[1:]) for a in x[:5]]
     with pytest.raises(ValueError, match=r"q: got shape \(2, 64, 1, 128\), expected this device"):
         parallel.prefill_on_mesh(*rows, mesh=_mesh(1), token_axis="tokens", backend="xla")
+
+
+def test_grouped_value_heads_are_refused_with_a_reason():
+    x = production_inputs([64], 2, seed=0, dtype=jnp.float32)
+    q, k = (a[:, :1] for a in x[:2])
+    with pytest.raises(ValueError, match="grouped value heads are not served here yet"):
+        parallel.prefill_on_mesh(q, k, *x[2:5], mesh=_mesh(1), token_axis="tokens", backend="xla")
