@@ -62,7 +62,8 @@ def prefill(
     Batched form: q, k, v, g: [B, T, H, 128], beta: [B, T, H], one sequence per row (N = B);
       cu_seqlens must be None.
 
-    initial_state: [N, H, 128, 128] float32, stored transposed ([V, K]); None means zeros.
+    initial_state: [N, HV, 128, 128] float32, stored transposed ([V, K]); None means zeros
+      (HV = H without grouped value heads, below).
     scale: finite Python float; None means 128 ** -0.5.
     output_final_state: when False, the second result is None.
     gate_lower_bound: None, or a float in [-5, 0) that the caller guarantees every g is at least
@@ -89,8 +90,8 @@ def prefill(
     as fla's reference does; on sm90 that repetition is an XLA copy, not yet in the kernels).
 
     Returns:
-      (o, final_state): o has q's shape and dtype; final_state is [N, H, 128, 128] float32
-      ([V, K]) or None.
+      (o, final_state): o has v's shape and q's dtype (q's shape without grouped value heads);
+      final_state is [N, HV, 128, 128] float32 ([V, K]) or None.
     """
     batched = _validate(
         q, k, v, g, beta, cu_seqlens, initial_state, raw_gate=_flag(
@@ -104,12 +105,12 @@ def prefill(
         raise TypeError(f"output_final_state: got {output_final_state!r}, expected a bool")
     _validate_gate_lower_bound(gate_lower_bound)
     q, k, g, beta, gate_lower_bound = _prepare_inputs(
-        q, k, v, g, beta, gate_lower_bound, _flag("use_qk_l2norm_in_kernel",
+        q, k, g, beta, gate_lower_bound, _flag("use_qk_l2norm_in_kernel",
         use_qk_l2norm_in_kernel), use_gate_in_kernel, A_log, dt_bias, lower_bound,
         use_beta_sigmoid_in_kernel,
     )  # fmt: skip
 
-    num_heads = q.shape[-2]
+    num_heads = v.shape[-2]
     if batched:
         num_sequences = q.shape[0]
         cu_seqlens = jnp.zeros((2,), jnp.int32)  # unused: each row is one sequence
@@ -133,6 +134,11 @@ def prefill(
         )  # fmt: skip
         return o, (final_state if output_final_state else None)
 
+    # grouped value heads: value head j reads q and k head j // G (after the per-device branch
+    # above, where each device's block of value heads reads its own block of q and k heads)
+    groups = num_heads // q.shape[-2]
+    if groups > 1:
+        q, k = jnp.repeat(q, groups, axis=-2), jnp.repeat(k, groups, axis=-2)
     total_tokens = q.shape[0] * q.shape[1] if batched else q.shape[0]
     chosen = _resolve_backend(
         backend, q.dtype, total_tokens, num_heads, num_sequences, gate_lower_bound
@@ -382,7 +388,9 @@ def _validate_tokens(
 def _check_float_dtype(name, x, any_float: bool, raw: str, meaning: str) -> None:
     """x's dtype: float32, or any float dtype where any_float (raw inputs prefill prepares)."""
     if any_float and x.dtype not in _QKV_DTYPES:
-        raise TypeError(f"{name}: got dtype {x.dtype}, expected a float dtype ({raw})")
+        raise TypeError(
+            f"{name}: got dtype {x.dtype}, expected bfloat16, float16 or float32 ({raw})"
+        )
     if not any_float and x.dtype != jnp.float32:
         raise TypeError(f"{name}: got dtype {x.dtype}, expected float32{meaning}")
 
@@ -394,11 +402,12 @@ def _flag(name, value) -> bool:
 
 
 def _prepare_inputs(
-    q, k, v, g, beta, gate_lower_bound, use_qk_l2norm, use_gate, a_log, dt_bias, lower_bound,
+    q, k, g, beta, gate_lower_bound, use_qk_l2norm, use_gate, a_log, dt_bias, lower_bound,
     use_beta_sigmoid,
 ):  # fmt: skip
     """prefill's input preparation (its docstring): returns (q, k, g, beta, gate_lower_bound)
-    as the recurrence takes them, q and k with v's heads."""
+    as the recurrence takes them (q and k still with their own heads: prefill repeats them over
+    grouped value heads after its per-device branch)."""
     if not use_gate:
         for name, value in (("A_log", a_log), ("dt_bias", dt_bias), ("lower_bound", lower_bound)):
             if value is not None:
@@ -408,9 +417,6 @@ def _prepare_inputs(
                 )
     if use_qk_l2norm:
         q, k = l2_normalize(q), l2_normalize(k)
-    groups = v.shape[-2] // q.shape[-2]
-    if groups > 1:
-        q, k = jnp.repeat(q, groups, axis=-2), jnp.repeat(k, groups, axis=-2)
     if use_gate:
         for name, value in (("A_log", a_log), ("dt_bias", dt_bias)):
             if value is not None:
@@ -424,6 +430,12 @@ def _prepare_inputs(
                 )
             if gate_lower_bound is None:
                 gate_lower_bound = float(lower_bound)
+        elif gate_lower_bound is not None:
+            raise ValueError(
+                f"gate_lower_bound: got {gate_lower_bound} with the softplus gate "
+                "(use_gate_in_kernel without lower_bound), which has no lower bound: pass "
+                "lower_bound for the bounded (safe) gate, or leave gate_lower_bound out"
+            )
         g = kda_gate(g, a_log, dt_bias, lower_bound=lower_bound)
     if use_beta_sigmoid:
         beta = jax.nn.sigmoid(beta.astype(jnp.float32))

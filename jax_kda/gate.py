@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jax_kda.constants import GATE_LOWER_BOUND_MIN, HEAD_DIM
 
@@ -59,7 +60,9 @@ def kda_gate(a, a_log=None, dt_bias=None, *, lower_bound=None):
 
 def check_lower_bound(lower_bound) -> None:
     """The safe gate's lb: a Python float in [-5, 0), or a TypeError / ValueError naming it."""
-    if isinstance(lower_bound, bool) or not isinstance(lower_bound, (int, float)):
+    if isinstance(lower_bound, bool) or not isinstance(
+        lower_bound, (int, float, np.floating, np.integer)
+    ):
         raise TypeError(f"lower_bound: got {type(lower_bound).__name__}, expected a Python float")
     if not GATE_LOWER_BOUND_MIN <= lower_bound < 0:
         raise ValueError(

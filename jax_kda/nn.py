@@ -231,9 +231,11 @@ class KimiDeltaAttention(nnx.Module):
     def init_cache(self, num_sequences: int) -> KDACache:
         """An empty cache (zero histories and states) for num_sequences sequences."""
         width = self.num_heads * HEAD_DIM
-        history = jnp.zeros((num_sequences, self.conv_size - 1, width), self.dtype)
+        shape = (num_sequences, self.conv_size - 1, width)
+        # three separate buffers, so that a jitted step can donate the cache
+        histories = [jnp.zeros(shape, self.dtype) for _ in range(3)]
         state = jnp.zeros((num_sequences, self.num_heads, HEAD_DIM, HEAD_DIM), jnp.float32)
-        return KDACache(history, history, history, state)
+        return KDACache(*histories, state)
 
     def __call__(self, x, *, cu_seqlens=None, cache: KDACache | None = None):
         """Args:

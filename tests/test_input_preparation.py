@@ -21,11 +21,14 @@ def test_prepared_inputs_match_float64_forward_and_gradients(lower_bound, groups
     the gate projection a, beta logits, the initial state, A_log and dt_bias) against float64
     autodiff of the prepared recurrence. A preparation dropped or done twice, a wrong head
     grouping or a gradient that misses a path misses the bar by far."""
-    x = raw_inputs([90, 0, 70], 1, groups, seed=11 + groups)
+    x = raw_inputs([90, 0, 70], 2, 2 * groups, seed=11 + groups)
     _, o = prepared_check(x, lower_bound, BAR, seed=5)
-    # the grouping matters: value head 1 with q, k head 0 is not value head 1 with its own
-    if groups == 2:
-        assert rms_ratio(o[:, 1], o[:, 0]) > 0.5
+    if groups == 2:  # fla's grouping (value head j reads q, k head j // G), not a tiling (j % H)
+        tiled = x._replace(q=np.tile(x.q, (1, 2, 1)), k=np.tile(x.k, (1, 2, 1)))
+        o_tiled, _ = prepared_prefill(tiled, lower_bound)(
+            *tiled[:5], x.initial_state, x.a_log, x.dt_bias
+        )
+        assert rms_ratio(o, o_tiled) > 0.1
 
 
 def test_flags_equal_preparing_the_inputs_by_hand():
@@ -103,6 +106,8 @@ def _call(**overrides):
         ({"use_gate_in_kernel": True, "lower_bound": -6.0}, ValueError, r"lower_bound: got -6"),
         ({"use_gate_in_kernel": True, "lower_bound": -3.0, "gate_lower_bound": -2.0}, ValueError,
          "gate_lower_bound: got -2.0, above lower_bound -3.0"),
+        ({"use_gate_in_kernel": True, "gate_lower_bound": -5.0}, ValueError,
+         "with the softplus gate .* which has no lower bound"),
         ({"use_gate_in_kernel": True, "dt_bias": np.zeros((2, 64), np.float32)}, ValueError,
          r"dt_bias: got shape \(2, 64\)"),
         ({"g": np.zeros((20, 2, 128), jnp.bfloat16)}, TypeError, "g: got dtype bfloat16"),

@@ -157,6 +157,22 @@ def test_prefill_in_pieces_then_decode_equals_one_prefill():
     assert rms_ratio(jnp.concatenate(pieces, axis=1), whole) <= CACHE_BAR
 
 
+def test_decode_from_a_fresh_cache_with_the_cache_donated():
+    """The serving loop from its start: init_cache, then jitted one-token steps with the cache
+    donated (its three histories must be separate buffers: donating one twice fails), against
+    the layer on the whole sequence."""
+    layer = _layer()
+    x = _x((2, 4), 6)
+    whole = _apply(layer, x)
+    graphdef, params = nnx.split(layer)
+    step = jax.jit(lambda p, x, c: nnx.merge(graphdef, p)(x, cache=c), donate_argnums=2)
+    cache, pieces = layer.init_cache(2), []
+    for t in range(4):
+        y, cache = step(params, x[:, t : t + 1], cache)
+        pieces.append(y)
+    assert rms_ratio(jnp.concatenate(pieces, axis=1), whole) <= CACHE_BAR
+
+
 def test_decode_takes_the_step_and_prefill_does_not(monkeypatch):
     calls = []
     for name in ("decode", "prefill"):

@@ -90,9 +90,9 @@ def test_shard_map_over_heads_and_sequences_with_check_vma():
 
 def test_explicit_sharding_runs_per_device():
     """Under jax.set_mesh with Explicit axes (jax.make_mesh's default), inputs sharded by rows,
-    by rows and heads, by heads in the packed form, and along the tokens (no per-device form:
-    auto_axes): outputs and gradients equal the unsharded call's, and o and the gradients keep
-    q's sharding."""
+    by rows and heads, by heads in the packed form (also with grouped value heads), and along
+    the tokens (no per-device form: auto_axes): outputs and gradients equal the unsharded
+    call's, and o and the gradients keep q's sharding."""
     script = textwrap.dedent(
         """
         import jax, jax.numpy as jnp, numpy as np
@@ -139,6 +139,20 @@ def test_explicit_sharding_runs_per_device():
             assert rms_ratio(o, ref_o) < 1e-6 and rms_ratio(final, ref_final) < 1e-6
             for a, b in zip(d, ref_d):
                 assert rms_ratio(a, b) < 1e-6
+
+        # grouped value heads (q, k 2 heads, v, g, beta, the state 4), heads sharded: each
+        # device's value heads read its own q and k heads
+        xg = production_inputs([96] * 2, 4, seed=6, dtype=jnp.float32)
+        grouped = (xg.q[:, ::2], xg.k[:, ::2], *xg[2:5], xg.initial_state)
+        ref_o, ref_final = jax.jit(packed)(*grouped)
+        ref_d = loss(packed)(*grouped)
+        with jax.set_mesh(mesh):
+            sharded = [jax.device_put(a, NamedSharding(mesh, P(None, "h"))) for a in grouped]
+            o, final = jax.jit(packed)(*sharded)
+            d = loss(packed)(*sharded)
+        assert rms_ratio(o, ref_o) < 1e-6 and rms_ratio(final, ref_final) < 1e-6
+        for a, b in zip(d, ref_d):
+            assert rms_ratio(a, b) < 1e-6
 
         # a lax.scan carrying the state replicated while the rows are sharded: the final state
         # keeps the given state's type
