@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_kda import sharding, sm90, xla
-from jax_kda.constants import GATE_LOWER_BOUND_MIN, HEAD_DIM, default_scale
+from jax_kda.constants import HEAD_DIM, default_scale
 from jax_kda.gate import check_lower_bound, kda_gate, l2_normalize
 
 BACKENDS = ("auto", "xla", "sm90")
@@ -93,10 +93,16 @@ def prefill(
       (o, final_state): o has v's shape and q's dtype (q's shape without grouped value heads);
       final_state is [N, HV, 128, 128] float32 ([V, K]) or None.
     """
+    for name, flag in (
+        ("use_qk_l2norm_in_kernel", use_qk_l2norm_in_kernel),
+        ("use_gate_in_kernel", use_gate_in_kernel),
+        ("use_beta_sigmoid_in_kernel", use_beta_sigmoid_in_kernel),
+    ):
+        if not isinstance(flag, bool):
+            raise TypeError(f"{name}: got {flag!r}, expected a bool")
     batched = _validate(
-        q, k, v, g, beta, cu_seqlens, initial_state, raw_gate=_flag(
-            "use_gate_in_kernel", use_gate_in_kernel), beta_logits=_flag(
-            "use_beta_sigmoid_in_kernel", use_beta_sigmoid_in_kernel),
+        q, k, v, g, beta, cu_seqlens, initial_state, raw_gate=use_gate_in_kernel,
+        beta_logits=use_beta_sigmoid_in_kernel,
     )  # fmt: skip
     scale = _validate_scale(scale)
     if backend not in BACKENDS:
@@ -105,9 +111,8 @@ def prefill(
         raise TypeError(f"output_final_state: got {output_final_state!r}, expected a bool")
     _validate_gate_lower_bound(gate_lower_bound)
     q, k, g, beta, gate_lower_bound = _prepare_inputs(
-        q, k, g, beta, gate_lower_bound, _flag("use_qk_l2norm_in_kernel",
-        use_qk_l2norm_in_kernel), use_gate_in_kernel, A_log, dt_bias, lower_bound,
-        use_beta_sigmoid_in_kernel,
+        q, k, g, beta, gate_lower_bound, use_qk_l2norm_in_kernel, use_gate_in_kernel, A_log,
+        dt_bias, lower_bound, use_beta_sigmoid_in_kernel,
     )  # fmt: skip
 
     num_heads = v.shape[-2]
@@ -395,12 +400,6 @@ def _check_float_dtype(name, x, any_float: bool, raw: str, meaning: str) -> None
         raise TypeError(f"{name}: got dtype {x.dtype}, expected float32{meaning}")
 
 
-def _flag(name, value) -> bool:
-    if not isinstance(value, bool):
-        raise TypeError(f"{name}: got {value!r}, expected a bool")
-    return value
-
-
 def _prepare_inputs(
     q, k, g, beta, gate_lower_bound, use_qk_l2norm, use_gate, a_log, dt_bias, lower_bound,
     use_beta_sigmoid,
@@ -469,14 +468,8 @@ def _validate_state(name, state, rows, heads, rows_name="N") -> None:
 
 
 def _validate_gate_lower_bound(bound) -> None:
-    if bound is None:
-        return
-    if isinstance(bound, bool) or not isinstance(bound, (int, float, np.floating, np.integer)):
-        raise TypeError(f"gate_lower_bound: got {type(bound).__name__}, expected a Python float")
-    if not GATE_LOWER_BOUND_MIN <= float(bound) < 0:
-        raise ValueError(
-            f"gate_lower_bound: got {bound}, expected a number in [{GATE_LOWER_BOUND_MIN}, 0)"
-        )
+    if bound is not None:
+        check_lower_bound(bound, "gate_lower_bound")
 
 
 def _validate_scale(scale) -> float:

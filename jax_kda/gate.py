@@ -58,15 +58,16 @@ def kda_gate(a, a_log=None, dt_bias=None, *, lower_bound=None):
     return lower_bound * jax.nn.sigmoid(x * amplitude[:, None])
 
 
-def check_lower_bound(lower_bound) -> None:
-    """The safe gate's lb: a Python float in [-5, 0), or a TypeError / ValueError naming it."""
+def check_lower_bound(lower_bound, name: str = "lower_bound") -> None:
+    """A gate's lower bound: a real number in [-5, 0), or a TypeError / ValueError naming the
+    argument (`name`), the value seen and what was expected."""
     if isinstance(lower_bound, bool) or not isinstance(
         lower_bound, (int, float, np.floating, np.integer)
     ):
-        raise TypeError(f"lower_bound: got {type(lower_bound).__name__}, expected a Python float")
-    if not GATE_LOWER_BOUND_MIN <= lower_bound < 0:
+        raise TypeError(f"{name}: got {type(lower_bound).__name__}, expected a Python float")
+    if not GATE_LOWER_BOUND_MIN <= float(lower_bound) < 0:
         raise ValueError(
-            f"lower_bound: got {lower_bound}, expected a number in [{GATE_LOWER_BOUND_MIN}, 0)"
+            f"{name}: got {lower_bound}, expected a number in [{GATE_LOWER_BOUND_MIN}, 0)"
         )
 
 
