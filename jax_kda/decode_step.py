@@ -36,19 +36,19 @@ def decode(q, k, v, g, beta, state, *, scale=None, state_indices=None):
     Args:
       q, k, v: [N, H, 128] bfloat16, float16 or float32 (one dtype); q and k are expected
         L2-normalised. Grouped value heads as in prefill: q and k may have H heads and v, g,
-        beta and the state HV = G * H.
-      g: [N, H, 128] float32, the per-channel natural-log decay (<= 0; -inf resets the channel:
+        beta and the state HV = G * H (HV = H without them).
+      g: [N, HV, 128] float32, the per-channel natural-log decay (<= 0; -inf resets the channel:
         gates below -100 are taken as -100, as in prefill).
-      beta: [N, H] float32, in (0, 1).
-      state: [N, H, 128, 128] float32, stored transposed ([V, K]) as prefill's states; with
-        state_indices, a pool [P, H, 128, 128] of states.
+      beta: [N, HV] float32, in (0, 1).
+      state: [N, HV, 128, 128] float32, stored transposed ([V, K]) as prefill's states; with
+        state_indices, a pool [P, HV, 128, 128] of states.
       scale: finite Python float; None means 128 ** -0.5.
       state_indices: None, or [N] int32: sequence n reads and writes pool row
         state_indices[n]. An index outside [0, P) (vLLM's padding slot, -1) reads a zero state
         and writes nothing. Valid indices must be distinct (two writes to one row leave either).
 
     Returns:
-      (o, new_state): o [N, H, 128] in q's dtype; new_state the state (or the pool) after the
+      (o, new_state): o [N, HV, 128] in q's dtype; new_state the state (or the pool) after the
       step, with the input's shape.
 
     In-place update: under ``jax.jit`` with the state donated (``jax.jit(decode_fn,
