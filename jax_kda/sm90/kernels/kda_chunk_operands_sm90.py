@@ -25,8 +25,8 @@ hi/lo splits, hi*hi + lo*hi + hi*lo, about 2^-16), float32 accumulation:
 One CTA of two warpgroups a (slot, head); thread (part, d) = channel d of half the rows for the
 loads, the cumsum, the operand images and the outputs. At one pass a CTA takes about 100 KiB of
 shared memory and at most 128 registers a thread, so two CTAs share an SM and one's memory
-phases overlap the other's products. q is read where it is used (the qk operand, the pairwise
-pass, Qg) and not kept in shared memory.
+phases overlap the other's products (H200, 2048 x 12: 33 us a CTA alone, q read from global
+memory where used instead of kept in shared memory 56 us).
 Outputs, float32: w, u, qg, kd, gamma [slots, H, 64, 128]; attn, kk [slots, H, 64, 64] (zero
 above the diagonal); decay [slots, H, 128]; tinv = T^-1 [slots, H, 64, 64] (the backward's
 solve T^-T d[W | U] is then one product).
@@ -71,29 +71,28 @@ NTHREADS = 128 * WGS
 WARPS = NTHREADS // 32
 HALF = ROWS // WGS  # rows of a warpgroup in the row-split phases
 PADDED_ROW = HEAD_DIM + 8
-"""Row pitch of k (bf16) and Gamma (float32) in shared memory: the register-A operands read them
-at fragment coordinates (8 rows x 4 column pairs a warp) without bank conflicts."""
+"""Row pitch of q, k (bf16) and Gamma (float32) in shared memory: the register-A operands read
+them at fragment coordinates (8 rows x 4 column pairs a warp) without bank conflicts."""
 PAIR_BYTES = ROWS * PAIR_ROW * 4  # a float32 [64, 64] pair matrix, rows padded
 M_BYTES = (BLOCKS - 1) * BLOCK * BLOCK * 4 + (BLOCKS - 1) * BLOCK * 4  # T^-1's block scratch
+
+
+QK_OFFSET = PAIR_BYTES + M_BYTES  # qk, then T^-1, in the region (16-byte aligned)
 
 
 def region_bytes(passes: int = 3):
     """(right image [160, K 128], R^T images [2 x 128, K 64], the region) in bytes for `passes`
     (wgmma.image_k). The region holds the right image for the products; then kk, the block
-    scratch and the R^T images from offset 0 (kk and the scratch are dead before R^T is
-    written), and qk, then T^-1, after R^T."""
+    scratch and qk (then T^-1); then, once T^-1 is in registers, the R^T images."""
     right = PACKED * image_k(HEAD_DIM, passes) * 2
     rt = 2 * HEAD_DIM * image_k(ROWS, passes) * 2
-    return right, rt, max(right, rt + PAIR_BYTES)
-
-
-for _passes in (1, 3):  # kk and the scratch fit below R^T's end, where qk starts
-    assert PAIR_BYTES + M_BYTES <= region_bytes(_passes)[1]
+    return right, rt, max(right, rt, QK_OFFSET + PAIR_BYTES)
 
 
 def shared_bytes(passes: int) -> int:
-    """Shared memory of one CTA (the region first, 1024-aligned, then k, Gamma, beta, a flag)."""
-    return region_bytes(passes)[2] + ROWS * PADDED_ROW * (2 + 4) + ROWS * 4 + 16
+    """Shared memory of one CTA (the region first, 1024-aligned, then q, k, Gamma, beta, a
+    flag)."""
+    return region_bytes(passes)[2] + ROWS * PADDED_ROW * (2 + 2 + 4) + ROWS * 4 + 16
 
 
 @dataclasses.dataclass(frozen=True)
@@ -178,6 +177,7 @@ class ChunkOperandsSm90:
         s_region = smem.allocate_tensor(
             Int32, cute.make_layout(region // 4), 1024
         )  # the operand images and pair matrices, reused
+        s_q = smem.allocate_tensor(BFloat16, padded, 16)
         s_k = smem.allocate_tensor(BFloat16, padded, 16)
         s_gam = smem.allocate_tensor(Float32, padded, 16)
         s_beta = smem.allocate_tensor(Float32, cute.make_layout(ROWS), 16)
@@ -194,7 +194,7 @@ class ChunkOperandsSm90:
         rt_half = image_layout(HEAD_DIM, image_k(ROWS, passes), mn_major=True)
         s_rt_w = view(raw, 0, rt_half)
         s_rt_u = view(raw, rt_bytes // 2, rt_half)
-        s_qk = cute.make_tensor(cute.recast_ptr(raw + rt_bytes // 4, dtype=Float32), pairs)
+        s_qk = cute.make_tensor(cute.recast_ptr(raw + QK_OFFSET // 4, dtype=Float32), pairs)
         s_tinv = s_qk  # after qk is out
 
         active, bos, seqlen, c = slot_owner(mCu, slot, SCAN_CHUNK)
@@ -208,31 +208,35 @@ class ChunkOperandsSm90:
         first = bos + c * ROWS + part * HALF
         last_ok = cutlass.min(bos + seqlen, tokens) - 1  # the last row this slot may read
         r_g = cute.make_rmem_tensor((HALF,), Float32)
+        r_q = cute.make_rmem_tensor((HALF,), BFloat16)
         r_k = cute.make_rmem_tensor((HALF,), BFloat16)
-        r_b = cute.make_rmem_tensor((HALF,), Float32)
         if tokens > 0:  # every sequence empty: slots but no rows to read
             for r in cutlass.range_constexpr(HALF):
                 token = cutlass.max(cutlass.min(first + r, last_ok), 0)
                 r_g[r] = mG[token, h, d]
+                r_q[r] = mQ[token, h, d]
                 r_k[r] = mK[token, h, d]
-                r_b[r] = mBeta[token, h]
+        if d < HALF:  # beta: one row a thread
+            b_row = Float32(0.0)
+            if active and c * ROWS + part * HALF + d < seqlen:
+                b_row = mBeta[first + d, h]
+            s_beta[part * HALF + d] = b_row
         gam = Float32(0.0)  # this warpgroup's rows' partial sum
         for r in cutlass.range_constexpr(HALF):
             i = part * HALF + r
             gv = Float32(0.0)
+            qv = BFloat16(0.0)
             kv = BFloat16(0.0)
-            bv = Float32(0.0)
             if active and c * ROWS + i < seqlen:
                 gv = r_g[r]
                 if gv < Float32(GATE_FLOOR):  # as xla.py: g = -inf resets; NaN stays NaN
                     gv = Float32(GATE_FLOOR)
+                qv = r_q[r]
                 kv = r_k[r]
-                bv = r_b[r]
             gam = gam + gv
             s_gam[i, d] = gam
+            s_q[i, d] = qv
             s_k[i, d] = kv
-            if d == 0:
-                s_beta[i] = bv
         cute.arch.sync_threads()
         # the later warpgroups' partial sums start from the rows before theirs
         g_before = Float32(0.0)
@@ -269,11 +273,9 @@ class ChunkOperandsSm90:
             left = cute.make_rmem_tensor(c_left.shape, Float32)
         for e in cutlass.range_constexpr(cute.size(left)):
             i, ch = c_left[e]
-            x = Float32(0.0)
-            if part == 0:
-                x = Float32(s_k[i, ch])
-            elif active and c * ROWS + i < seqlen:
-                x = Float32(mQ[bos + c * ROWS + i, h, ch])
+            x = Float32(s_k[i, ch])
+            if part == 1:
+                x = Float32(s_q[i, ch])
             anchor_row = (i // BLOCK) * BLOCK + shift
             y = x * cute.math.exp(s_gam[i, ch] - s_gam[anchor_row, ch])
             if cutlass.const_expr(passes == 3):
@@ -308,8 +310,7 @@ class ChunkOperandsSm90:
                         s_qk[i, j] = acc[e]
         cute.arch.sync_threads()
 
-        # ---- the diagonal blocks pair by pair where a block's decay range is not safe (q read
-        # where it is used: this pass is rare)
+        # ---- the diagonal blocks pair by pair where a block's decay range is not safe
         if pairwise != Int32(0):
             warp = tid // 32
             lane = tid % 32
@@ -318,18 +319,14 @@ class ChunkOperandsSm90:
                 i = BLOCK * b + (pi // BLOCK) % BLOCK
                 j = BLOCK * b + pi % BLOCK
                 if j <= i:
-                    row_ok = active and c * ROWS + i < seqlen
                     part_kk = Float32(0.0)
                     part_qk = Float32(0.0)
                     for t in cutlass.range_constexpr(HEAD_DIM // 32):
                         ch = lane + 32 * t
                         e = cute.math.exp(s_gam[i, ch] - s_gam[j, ch])
                         kj_e = Float32(s_k[j, ch]) * e
-                        qi = Float32(0.0)
-                        if row_ok:
-                            qi = Float32(mQ[bos + c * ROWS + i, h, ch])
                         part_kk = part_kk + Float32(s_k[i, ch]) * kj_e
-                        part_qk = part_qk + qi * kj_e
+                        part_qk = part_qk + Float32(s_q[i, ch]) * kj_e
                     for offset in cutlass.range_constexpr(5):
                         part_kk = part_kk + cute.arch.shuffle_sync_bfly(part_kk, 16 >> offset)
                         part_qk = part_qk + cute.arch.shuffle_sync_bfly(part_qk, 16 >> offset)
@@ -367,27 +364,13 @@ class ChunkOperandsSm90:
         # ---- T^-1, T = I + strictLower(beta_i kk_ij), float32 by 16-row blocks (chunk64.py)
         unit_lower_inverse(s_kk, s_beta, s_tinv, s_m, tid, NTHREADS)
 
-        # ---- T^-1 out; the solve's B images R^T (rows = the 256 columns [beta k exp(Gamma) |
-        # beta v], K = token), over kk and the scratch, dead now
+        # ---- T^-1 out, and into registers as the solve's A operand (warpgroup 0: W, 1: U)
         for it in cutlass.range_constexpr(ROWS * ROWS // NTHREADS):
             e_idx = tid + it * NTHREADS
             i = e_idx // ROWS
             j = e_idx % ROWS
             mTinv[slot, h, i, j] = s_tinv[i, j]  # for the backward: its solve is then one product
-        for r in cutlass.range_constexpr(HALF):
-            t = part * HALF + r
-            b_t = s_beta[t]
-            r_kt = b_t * Float32(s_k[t, d]) * cute.math.exp(s_gam[t, d])
-            put_operand(s_rt_w, d, t, ROWS, r_kt, passes)
-            put_operand(s_rt_u, d, t, ROWS, b_t * r_v[r], passes)
-        cute.arch.fence_proxy("async.shared", space="cta")
-        cute.arch.sync_threads()
-
-        # ---- W (warpgroup 0) and U (warpgroup 1) = T^-1 R on tensor cores, T^-1 in registers
         thr_s = mma_solve.get_slice(d)
-        f_rt_w = mma_solve.make_fragment_B(thr_s.partition_B(s_rt_w))
-        f_rt_u = mma_solve.make_fragment_B(thr_s.partition_B(s_rt_u))
-        c_solve = thr_s.partition_C(cute.make_identity_tensor((ROWS, HEAD_DIM)))
         coords_t = bf16_tiled_mma((ROWS, ROWS), warpgroup.OperandSource.RMEM).get_slice(d)
         c_t = coords_t.partition_C(cute.make_identity_tensor((ROWS, ROWS)))
         t_op = mma_solve.make_fragment_A(mma_solve.partition_shape_A((ROWS, ROWS)))
@@ -400,9 +383,29 @@ class ChunkOperandsSm90:
                 t_vals[e] = s_tinv[i, j]
             else:
                 t_vals[e] = s_tinv[i, j].to(BFloat16)
-        acc_s = cute.make_rmem_tensor(mma_solve.partition_shape_C((ROWS, HEAD_DIM)), Float32)
+        t_hi = t_op
+        t_lo = t_op
         if cutlass.const_expr(passes == 3):
             t_hi, t_lo = split_a_operands(mma_solve, t_vals, ROWS, ROWS)
+        cute.arch.sync_threads()  # T^-1 read: the region is free for R^T
+
+        # ---- the solve's B images R^T (rows = the 256 columns [beta k exp(Gamma) | beta v],
+        # K = token), one a warpgroup
+        for r in cutlass.range_constexpr(HALF):
+            t = part * HALF + r
+            b_t = s_beta[t]
+            r_kt = b_t * Float32(s_k[t, d]) * cute.math.exp(s_gam[t, d])
+            put_operand(s_rt_w, d, t, ROWS, r_kt, passes)
+            put_operand(s_rt_u, d, t, ROWS, b_t * r_v[r], passes)
+        cute.arch.fence_proxy("async.shared", space="cta")
+        cute.arch.sync_threads()
+
+        # ---- W (warpgroup 0) and U (warpgroup 1) = T^-1 R on tensor cores
+        f_rt_w = mma_solve.make_fragment_B(thr_s.partition_B(s_rt_w))
+        f_rt_u = mma_solve.make_fragment_B(thr_s.partition_B(s_rt_u))
+        c_solve = thr_s.partition_C(cute.make_identity_tensor((ROWS, HEAD_DIM)))
+        acc_s = cute.make_rmem_tensor(mma_solve.partition_shape_C((ROWS, HEAD_DIM)), Float32)
+        if cutlass.const_expr(passes == 3):
             acc_s.fill(0.0)
             cute.nvgpu.warpgroup.fence()
             for kb in cutlass.range_constexpr(ROWS // 16):
@@ -434,15 +437,12 @@ class ChunkOperandsSm90:
             else:
                 mU[slot, h, i, n] = acc_s[e]
 
-        # ---- the elementwise operands (q read again: it is not kept in shared memory)
+        # ---- the elementwise operands
         gam_last = s_gam[ROWS - 1, d]
         for r in cutlass.range(HALF, unroll=4):
             i = part * HALF + r
             gam_i = s_gam[i, d]
-            qv = Float32(0.0)
-            if active and c * ROWS + i < seqlen:
-                qv = Float32(mQ[bos + c * ROWS + i, h, d])
-            mQg[slot, h, i, d] = scale * qv * cute.math.exp(gam_i)
+            mQg[slot, h, i, d] = scale * Float32(s_q[i, d]) * cute.math.exp(gam_i)
             mKd[slot, h, i, d] = Float32(s_k[i, d]) * cute.math.exp(gam_last - gam_i)
             mGamma[slot, h, i, d] = gam_i
         if part == 0:
