@@ -264,7 +264,8 @@ def test_training_forward_dense_precision_lowers_to_its_bf16_passes(dense_precis
 
 @pytest.mark.parametrize("n, k, mn_major", [(64, 32, False), (64, 160, False), (64, 320, False),
                                            (128, 32, True), (128, 160, True), (160, 128, False),
-                                           (256, 64, True), (64, 64, False)])  # fmt: skip
+                                           (256, 64, True), (64, 64, False), (128, 64, True),
+                                           (128, 128, True)])  # fmt: skip
 def test_operand_images_take_exactly_their_elements(n, k, mn_major):
     """An operand image of n rows and K = k spans n * k elements. Laid out with 128-byte atoms
     (64 K) alone, K = 32 and 160 images spanned 2x and 1.2x that: a single-pass decayed
@@ -281,6 +282,16 @@ def test_operand_images_take_exactly_their_elements(n, k, mn_major):
 
     measure()
     assert spans == [n * k]
+
+
+def test_chunk_core_single_pass_fits_two_ctas_an_sm():
+    """At one pass the chunk core launches with two CTAs an SM (registers capped at 128 a
+    thread): its shared memory, the region first, must fit twice in the H200's 228 KiB less 1
+    KiB reserved a CTA."""
+    from jax_kda.sm90.kernels import kda_chunk_operands_sm90 as core
+
+    assert 2 * (core.shared_bytes(1) + 1024) <= 228 * 1024
+    assert core.shared_bytes(3) + 1024 <= 228 * 1024
 
 
 def test_chunk_core_single_pass_variant_exports_for_sm90a():

@@ -13,17 +13,20 @@ The decay split (chunk64.py): rows anchored at their block's middle row wherever
 allows (every pair j <= i one product), else at its first row with the diagonal blocks taken
 pair by pair; no factor can overflow, whatever the gate.
 
-The products, on one warpgroup's wgmma with bfloat16 hi/lo splits (hi*hi + lo*hi + hi*lo, about
-2^-16 relative, float32 accumulation):
-  [kk | qk] rows: left [64, 128] (k or q, anchored) x right^T, right packing each block's anchor
-    with the rows j it pairs with: 16 + 32 + 48 + 64 = 160 columns (m64n160, K = 128).
+The products on wgmma, bfloat16 operands (one pass by default, about 2^-9 relative; three with
+hi/lo splits, hi*hi + lo*hi + hi*lo, about 2^-16), float32 accumulation:
+  [kk | qk] rows: left [64, 128] (k or q, anchored; register A) x right^T, right packing each
+    block's anchor with the rows j it pairs with: 16 + 32 + 48 + 64 = 160 columns (m64n160,
+    K = 128). Warpgroup 0 takes kk, warpgroup 1 qk, at once.
   [W | U] = T^-1 R: T^-1 [64, 64] (float32 by 16-row blocks: the diagonal blocks' inverses by
-    forward substitution, then the blocks below by block substitution) x R [64, 256] (m64n256,
-    K = 64).
+    forward substitution, then the blocks below by block substitution; register A) x R [64, 256]
+    (K = 64): warpgroup 0 takes W (m64n128), warpgroup 1 U.
 
-One CTA of two warpgroups a (slot, head): thread (part, d) = channel d of half the rows for the
-loads, the cumsum, the operand images and the outputs (one warpgroup alone left the SM's
-schedulers a warp each: latency-bound, 78 us a chunk on the H200); warpgroup 0 issues the wgmma.
+One CTA of two warpgroups a (slot, head); thread (part, d) = channel d of half the rows for the
+loads, the cumsum, the operand images and the outputs. At one pass a CTA takes about 100 KiB of
+shared memory and at most 128 registers a thread, so two CTAs share an SM and one's memory
+phases overlap the other's products (H200, 2048 x 12: 33 us a CTA alone, q read from global
+memory where used instead of kept in shared memory 56 us).
 Outputs, float32: w, u, qg, kd, gamma [slots, H, 64, 128]; attn, kk [slots, H, 64, 64] (zero
 above the diagonal); decay [slots, H, 128]; tinv = T^-1 [slots, H, 64, 64] (the backward's
 solve T^-T d[W | U] is then one product).
@@ -59,30 +62,37 @@ from jax_kda.sm90.kernels.wgmma import (
     image_layout,
     product_passes,
     put_operand,
+    split_a_operands,
     view,
 )
 
-WGS = 2  # warpgroups: the element-wise phases split the rows between them
+WGS = 2  # warpgroups: kk and qk, then W and U; the element-wise phases split the rows
 NTHREADS = 128 * WGS
 WARPS = NTHREADS // 32
 HALF = ROWS // WGS  # rows of a warpgroup in the row-split phases
+PADDED_ROW = HEAD_DIM + 8
+"""Row pitch of q, k (bf16) and Gamma (float32) in shared memory: the register-A operands read
+them at fragment coordinates (8 rows x 4 column pairs a warp) without bank conflicts."""
+PAIR_BYTES = ROWS * PAIR_ROW * 4  # a float32 [64, 64] pair matrix, rows padded
+M_BYTES = (BLOCKS - 1) * BLOCK * BLOCK * 4 + (BLOCKS - 1) * BLOCK * 4  # T^-1's block scratch
 
-# Byte offsets inside the reused operand region (1024-byte aligned, for the 128-byte swizzle).
+
+QK_OFFSET = PAIR_BYTES + M_BYTES  # qk, then T^-1, in the region (16-byte aligned)
 
 
 def region_bytes(passes: int = 3):
-    """Bytes of (left image [64, K 128], right image [160, K 128], R^T image [256, K 64]) for
-    `passes` (wgmma.image_k): 32, 80 and 64 KiB at three passes, half at one. The region holds
-    left and right for the products, then R^T and the T^-1 image [64, K 64] after it."""
-    return tuple(
-        n * image_k(k, passes) * 2
-        for n, k in ((ROWS, HEAD_DIM), (PACKED, HEAD_DIM), (2 * HEAD_DIM, ROWS))
-    )
+    """(right image [160, K 128], R^T images [2 x 128, K 64], the region) in bytes for `passes`
+    (wgmma.image_k). The region holds the right image for the products; then kk, the block
+    scratch and qk (then T^-1); then, once T^-1 is in registers, the R^T images."""
+    right = PACKED * image_k(HEAD_DIM, passes) * 2
+    rt = 2 * HEAD_DIM * image_k(ROWS, passes) * 2
+    return right, rt, max(right, rt, QK_OFFSET + PAIR_BYTES)
 
 
-for _passes in (1, 3):  # R^T and the T^-1 image fit where the products' images were
-    _left, _right, _rt = region_bytes(_passes)
-    assert _rt + ROWS * image_k(ROWS, _passes) * 2 <= _left + _right
+def shared_bytes(passes: int) -> int:
+    """Shared memory of one CTA (the region first, 1024-aligned, then q, k, Gamma, beta, a
+    flag)."""
+    return region_bytes(passes)[2] + ROWS * PADDED_ROW * (2 + 2 + 4) + ROWS * 4 + 16
 
 
 @dataclasses.dataclass(frozen=True)
@@ -119,14 +129,19 @@ class ChunkOperandsSm90:
     ):
         n_slots = w.shape[0]
         heads = w.shape[1]
-        mma_pairs = bf16_tiled_mma((ROWS, PACKED), warpgroup.OperandSource.SMEM)
-        mma_solve = bf16_tiled_mma(
-            (ROWS, 2 * HEAD_DIM), warpgroup.OperandSource.SMEM, b_mn_major=True
-        )  # R^T written by channel: N-contiguous
+        rmem = warpgroup.OperandSource.RMEM
+        mma_pairs = bf16_tiled_mma((ROWS, PACKED), rmem)
+        mma_solve = bf16_tiled_mma((ROWS, HEAD_DIM), rmem, b_mn_major=True)  # R^T by channel
+        # Two CTAs an SM at one pass (registers capped at 128 a thread); at three the operands
+        # take twice the registers and shared memory, one CTA an SM.
+        per_sm = 2 if cutlass.const_expr(self.passes == 1) else 1
         self.kernel(
             q, k, v, g, beta, cu_seqlens, w, u, qg, attn, kd, decay, gamma, kk, tinv, mma_pairs,
             mma_solve,
-        ).launch(grid=[n_slots, heads, 1], block=[NTHREADS, 1, 1], stream=stream)  # fmt: skip
+        ).launch(
+            grid=[n_slots, heads, 1], block=[NTHREADS, 1, 1], stream=stream,
+            min_blocks_per_mp=per_sm, preferred_smem_carveout=100,
+        )  # fmt: skip
 
     @cute.kernel
     def kernel(
@@ -151,78 +166,77 @@ class ChunkOperandsSm90:
     ):
         tid, _, _ = cute.arch.thread_idx()
         slot, h, _ = cute.arch.block_idx()
-        d = tid % 128  # channel
-        part = tid // 128  # warpgroup: 0 issues the wgmma
+        d = tid % 128  # channel in the row-split phases; the thread's slice in the products
+        part = tid // 128  # warpgroup
         scale = self.scale
         passes = self.passes
-        left_bytes, right_bytes, rt_bytes = region_bytes(passes)
-        region = left_bytes + right_bytes
+        right_bytes, rt_bytes, region = region_bytes(passes)
 
         smem = SmemAllocator()
-        row_major = cute.make_layout((ROWS, HEAD_DIM), stride=(HEAD_DIM, 1))
+        padded = cute.make_layout((ROWS, HEAD_DIM), stride=(PADDED_ROW, 1))
         s_region = smem.allocate_tensor(
             Int32, cute.make_layout(region // 4), 1024
-        )  # the operand images, reused
-        s_q = smem.allocate_tensor(BFloat16, row_major, 16)
-        s_k = smem.allocate_tensor(BFloat16, row_major, 16)
-        s_gam = smem.allocate_tensor(Float32, row_major, 16)
+        )  # the operand images and pair matrices, reused
+        s_q = smem.allocate_tensor(BFloat16, padded, 16)
+        s_k = smem.allocate_tensor(BFloat16, padded, 16)
+        s_gam = smem.allocate_tensor(Float32, padded, 16)
         s_beta = smem.allocate_tensor(Float32, cute.make_layout(ROWS), 16)
-        pairs = cute.make_layout((ROWS, ROWS), stride=(PAIR_ROW, 1))
-        s_kk = smem.allocate_tensor(Float32, pairs, 16)
-        s_qk = smem.allocate_tensor(Float32, pairs, 16)  # then T^-1
-        s_m = smem.allocate_tensor(
-            Float32, cute.make_layout((BLOCKS - 1, BLOCK, BLOCK), stride=(BLOCK * 17, 17, 1)), 16
-        )
         s_flag = smem.allocate_tensor(Int32, cute.make_layout(1), 4)
 
         raw = s_region.iterator
-        s_left = view(raw, 0, image_layout(ROWS, image_k(HEAD_DIM, passes)))
-        s_right = view(raw, left_bytes, image_layout(PACKED, image_k(HEAD_DIM, passes)))
-        s_rt = view(raw, 0, image_layout(2 * HEAD_DIM, image_k(ROWS, passes), mn_major=True))
-        s_tinv_img = view(raw, rt_bytes, image_layout(ROWS, image_k(ROWS, passes)))
-        s_tinv = s_qk
+        pairs = cute.make_layout((ROWS, ROWS), stride=(PAIR_ROW, 1))
+        s_right = view(raw, 0, image_layout(PACKED, image_k(HEAD_DIM, passes)))
+        s_kk = cute.make_tensor(cute.recast_ptr(raw, dtype=Float32), pairs)
+        s_m = cute.make_tensor(
+            cute.recast_ptr(raw + PAIR_BYTES // 4, dtype=Float32),
+            cute.make_layout((BLOCKS - 1, BLOCK, BLOCK), stride=(BLOCK * 17, 17, 1)),
+        )
+        rt_half = image_layout(HEAD_DIM, image_k(ROWS, passes), mn_major=True)
+        s_rt_w = view(raw, 0, rt_half)
+        s_rt_u = view(raw, rt_bytes // 2, rt_half)
+        s_qk = cute.make_tensor(cute.recast_ptr(raw + QK_OFFSET // 4, dtype=Float32), pairs)
+        s_tinv = s_qk  # after qk is out
 
         active, bos, seqlen, c = slot_owner(mCu, slot, SCAN_CHUNK)
+        tokens = mQ.shape[0]
 
         # ---- the chunk, thread (part, d) = channel d of rows [HALF part, HALF (part + 1)); Gamma
         # = cumsum g; zero past the end. The loads are unconditional (rows clamped into the
         # tensor, zeroed afterwards) so that a thread's are all in flight together.
         if tid == 0:
             s_flag[0] = Int32(0)
-        tokens = mQ.shape[0]
         first = bos + c * ROWS + part * HALF
         last_ok = cutlass.min(bos + seqlen, tokens) - 1  # the last row this slot may read
         r_g = cute.make_rmem_tensor((HALF,), Float32)
         r_q = cute.make_rmem_tensor((HALF,), BFloat16)
         r_k = cute.make_rmem_tensor((HALF,), BFloat16)
-        r_b = cute.make_rmem_tensor((HALF,), Float32)
         if tokens > 0:  # every sequence empty: slots but no rows to read
             for r in cutlass.range_constexpr(HALF):
                 token = cutlass.max(cutlass.min(first + r, last_ok), 0)
                 r_g[r] = mG[token, h, d]
                 r_q[r] = mQ[token, h, d]
                 r_k[r] = mK[token, h, d]
-                r_b[r] = mBeta[token, h]
+        if d < HALF:  # beta: one row a thread
+            b_row = Float32(0.0)
+            if active and c * ROWS + part * HALF + d < seqlen:
+                b_row = mBeta[first + d, h]
+            s_beta[part * HALF + d] = b_row
         gam = Float32(0.0)  # this warpgroup's rows' partial sum
         for r in cutlass.range_constexpr(HALF):
             i = part * HALF + r
             gv = Float32(0.0)
             qv = BFloat16(0.0)
             kv = BFloat16(0.0)
-            bv = Float32(0.0)
             if active and c * ROWS + i < seqlen:
                 gv = r_g[r]
                 if gv < Float32(GATE_FLOOR):  # as xla.py: g = -inf resets; NaN stays NaN
                     gv = Float32(GATE_FLOOR)
                 qv = r_q[r]
                 kv = r_k[r]
-                bv = r_b[r]
             gam = gam + gv
             s_gam[i, d] = gam
             s_q[i, d] = qv
             s_k[i, d] = kv
-            if d == 0:
-                s_beta[i] = bv
         cute.arch.sync_threads()
         # the later warpgroups' partial sums start from the rows before theirs
         g_before = Float32(0.0)
@@ -239,36 +253,62 @@ class ChunkOperandsSm90:
         pairwise, shift = choose_anchors(s_gam, s_flag, d)
         # ---- the right operand: every anchor's factors, packed (chunk64.py)
         put_right_factors(s_right, s_k, s_gam, d, shift, pairwise, False, part, WGS, passes)
+        cute.arch.fence_proxy("async.shared", space="cta")
         cute.arch.sync_threads()
 
-        mma_pairs.set(warpgroup.Field.ACCUMULATE, True)  # here: not inside the branches below
+        # ---- kk (warpgroup 0) and qk (warpgroup 1) at once: the left operand, k or q anchored
+        # at its block's anchor, in registers at the product's A coordinates (one warpgroup's C
+        # and A layouts are the same), x the packed right factors
+        mma_pairs.set(warpgroup.Field.ACCUMULATE, True)
         mma_solve.set(warpgroup.Field.ACCUMULATE, True)
         thr = mma_pairs.get_slice(d)
-        f_left = mma_pairs.make_fragment_A(thr.partition_A(s_left))
         f_right = mma_pairs.make_fragment_B(thr.partition_B(s_right))
         c_pairs = thr.partition_C(cute.make_identity_tensor((ROWS, PACKED)))
+        coords = bf16_tiled_mma((ROWS, HEAD_DIM), warpgroup.OperandSource.RMEM).get_slice(d)
+        c_left = coords.partition_C(cute.make_identity_tensor((ROWS, HEAD_DIM)))
+        # float32 at three passes (split below), else bf16 straight into the A fragment
+        a_op = mma_pairs.make_fragment_A(mma_pairs.partition_shape_A((ROWS, HEAD_DIM)))
+        left = cute.make_tensor(a_op.iterator, cute.make_layout(c_left.shape))
+        if cutlass.const_expr(passes == 3):
+            left = cute.make_rmem_tensor(c_left.shape, Float32)
+        for e in cutlass.range_constexpr(cute.size(left)):
+            i, ch = c_left[e]
+            x = Float32(s_k[i, ch])
+            if part == 1:
+                x = Float32(s_q[i, ch])
+            anchor_row = (i // BLOCK) * BLOCK + shift
+            y = x * cute.math.exp(s_gam[i, ch] - s_gam[anchor_row, ch])
+            if cutlass.const_expr(passes == 3):
+                left[e] = y
+            else:
+                left[e] = y.to(BFloat16)
         acc = cute.make_rmem_tensor(mma_pairs.partition_shape_C((ROWS, PACKED)), Float32)
-        # ---- kk, then qk: the left operand (k or q anchored at its block's anchor) x right
-        for which in cutlass.range_constexpr(2):
-            for i in cutlass.range(part, ROWS, WGS, unroll=8):
-                anchor_row = (i // BLOCK) * BLOCK + shift
-                x = s_k[i, d]
-                if cutlass.const_expr(which == 1):
-                    x = s_q[i, d]
-                r = Float32(x) * cute.math.exp(s_gam[i, d] - s_gam[anchor_row, d])
-                put_operand(s_left, i, d, HEAD_DIM, r, passes)
-            cute.arch.fence_proxy("async.shared", space="cta")
-            cute.arch.sync_threads()
-            if part == 0:
-                product_passes(mma_pairs, acc, f_left, f_right, HEAD_DIM // 16, False, passes)
-                s_out = s_kk if cutlass.const_expr(which == 0) else s_qk
-                for e in cutlass.range_constexpr(cute.size(acc)):
-                    i, p = c_pairs[e]
-                    b, j = packed_row(p)
-                    if i // BLOCK == b and j <= i:
-                        if j < BLOCK * b or pairwise == Int32(0):
-                            s_out[i, j] = acc[e]
-            cute.arch.sync_threads()  # the left image is free again; the products are in place
+        if cutlass.const_expr(passes == 3):
+            a_hi, a_lo = split_a_operands(mma_pairs, left, ROWS, HEAD_DIM)
+            acc.fill(0.0)
+            cute.nvgpu.warpgroup.fence()
+            for kb in cutlass.range_constexpr(HEAD_DIM // 16):
+                cute.gemm(mma_pairs, acc, a_hi[None, None, kb], f_right[None, None, kb], acc)
+                cute.gemm(mma_pairs, acc, a_lo[None, None, kb], f_right[None, None, kb], acc)
+                cute.gemm(
+                    mma_pairs, acc, a_hi[None, None, kb],
+                    f_right[None, None, HEAD_DIM // 16 + kb], acc,
+                )  # fmt: skip
+            cute.nvgpu.warpgroup.commit_group()
+            cute.nvgpu.warpgroup.wait_group(0)
+        else:
+            product_passes(mma_pairs, acc, a_op, f_right, HEAD_DIM // 16, False, 1)
+        cute.arch.sync_threads()  # both products done reading the right image (the pairs' space)
+        for e in cutlass.range_constexpr(cute.size(acc)):
+            i, p = c_pairs[e]
+            b, j = packed_row(p)
+            if i // BLOCK == b and j <= i:
+                if j < BLOCK * b or pairwise == Int32(0):
+                    if part == 0:
+                        s_kk[i, j] = acc[e]
+                    else:
+                        s_qk[i, j] = acc[e]
+        cute.arch.sync_threads()
 
         # ---- the diagonal blocks pair by pair where a block's decay range is not safe
         if pairwise != Int32(0):
@@ -324,42 +364,83 @@ class ChunkOperandsSm90:
         # ---- T^-1, T = I + strictLower(beta_i kk_ij), float32 by 16-row blocks (chunk64.py)
         unit_lower_inverse(s_kk, s_beta, s_tinv, s_m, tid, NTHREADS)
 
-        # ---- the solve's operand images: T^-1 (rows i, K = j) and R^T (rows = the 256 columns
-        # [beta k exp(Gamma) | beta v], K = token)
+        # ---- T^-1 out, and into registers as the solve's A operand (warpgroup 0: W, 1: U)
         for it in cutlass.range_constexpr(ROWS * ROWS // NTHREADS):
             e_idx = tid + it * NTHREADS
             i = e_idx // ROWS
             j = e_idx % ROWS
-            t_ij = s_tinv[i, j]
-            put_operand(s_tinv_img, i, j, ROWS, t_ij, passes)
-            mTinv[slot, h, i, j] = t_ij  # for the backward: its solve is then one product
+            mTinv[slot, h, i, j] = s_tinv[i, j]  # for the backward: its solve is then one product
+        thr_s = mma_solve.get_slice(d)
+        coords_t = bf16_tiled_mma((ROWS, ROWS), warpgroup.OperandSource.RMEM).get_slice(d)
+        c_t = coords_t.partition_C(cute.make_identity_tensor((ROWS, ROWS)))
+        t_op = mma_solve.make_fragment_A(mma_solve.partition_shape_A((ROWS, ROWS)))
+        t_vals = cute.make_tensor(t_op.iterator, cute.make_layout(c_t.shape))
+        if cutlass.const_expr(passes == 3):
+            t_vals = cute.make_rmem_tensor(c_t.shape, Float32)
+        for e in cutlass.range_constexpr(cute.size(t_vals)):
+            i, j = c_t[e]
+            if cutlass.const_expr(passes == 3):
+                t_vals[e] = s_tinv[i, j]
+            else:
+                t_vals[e] = s_tinv[i, j].to(BFloat16)
+        t_hi = t_op
+        t_lo = t_op
+        if cutlass.const_expr(passes == 3):
+            t_hi, t_lo = split_a_operands(mma_solve, t_vals, ROWS, ROWS)
+        cute.arch.sync_threads()  # T^-1 read: the region is free for R^T
+
+        # ---- the solve's B images R^T (rows = the 256 columns [beta k exp(Gamma) | beta v],
+        # K = token), one a warpgroup
         for r in cutlass.range_constexpr(HALF):
             t = part * HALF + r
             b_t = s_beta[t]
-            r_k = b_t * Float32(s_k[t, d]) * cute.math.exp(s_gam[t, d])
-            put_operand(s_rt, d, t, ROWS, r_k, passes)
-            put_operand(s_rt, HEAD_DIM + d, t, ROWS, b_t * r_v[r], passes)
+            r_kt = b_t * Float32(s_k[t, d]) * cute.math.exp(s_gam[t, d])
+            put_operand(s_rt_w, d, t, ROWS, r_kt, passes)
+            put_operand(s_rt_u, d, t, ROWS, b_t * r_v[r], passes)
         cute.arch.fence_proxy("async.shared", space="cta")
         cute.arch.sync_threads()
 
-        # ---- [W | U] = T^-1 R on tensor cores, straight out
-        thr_s = mma_solve.get_slice(d)
-        f_tinv = mma_solve.make_fragment_A(thr_s.partition_A(s_tinv_img))
-        f_rt = mma_solve.make_fragment_B(thr_s.partition_B(s_rt))
-        c_solve = thr_s.partition_C(cute.make_identity_tensor((ROWS, 2 * HEAD_DIM)))
-        acc_s = cute.make_rmem_tensor(mma_solve.partition_shape_C((ROWS, 2 * HEAD_DIM)), Float32)
-        if part == 0:
-            product_passes(mma_solve, acc_s, f_tinv, f_rt, ROWS // 16, False, passes)
-            for e in cutlass.range_constexpr(cute.size(acc_s)):
-                i, n = c_solve[e]
-                if n < HEAD_DIM:
-                    mW[slot, h, i, n] = acc_s[e]
+        # ---- W (warpgroup 0) and U (warpgroup 1) = T^-1 R on tensor cores
+        f_rt_w = mma_solve.make_fragment_B(thr_s.partition_B(s_rt_w))
+        f_rt_u = mma_solve.make_fragment_B(thr_s.partition_B(s_rt_u))
+        c_solve = thr_s.partition_C(cute.make_identity_tensor((ROWS, HEAD_DIM)))
+        acc_s = cute.make_rmem_tensor(mma_solve.partition_shape_C((ROWS, HEAD_DIM)), Float32)
+        if cutlass.const_expr(passes == 3):
+            acc_s.fill(0.0)
+            cute.nvgpu.warpgroup.fence()
+            for kb in cutlass.range_constexpr(ROWS // 16):
+                if part == 0:
+                    cute.gemm(mma_solve, acc_s, t_hi[None, None, kb], f_rt_w[None, None, kb], acc_s)
+                    cute.gemm(mma_solve, acc_s, t_lo[None, None, kb], f_rt_w[None, None, kb], acc_s)
+                    cute.gemm(
+                        mma_solve, acc_s, t_hi[None, None, kb],
+                        f_rt_w[None, None, ROWS // 16 + kb], acc_s,
+                    )  # fmt: skip
                 else:
-                    mU[slot, h, i, n - HEAD_DIM] = acc_s[e]
+                    cute.gemm(mma_solve, acc_s, t_hi[None, None, kb], f_rt_u[None, None, kb], acc_s)
+                    cute.gemm(mma_solve, acc_s, t_lo[None, None, kb], f_rt_u[None, None, kb], acc_s)
+                    cute.gemm(
+                        mma_solve, acc_s, t_hi[None, None, kb],
+                        f_rt_u[None, None, ROWS // 16 + kb], acc_s,
+                    )  # fmt: skip
+            cute.nvgpu.warpgroup.commit_group()
+            cute.nvgpu.warpgroup.wait_group(0)
+        else:
+            if part == 0:
+                product_passes(mma_solve, acc_s, t_op, f_rt_w, ROWS // 16, False, 1)
+            else:
+                product_passes(mma_solve, acc_s, t_op, f_rt_u, ROWS // 16, False, 1)
+        for e in cutlass.range_constexpr(cute.size(acc_s)):
+            i, n = c_solve[e]
+            if part == 0:
+                mW[slot, h, i, n] = acc_s[e]
+            else:
+                mU[slot, h, i, n] = acc_s[e]
 
         # ---- the elementwise operands
         gam_last = s_gam[ROWS - 1, d]
-        for i in cutlass.range(part, ROWS, WGS, unroll=4):
+        for r in cutlass.range(HALF, unroll=4):
+            i = part * HALF + r
             gam_i = s_gam[i, d]
             mQg[slot, h, i, d] = scale * Float32(s_q[i, d]) * cute.math.exp(gam_i)
             mKd[slot, h, i, d] = Float32(s_k[i, d]) * cute.math.exp(gam_last - gam_i)
