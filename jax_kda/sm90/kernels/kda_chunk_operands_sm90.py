@@ -264,40 +264,48 @@ class ChunkOperandsSm90:
         thr = mma_pairs.get_slice(d)
         f_right = mma_pairs.make_fragment_B(thr.partition_B(s_right))
         c_pairs = thr.partition_C(cute.make_identity_tensor((ROWS, PACKED)))
-        coords = bf16_tiled_mma((ROWS, HEAD_DIM), warpgroup.OperandSource.RMEM).get_slice(d)
-        c_left = coords.partition_C(cute.make_identity_tensor((ROWS, HEAD_DIM)))
-        # float32 at three passes (split below), else bf16 straight into the A fragment
-        a_op = mma_pairs.make_fragment_A(mma_pairs.partition_shape_A((ROWS, HEAD_DIM)))
-        left = cute.make_tensor(a_op.iterator, cute.make_layout(c_left.shape))
-        if cutlass.const_expr(passes == 3):
-            left = cute.make_rmem_tensor(c_left.shape, Float32)
-        for e in cutlass.range_constexpr(cute.size(left)):
-            i, ch = c_left[e]
-            x = Float32(s_k[i, ch])
-            if part == 1:
-                x = Float32(s_q[i, ch])
-            anchor_row = (i // BLOCK) * BLOCK + shift
-            y = x * cute.math.exp(s_gam[i, ch] - s_gam[anchor_row, ch])
-            if cutlass.const_expr(passes == 3):
-                left[e] = y
-            else:
-                left[e] = y.to(BFloat16)
         acc = cute.make_rmem_tensor(mma_pairs.partition_shape_C((ROWS, PACKED)), Float32)
-        if cutlass.const_expr(passes == 3):
-            a_hi, a_lo = split_a_operands(mma_pairs, left, ROWS, HEAD_DIM)
-            acc.fill(0.0)
+        acc.fill(0.0)
+        # K (the channels) in two halves, each built and issued before the next is built: at
+        # one pass the whole operand and the accumulator would pass 128 registers a thread
+        # (ptxas then serialises the wgmma)
+        k_half = HEAD_DIM // 2
+        coords = bf16_tiled_mma((ROWS, k_half), warpgroup.OperandSource.RMEM).get_slice(d)
+        c_left = coords.partition_C(cute.make_identity_tensor((ROWS, k_half)))
+        for kh in cutlass.range_constexpr(2):
+            # float32 at three passes (split below), else bf16 straight into the A fragment
+            a_op = mma_pairs.make_fragment_A(mma_pairs.partition_shape_A((ROWS, k_half)))
+            left = cute.make_tensor(a_op.iterator, cute.make_layout(c_left.shape))
+            if cutlass.const_expr(passes == 3):
+                left = cute.make_rmem_tensor(c_left.shape, Float32)
+            for e in cutlass.range_constexpr(cute.size(left)):
+                i, ch0 = c_left[e]
+                ch = ch0 + kh * k_half
+                x = Float32(s_k[i, ch])
+                if part == 1:
+                    x = Float32(s_q[i, ch])
+                anchor_row = (i // BLOCK) * BLOCK + shift
+                y = x * cute.math.exp(s_gam[i, ch] - s_gam[anchor_row, ch])
+                if cutlass.const_expr(passes == 3):
+                    left[e] = y
+                else:
+                    left[e] = y.to(BFloat16)
+            a_hi = a_op
+            a_lo = a_op
+            if cutlass.const_expr(passes == 3):
+                a_hi, a_lo = split_a_operands(mma_pairs, left, ROWS, k_half)
             cute.nvgpu.warpgroup.fence()
-            for kb in cutlass.range_constexpr(HEAD_DIM // 16):
-                cute.gemm(mma_pairs, acc, a_hi[None, None, kb], f_right[None, None, kb], acc)
-                cute.gemm(mma_pairs, acc, a_lo[None, None, kb], f_right[None, None, kb], acc)
-                cute.gemm(
-                    mma_pairs, acc, a_hi[None, None, kb],
-                    f_right[None, None, HEAD_DIM // 16 + kb], acc,
-                )  # fmt: skip
+            for kb in cutlass.range_constexpr(k_half // 16):
+                kb_b = kh * (k_half // 16) + kb  # the right image's K-block
+                cute.gemm(mma_pairs, acc, a_hi[None, None, kb], f_right[None, None, kb_b], acc)
+                if cutlass.const_expr(passes == 3):
+                    cute.gemm(mma_pairs, acc, a_lo[None, None, kb], f_right[None, None, kb_b], acc)
+                    cute.gemm(
+                        mma_pairs, acc, a_hi[None, None, kb],
+                        f_right[None, None, HEAD_DIM // 16 + kb_b], acc,
+                    )  # fmt: skip
             cute.nvgpu.warpgroup.commit_group()
             cute.nvgpu.warpgroup.wait_group(0)
-        else:
-            product_passes(mma_pairs, acc, a_op, f_right, HEAD_DIM // 16, False, 1)
         cute.arch.sync_threads()  # both products done reading the right image (the pairs' space)
         for e in cutlass.range_constexpr(cute.size(acc)):
             i, p = c_pairs[e]
@@ -430,12 +438,18 @@ class ChunkOperandsSm90:
                 product_passes(mma_solve, acc_s, t_op, f_rt_w, ROWS // 16, False, 1)
             else:
                 product_passes(mma_solve, acc_s, t_op, f_rt_u, ROWS // 16, False, 1)
-        for e in cutlass.range_constexpr(cute.size(acc_s)):
+        # out as 8-byte pairs: a thread's accumulator holds columns n, n + 1 (n even) at e, e + 1
+        pair = cute.make_rmem_tensor((2,), Float32)
+        for e in cutlass.range_constexpr(0, cute.size(acc_s), 2):
             i, n = c_solve[e]
+            pair[0] = acc_s[e]
+            pair[1] = acc_s[e + 1]
             if part == 0:
-                mW[slot, h, i, n] = acc_s[e]
+                row = mW[slot, h, i, None].iterator + n
+                cute.make_tensor(row.align(8), cute.make_layout(2)).store(pair.load())
             else:
-                mU[slot, h, i, n] = acc_s[e]
+                row = mU[slot, h, i, None].iterator + n
+                cute.make_tensor(row.align(8), cute.make_layout(2)).store(pair.load())
 
         # ---- the elementwise operands
         gam_last = s_gam[ROWS - 1, d]
