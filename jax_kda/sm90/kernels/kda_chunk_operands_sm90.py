@@ -23,10 +23,14 @@ hi/lo splits, hi*hi + lo*hi + hi*lo, about 2^-16), float32 accumulation:
     (K = 64): warpgroup 0 takes W (m64n128), warpgroup 1 U.
 
 One CTA of two warpgroups a (slot, head); thread (part, d) = channel d of half the rows for the
-loads, the cumsum, the operand images and the outputs. At one pass a CTA takes about 100 KiB of
-shared memory and at most 128 registers a thread, so two CTAs share an SM and one's memory
-phases overlap the other's products (H200, 2048 x 12: 33 us a CTA alone, q read from global
-memory where used instead of kept in shared memory 56 us).
+loads, the cumsum, the operand images and the outputs. At one pass a CTA takes 108 KiB of
+shared memory and at most 128 registers a thread (the kk/qk operand is built and issued in two
+K halves: whole, with its accumulator, it passed 128 and ptxas serialised the wgmma), so two
+CTAs share an SM and one's memory phases overlap the other's products. H200, globaltimer
+stamps: 33 us a CTA at two an SM against 28 at one an SM before (one warpgroup issuing every
+product, 157 KiB); the kernel at 2048x12x1 / 8192x16x1 84 / 324 us against 95 / 459. Reading
+q from global memory at the operand's coordinates instead of keeping it in shared memory took
+the products from 4.5 to 15 us a CTA.
 Outputs, float32: w, u, qg, kd, gamma [slots, H, 64, 128]; attn, kk [slots, H, 64, 64] (zero
 above the diagonal); decay [slots, H, 128]; tinv = T^-1 [slots, H, 64, 64] (the backward's
 solve T^-T d[W | U] is then one product).
@@ -170,7 +174,7 @@ class ChunkOperandsSm90:
         part = tid // 128  # warpgroup
         scale = self.scale
         passes = self.passes
-        right_bytes, rt_bytes, region = region_bytes(passes)
+        _, rt_bytes, region = region_bytes(passes)
 
         smem = SmemAllocator()
         padded = cute.make_layout((ROWS, HEAD_DIM), stride=(PADDED_ROW, 1))
