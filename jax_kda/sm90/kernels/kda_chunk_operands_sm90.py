@@ -23,10 +23,14 @@ hi/lo splits, hi*hi + lo*hi + hi*lo, about 2^-16), float32 accumulation:
     (K = 64): warpgroup 0 takes W (m64n128), warpgroup 1 U.
 
 One CTA of two warpgroups a (slot, head); thread (part, d) = channel d of half the rows for the
-loads, the cumsum, the operand images and the outputs. At one pass a CTA takes about 100 KiB of
-shared memory and at most 128 registers a thread, so two CTAs share an SM and one's memory
-phases overlap the other's products (H200, 2048 x 12: 33 us a CTA alone, q read from global
-memory where used instead of kept in shared memory 56 us).
+loads, the cumsum, the operand images and the outputs. At one pass a CTA takes 108 KiB of
+shared memory and at most 128 registers a thread (the kk/qk operand is built and issued in two
+K halves: whole, with its accumulator, it passed 128 and ptxas serialised the wgmma), so two
+CTAs share an SM and one's memory phases overlap the other's products. H200, globaltimer
+stamps: 33 us a CTA at two an SM against 28 at one an SM before (one warpgroup issuing every
+product, 157 KiB); the kernel at 2048x12x1 / 8192x16x1 84 / 324 us against 95 / 459. Reading
+q from global memory at the operand's coordinates instead of keeping it in shared memory took
+the products from 4.5 to 15 us a CTA.
 Outputs, float32: w, u, qg, kd, gamma [slots, H, 64, 128]; attn, kk [slots, H, 64, 64] (zero
 above the diagonal); decay [slots, H, 128]; tinv = T^-1 [slots, H, 64, 64] (the backward's
 solve T^-T d[W | U] is then one product).
@@ -170,7 +174,7 @@ class ChunkOperandsSm90:
         part = tid // 128  # warpgroup
         scale = self.scale
         passes = self.passes
-        right_bytes, rt_bytes, region = region_bytes(passes)
+        _, rt_bytes, region = region_bytes(passes)
 
         smem = SmemAllocator()
         padded = cute.make_layout((ROWS, HEAD_DIM), stride=(PADDED_ROW, 1))
@@ -216,10 +220,10 @@ class ChunkOperandsSm90:
                 r_g[r] = mG[token, h, d]
                 r_q[r] = mQ[token, h, d]
                 r_k[r] = mK[token, h, d]
-        if d < HALF:  # beta: one row a thread
+        if d < HALF:  # beta: one row a thread, clamped into the tensor like the loads above
             b_row = Float32(0.0)
-            if active and c * ROWS + part * HALF + d < seqlen:
-                b_row = mBeta[first + d, h]
+            if tokens > 0 and active and c * ROWS + part * HALF + d < seqlen:
+                b_row = mBeta[cutlass.max(cutlass.min(first + d, last_ok), 0), h]
             s_beta[part * HALF + d] = b_row
         gam = Float32(0.0)  # this warpgroup's rows' partial sum
         for r in cutlass.range_constexpr(HALF):
@@ -264,40 +268,48 @@ class ChunkOperandsSm90:
         thr = mma_pairs.get_slice(d)
         f_right = mma_pairs.make_fragment_B(thr.partition_B(s_right))
         c_pairs = thr.partition_C(cute.make_identity_tensor((ROWS, PACKED)))
-        coords = bf16_tiled_mma((ROWS, HEAD_DIM), warpgroup.OperandSource.RMEM).get_slice(d)
-        c_left = coords.partition_C(cute.make_identity_tensor((ROWS, HEAD_DIM)))
-        # float32 at three passes (split below), else bf16 straight into the A fragment
-        a_op = mma_pairs.make_fragment_A(mma_pairs.partition_shape_A((ROWS, HEAD_DIM)))
-        left = cute.make_tensor(a_op.iterator, cute.make_layout(c_left.shape))
-        if cutlass.const_expr(passes == 3):
-            left = cute.make_rmem_tensor(c_left.shape, Float32)
-        for e in cutlass.range_constexpr(cute.size(left)):
-            i, ch = c_left[e]
-            x = Float32(s_k[i, ch])
-            if part == 1:
-                x = Float32(s_q[i, ch])
-            anchor_row = (i // BLOCK) * BLOCK + shift
-            y = x * cute.math.exp(s_gam[i, ch] - s_gam[anchor_row, ch])
-            if cutlass.const_expr(passes == 3):
-                left[e] = y
-            else:
-                left[e] = y.to(BFloat16)
         acc = cute.make_rmem_tensor(mma_pairs.partition_shape_C((ROWS, PACKED)), Float32)
-        if cutlass.const_expr(passes == 3):
-            a_hi, a_lo = split_a_operands(mma_pairs, left, ROWS, HEAD_DIM)
-            acc.fill(0.0)
+        acc.fill(0.0)
+        # K (the channels) in two halves, each built and issued before the next is built: at
+        # one pass the whole operand and the accumulator would pass 128 registers a thread
+        # (ptxas then serialises the wgmma)
+        k_half = HEAD_DIM // 2
+        coords = bf16_tiled_mma((ROWS, k_half), warpgroup.OperandSource.RMEM).get_slice(d)
+        c_left = coords.partition_C(cute.make_identity_tensor((ROWS, k_half)))
+        for kh in cutlass.range_constexpr(2):
+            # float32 at three passes (split below), else bf16 straight into the A fragment
+            a_op = mma_pairs.make_fragment_A(mma_pairs.partition_shape_A((ROWS, k_half)))
+            left = cute.make_tensor(a_op.iterator, cute.make_layout(c_left.shape))
+            if cutlass.const_expr(passes == 3):
+                left = cute.make_rmem_tensor(c_left.shape, Float32)
+            for e in cutlass.range_constexpr(cute.size(left)):
+                i, ch0 = c_left[e]
+                ch = ch0 + kh * k_half
+                x = Float32(s_k[i, ch])
+                if part == 1:
+                    x = Float32(s_q[i, ch])
+                anchor_row = (i // BLOCK) * BLOCK + shift
+                y = x * cute.math.exp(s_gam[i, ch] - s_gam[anchor_row, ch])
+                if cutlass.const_expr(passes == 3):
+                    left[e] = y
+                else:
+                    left[e] = y.to(BFloat16)
+            a_hi = a_op
+            a_lo = a_op
+            if cutlass.const_expr(passes == 3):
+                a_hi, a_lo = split_a_operands(mma_pairs, left, ROWS, k_half)
             cute.nvgpu.warpgroup.fence()
-            for kb in cutlass.range_constexpr(HEAD_DIM // 16):
-                cute.gemm(mma_pairs, acc, a_hi[None, None, kb], f_right[None, None, kb], acc)
-                cute.gemm(mma_pairs, acc, a_lo[None, None, kb], f_right[None, None, kb], acc)
-                cute.gemm(
-                    mma_pairs, acc, a_hi[None, None, kb],
-                    f_right[None, None, HEAD_DIM // 16 + kb], acc,
-                )  # fmt: skip
+            for kb in cutlass.range_constexpr(k_half // 16):
+                kb_b = kh * (k_half // 16) + kb  # the right image's K-block
+                cute.gemm(mma_pairs, acc, a_hi[None, None, kb], f_right[None, None, kb_b], acc)
+                if cutlass.const_expr(passes == 3):
+                    cute.gemm(mma_pairs, acc, a_lo[None, None, kb], f_right[None, None, kb_b], acc)
+                    cute.gemm(
+                        mma_pairs, acc, a_hi[None, None, kb],
+                        f_right[None, None, HEAD_DIM // 16 + kb_b], acc,
+                    )  # fmt: skip
             cute.nvgpu.warpgroup.commit_group()
             cute.nvgpu.warpgroup.wait_group(0)
-        else:
-            product_passes(mma_pairs, acc, a_op, f_right, HEAD_DIM // 16, False, 1)
         cute.arch.sync_threads()  # both products done reading the right image (the pairs' space)
         for e in cutlass.range_constexpr(cute.size(acc)):
             i, p = c_pairs[e]
@@ -430,12 +442,18 @@ class ChunkOperandsSm90:
                 product_passes(mma_solve, acc_s, t_op, f_rt_w, ROWS // 16, False, 1)
             else:
                 product_passes(mma_solve, acc_s, t_op, f_rt_u, ROWS // 16, False, 1)
-        for e in cutlass.range_constexpr(cute.size(acc_s)):
+        # out as 8-byte pairs: a thread's accumulator holds columns n, n + 1 (n even) at e, e + 1
+        pair = cute.make_rmem_tensor((2,), Float32)
+        for e in cutlass.range_constexpr(0, cute.size(acc_s), 2):
             i, n = c_solve[e]
+            pair[0] = acc_s[e]
+            pair[1] = acc_s[e + 1]
             if part == 0:
-                mW[slot, h, i, n] = acc_s[e]
+                row = mW[slot, h, i, None].iterator + n
+                cute.make_tensor(row.align(8), cute.make_layout(2)).store(pair.load())
             else:
-                mU[slot, h, i, n] = acc_s[e]
+                row = mU[slot, h, i, None].iterator + n
+                cute.make_tensor(row.align(8), cute.make_layout(2)).store(pair.load())
 
         # ---- the elementwise operands
         gam_last = s_gam[ROWS - 1, d]
