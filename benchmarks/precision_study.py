@@ -68,7 +68,9 @@ def _rounded(x, bf16: bool):
     return x.astype(jnp.bfloat16).astype(jnp.float32) if bf16 else x
 
 
-def anchored_decayed_bwd(bf16_p: bool, bf16_back: bool, exact_diagonal_blocks: bool = False):
+def anchored_decayed_bwd(
+    bf16_p: bool, bf16_back: bool, exact_diagonal_blocks: bool = False, anchor: int = MIDDLE
+):
     """xla._decayed_products_bwd's contract computed the way kernels/kda_decayed_bwd_sm90.py
     does with middle anchors (what it takes wherever a half block's decay is under 60 e-folds,
     every gate >= -7.5 included; the model has no first-row fallback, so give it such data):
@@ -79,8 +81,9 @@ def anchored_decayed_bwd(bf16_p: bool, bf16_back: bool, exact_diagonal_blocks: b
     the bracketed operands of each product bf16-rounded where asked (one wgmma pass), the rest
     float32. exact_diagonal_blocks: the products take the cotangents of the pairs j < i in
     earlier blocks only, and the diagonal blocks' pairs (where the decay is largest) are added in
-    float32, as the kernel's pair-by-pair pass does for chunks that forbid middle anchors."""
-    block, middle = BLOCK, MIDDLE
+    float32, as the kernel's pair-by-pair pass does for chunks that forbid middle anchors.
+    anchor: the anchor's row in its block (the kernel's first-row anchors: 0)."""
+    block = BLOCK
     hi = jax.lax.Precision.HIGHEST
 
     def bwd(residuals, cotangents):
@@ -97,8 +100,8 @@ def anchored_decayed_bwd(bf16_p: bool, bf16_back: bool, exact_diagonal_blocks: b
         q, k, gamma = (x.astype(jnp.float32) for x in residuals)
         rows = jnp.arange(gamma.shape[-2])
         d_kk, d_qk = (jnp.where(rows[:, None] >= rows[None, :], c, 0.0) for c in cotangents)
-        anchors = [block * b + middle for b in range(gamma.shape[-2] // block)]
-        r = jnp.exp(gamma - gamma[..., (rows // block) * block + middle, :])
+        anchors = [block * b + anchor for b in range(gamma.shape[-2] // block)]
+        r = jnp.exp(gamma - gamma[..., (rows // block) * block + anchor, :])
 
         def forward(w, x):
             parts = []
@@ -208,7 +211,7 @@ def main(argv=None) -> None:
 
 
 def _decayed_products_study(lengths, heads: int, scale: float) -> None:
-    """Production data (middle anchors throughout), two seeds; every product outside the
+    """Production data (middle anchors valid throughout), two seeds; every product outside the
     decayed products' backward one bf16 pass (the sm90 default)."""
     variants = {
         "P, back float32": (False, False, False),
@@ -216,6 +219,7 @@ def _decayed_products_study(lengths, heads: int, scale: float) -> None:
         "P float32, back bf16": (False, True, False),
         "P, back bf16": (True, True, False),
         "P, back bf16 off the diagonal blocks": (True, True, True),
+        "the same, first-row anchors": (True, True, True, 0),
     }
     for seed in (5, 11):
         x = production_inputs(lengths, heads, seed=seed)
