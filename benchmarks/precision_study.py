@@ -8,6 +8,13 @@ This measures what that buys against SPEC's bar (rms_ratio <= 1e-2 for o, the fi
 every gradient). Runs anywhere (CPU included):
 
     python -m benchmarks.precision_study [--lengths 300,0,77,130] [--heads 2]
+
+--decayed-products asks which products of the decayed products' backward need three passes:
+the sm90 backward's structure in XLA (the chunk operands' and state scan's custom VJPs of
+jax_kda.sm90.backend around XLA stand-ins, every other product one bf16 pass) with a model of
+the kernel's anchored decomposition (anchored_decayed_bwd) whose two product kinds, P (the
+cotangent in the anchors' packing x the right factors) and back (the transposed ones), take
+float32 or bf16-rounded operands each.
 """
 
 from __future__ import annotations
@@ -27,6 +34,8 @@ from jax_kda.oracle import (
     recurrent_oracle,
     rms_ratio,
 )
+from jax_kda.sm90 import backend as sm90_backend
+from jax_kda.sm90.kernels.chunk64 import BLOCK, MIDDLE
 
 NAMES = ("q", "k", "v", "g", "beta", "initial_state")
 
@@ -44,19 +53,104 @@ def _bf16_einsum(spec, *operands, precision=None, **kwargs):
 @contextlib.contextmanager
 def single_pass_bf16_products():
     """Within the block, every einsum of jax_kda.xla (the chunk's products, the solve, the scan,
-    and their backward) takes bfloat16-rounded operands."""
+    and their backward) and of jax_kda.sm90.backend (its custom VJPs' products) takes
+    bfloat16-rounded operands."""
     names = {n: getattr(jnp, n) for n in dir(jnp) if not n.startswith("__")}
-    saved = xla.jnp
-    xla.jnp = types.SimpleNamespace(**{**names, "einsum": _bf16_einsum})
+    saved = xla.jnp, sm90_backend.jnp
+    xla.jnp = sm90_backend.jnp = types.SimpleNamespace(**{**names, "einsum": _bf16_einsum})
     try:
         yield
     finally:
-        xla.jnp = saved
+        xla.jnp, sm90_backend.jnp = saved
 
 
-def errors(x, scale: float, seed: int) -> dict[str, float]:
+def _rounded(x, bf16: bool):
+    return x.astype(jnp.bfloat16).astype(jnp.float32) if bf16 else x
+
+
+def anchored_decayed_bwd(
+    bf16_p: bool, bf16_back: bool, exact_diagonal_blocks: bool = False, anchor: int = MIDDLE
+):
+    """xla._decayed_products_bwd's contract computed the way kernels/kda_decayed_bwd_sm90.py
+    does with middle anchors (what it takes wherever a half block's decay is under 60 e-folds,
+    every gate >= -7.5 included; the model has no first-row fallback, so give it such data):
+    with r_i = exp(Gamma_i - Gamma_m(i)),
+      P(w, x)_i = r_i sum_{j <= i} w_ij [x_j exp(Gamma_m(i) - Gamma_j)],
+      back_j = sum over blocks I of exp(Gamma_mI - Gamma_j) sum_{i in I} (d_kk_ij k_i r_i +
+        d_qk_ij q_i r_i),
+    the bracketed operands of each product bf16-rounded where asked (one wgmma pass), the rest
+    float32. exact_diagonal_blocks: the products take the cotangents of the pairs j < i in
+    earlier blocks only, and the diagonal blocks' pairs (where the decay is largest) are added in
+    float32, as the kernel's pair-by-pair pass does for chunks that forbid middle anchors.
+    anchor: the anchor's row in its block (the kernel's first-row anchors: 0)."""
+    block = BLOCK
+    hi = jax.lax.Precision.HIGHEST
+
+    def bwd(residuals, cotangents):
+        if not exact_diagonal_blocks:
+            return products(residuals, cotangents, bf16_p, bf16_back)
+        rows = jnp.arange(cotangents[0].shape[-1]) // block
+        same = rows[:, None] == rows[None, :]
+        earlier = products(residuals, [jnp.where(same, 0.0, c) for c in cotangents], bf16_p,
+                           bf16_back)  # fmt: skip
+        diagonal = products(residuals, [jnp.where(same, c, 0.0) for c in cotangents], False, False)
+        return tuple(a + b for a, b in zip(earlier, diagonal, strict=True))
+
+    def products(residuals, cotangents, bf16_p, bf16_back):
+        q, k, gamma = (x.astype(jnp.float32) for x in residuals)
+        rows = jnp.arange(gamma.shape[-2])
+        d_kk, d_qk = (jnp.where(rows[:, None] >= rows[None, :], c, 0.0) for c in cotangents)
+        anchors = [block * b + anchor for b in range(gamma.shape[-2] // block)]
+        r = jnp.exp(gamma - gamma[..., (rows // block) * block + anchor, :])
+
+        def forward(w, x):
+            parts = []
+            for b, m in enumerate(anchors):
+                n = block * (b + 1)
+                right = x[..., :n, :] * jnp.exp(gamma[..., m, None, :] - gamma[..., :n, :])
+                w_b = w[..., block * b : n, :n]
+                w_b, right = _rounded(w_b, bf16_p), _rounded(right, bf16_p)
+                parts.append(jnp.einsum("...ij,...jd->...id", w_b, right, precision=hi))
+            return r * jnp.concatenate(parts, axis=-2)
+
+        back = jnp.zeros(gamma.shape, jnp.float32)
+        for b, m in enumerate(anchors):
+            rs = slice(block * b, block * (b + 1))
+            w_b = jnp.concatenate([d_kk[..., rs, :], d_qk[..., rs, :]], axis=-2)
+            left = jnp.concatenate([k[..., rs, :], q[..., rs, :]], axis=-2)
+            left = left * jnp.concatenate([r[..., rs, :]] * 2, axis=-2)
+            w_b, left = _rounded(w_b, bf16_back), _rounded(left, bf16_back)
+            inner = jnp.einsum("...cj,...cd->...jd", w_b, left, precision=hi)
+            paired = (rows < block * (b + 1))[:, None]  # rows j this block's anchor pairs with
+            decay = jnp.exp(jnp.where(paired, gamma[..., m, None, :] - gamma, 0.0))
+            back = back + jnp.where(paired, decay * inner, 0.0)
+        p_kk, p_qk = forward(d_kk, k), forward(d_qk, k)
+        return p_qk, p_kk + back, k * (p_kk - back) + q * p_qk
+
+    return bwd
+
+
+def sm90_structure(decayed_bwd):
+    """prefill's signature on the sm90 backward's structure in XLA: the chunk operands' custom
+    VJP (its backward with `decayed_bwd` for the decayed products) and the state scan's."""
+
+    def forward(q, k, v, g, beta, cu_seqlens=None, initial_state=None, scale=None, backend=None):
+        del backend
+        return xla.forward(
+            q, k, v, g, beta, cu_seqlens, initial_state, scale,
+            scan=sm90_backend.differentiable_state_scan(xla.state_scan),
+            operands=sm90_backend.differentiable_chunk_operands(
+                sm90_backend.xla_chunk_core, decayed_bwd=decayed_bwd
+            ),
+        )  # fmt: skip
+
+    return forward
+
+
+def errors(x, scale: float, seed: int, prefill=jax_kda.prefill) -> dict[str, float]:
     """rms_ratio of o, the final state and the six gradients of sum(o * w_o) + sum(final * w_f)
-    (random weights) against float64 autodiff of the recurrence."""
+    (random weights) against float64 autodiff of the recurrence; `prefill`: jax_kda.prefill on
+    the XLA path, or sm90_structure(...)."""
     import numpy as np
 
     rng = np.random.default_rng(seed)
@@ -64,7 +158,7 @@ def errors(x, scale: float, seed: int) -> dict[str, float]:
     w_f = rng.standard_normal(x.initial_state.shape).astype(np.float32)
 
     def forward(q, k, v, g, beta, state):
-        return jax_kda.prefill(
+        return prefill(
             q, k, v, g, beta, cu_seqlens=x.cu_seqlens, initial_state=state, scale=scale,
             backend="xla",
         )  # fmt: skip
@@ -97,8 +191,15 @@ def main(argv=None) -> None:
     parser.add_argument("--lengths", default="300,0,77,130")
     parser.add_argument("--heads", type=int, default=2)
     parser.add_argument("--scale", type=float, default=0.3)
+    parser.add_argument(
+        "--decayed-products", action="store_true",
+        help="which products of the decayed products' backward need three passes (read above)",
+    )  # fmt: skip
     args = parser.parse_args(argv)
     lengths = [int(n) for n in args.lengths.split(",")]
+    if args.decayed_products:
+        _decayed_products_study(lengths, args.heads, args.scale)
+        return
     for data, make in (("production", production_inputs), ("long-memory", long_memory_inputs)):
         x = make(lengths, args.heads, seed=5)
         for mode in ("float32", "bf16 x1"):
@@ -107,6 +208,27 @@ def main(argv=None) -> None:
             worst = max(result.values())
             cells = " ".join(f"{k} {v:.1e}" for k, v in result.items())
             print(f"{data:12s} {mode:8s} worst {worst:.1e} | {cells}", flush=True)
+
+
+def _decayed_products_study(lengths, heads: int, scale: float) -> None:
+    """Production data (middle anchors valid throughout), two seeds; every product outside the
+    decayed products' backward one bf16 pass (the sm90 default)."""
+    variants = {
+        "P, back float32": (False, False, False),
+        "P bf16, back float32": (True, False, False),
+        "P float32, back bf16": (False, True, False),
+        "P, back bf16": (True, True, False),
+        "P, back bf16 off the diagonal blocks": (True, True, True),
+        "the same, first-row anchors": (True, True, True, 0),
+    }
+    for seed in (5, 11):
+        x = production_inputs(lengths, heads, seed=seed)
+        for name, options in variants.items():
+            forward = sm90_structure(anchored_decayed_bwd(*options))
+            with single_pass_bf16_products():
+                result = errors(x, scale, seed=7, prefill=forward)
+            cells = " ".join(f"{k} {v:.1e}" for k, v in result.items())
+            print(f"seed {seed:2d} {name:36s} | {cells}", flush=True)
 
 
 if __name__ == "__main__":

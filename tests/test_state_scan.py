@@ -139,16 +139,6 @@ def test_chunk_operands_backward_equals_autodiff(gate):
         assert rms_ratio(a, b) <= 1e-5, (name, rms_ratio(a, b))
 
 
-def _xla_chunk_core(q, k, v, g, beta, cu_seqlens, num_slots, scale):
-    """What the chunk-core kernel returns, in XLA: the stand-in for CPU tests of its wiring."""
-    _, rows = xla._token_slots(cu_seqlens, q.shape[0])
-    chunks = [xla._to_chunks(x.astype(jnp.float32), rows, num_slots) for x in (q, k, v, g, beta)]
-    outputs, residuals = xla._chunk_operands_with_residuals(*chunks, scale)
-    gamma, kk, lower = residuals[4], residuals[5], residuals[6]
-    identity = jnp.broadcast_to(jnp.eye(lower.shape[-1], dtype=lower.dtype), lower.shape)
-    return (*outputs, gamma, kk, xla._blocked_unit_lower_solve(lower, identity))
-
-
 def test_single_pass_scan_operands_hold_the_bf16_values_in_image_order():
     """state_scan_operands(passes=1): A as [64 tokens, channels] and B^T as [channels, tokens]
     images of the bf16-rounded values alone, in the interleaved order (half the bytes)."""
@@ -183,7 +173,7 @@ def test_chunk_core_wiring_gives_the_xla_paths_gradients(dtype):
 
         return jax.jit(jax.grad(loss, argnums=range(6)))(*args)
 
-    wired = grads(operands=sm90.differentiable_chunk_operands(_xla_chunk_core))
+    wired = grads(operands=sm90.differentiable_chunk_operands(sm90.xla_chunk_core))
     for name, a, b, arg in zip("q k v g beta state".split(), wired, grads(), args, strict=True):
         assert a.dtype == arg.dtype, name
         # the same backward, but for fusion order and T^-T d[W | U] as a product with T^-1
@@ -259,7 +249,7 @@ def test_fused_operands_bwd_wiring_gives_the_xla_paths_gradients(dtype):
         calls.append([t.shape for t in tokens])  # what the forward saved: the tokens themselves
         return sm90.xla_operands_bwd(scale, tokens, *rest)
 
-    operands = sm90.differentiable_chunk_operands(_xla_chunk_core, fused_bwd=spy)
+    operands = sm90.differentiable_chunk_operands(sm90.xla_chunk_core, fused_bwd=spy)
     wired = grads(operands=operands)
     assert calls == [[x.q.shape, x.k.shape, x.v.shape, x.beta.shape]], calls
     for name, a, b, arg in zip("q k v g beta state".split(), wired, grads(), args, strict=True):

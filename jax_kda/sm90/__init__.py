@@ -34,6 +34,7 @@ from jax_kda.sm90.backend import (
     state_scan_operands,
     training_forward,
     unavailable_reason,
+    xla_chunk_core,
     xla_operands_bwd,
 )
 
@@ -62,5 +63,6 @@ __all__ = [
     "state_scan_operands",
     "training_forward",
     "unavailable_reason",
+    "xla_chunk_core",
     "xla_operands_bwd",
 ]

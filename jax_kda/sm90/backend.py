@@ -582,6 +582,17 @@ def operands_bwd_kernel(
     return tuple(cute_call(artifact, inputs, results)[3:])
 
 
+def xla_chunk_core(q, k, v, g, beta, cu_seqlens, num_slots, scale):
+    """chunk_core_kernel's contract in XLA (the XLA path's operands and T^-1): the stand-in of
+    CPU tests and of benchmarks.precision_study."""
+    _, rows = xla._token_slots(cu_seqlens, q.shape[0])
+    chunks = [xla._to_chunks(x.astype(jnp.float32), rows, num_slots) for x in (q, k, v, g, beta)]
+    outputs, residuals = xla._chunk_operands_with_residuals(*chunks, scale)
+    gamma, kk, lower = residuals[4], residuals[5], residuals[6]
+    identity = jnp.broadcast_to(jnp.eye(lower.shape[-1], dtype=lower.dtype), lower.shape)
+    return (*outputs, gamma, kk, xla._blocked_unit_lower_solve(lower, identity))
+
+
 def xla_operands_bwd(scale, tokens, cu_seqlens, rows, num_slots, intermediates, cotangents,
                      precision, decayed_bwd=None):  # fmt: skip
     """operands_bwd_kernel's contract in XLA: xla._chunk_operands_bwd on the chunked tokens,
