@@ -72,9 +72,9 @@ def anchored_decayed_bwd(
     bf16_p: bool, bf16_back: bool, exact_diagonal_blocks: bool = False, anchor: int = MIDDLE
 ):
     """xla._decayed_products_bwd's contract computed the way kernels/kda_decayed_bwd_sm90.py
-    does with middle anchors (what it takes wherever a half block's decay is under 60 e-folds,
-    every gate >= -7.5 included; the model has no first-row fallback, so give it such data):
-    with r_i = exp(Gamma_i - Gamma_m(i)),
+    does, every block anchored at its row `anchor` (the middle by default, what the kernel
+    takes wherever a half block's decay is under 60 e-folds, every gate >= -7.5 included; the
+    model does not choose, so give it such data): with r_i = exp(Gamma_i - Gamma_m(i)),
       P(w, x)_i = r_i sum_{j <= i} w_ij [x_j exp(Gamma_m(i) - Gamma_j)],
       back_j = sum over blocks I of exp(Gamma_mI - Gamma_j) sum_{i in I} (d_kk_ij k_i r_i +
         d_qk_ij q_i r_i),
@@ -82,7 +82,8 @@ def anchored_decayed_bwd(
     float32. exact_diagonal_blocks: the products take the cotangents of the pairs j < i in
     earlier blocks only, and the diagonal blocks' pairs (where the decay is largest) are added in
     float32, as the kernel's pair-by-pair pass does for chunks that forbid middle anchors.
-    anchor: the anchor's row in its block (the kernel's first-row anchors: 0)."""
+    anchor: 0 for the kernel's first-row anchors, which it pairs with the diagonal blocks
+    taken pair by pair (exact_diagonal_blocks=True)."""
     block = BLOCK
     hi = jax.lax.Precision.HIGHEST
 
