@@ -220,10 +220,10 @@ class ChunkOperandsSm90:
                 r_g[r] = mG[token, h, d]
                 r_q[r] = mQ[token, h, d]
                 r_k[r] = mK[token, h, d]
-        if d < HALF:  # beta: one row a thread
+        if d < HALF:  # beta: one row a thread, clamped into the tensor like the loads above
             b_row = Float32(0.0)
-            if active and c * ROWS + part * HALF + d < seqlen:
-                b_row = mBeta[first + d, h]
+            if tokens > 0 and active and c * ROWS + part * HALF + d < seqlen:
+                b_row = mBeta[cutlass.max(cutlass.min(first + d, last_ok), 0), h]
             s_beta[part * HALF + d] = b_row
         gam = Float32(0.0)  # this warpgroup's rows' partial sum
         for r in cutlass.range_constexpr(HALF):
