@@ -427,7 +427,7 @@ def from_chunks(x: jax.Array, rows: jax.Array) -> jax.Array:
 
 def forward(
     q, k, v, g, beta, cu_seqlens, initial_state, scale, *, scan=None, operands=chunk_operands,
-    precision=_PRECISION,
+    precision=_PRECISION, scan_output=None,
 ):  # fmt: skip
     """KDA forward, packed THD.
 
@@ -443,6 +443,10 @@ def forward(
         sm90 backend's training path.
       operands: chunk_operands's signature: this module's, or the sm90 kernel's.
       precision: of the products around a `scan` (V_new and the outputs; default float32).
+      scan_output: instead of `scan` and the products around it, one function of (w, kd, decay,
+        u, qg, attn, cu_seqlens, state [N, H, K, V]) returning (out [slots, H, 64, V], final
+        [N, H, K, V]): the sm90 training path's, whose backward runs the reverse scan and the
+        dense products' backward kernel.
     Returns:
       o: [T, H, 128] in q's dtype; final_state: [N, H, 128(V), 128(K)] float32.
     """
@@ -456,7 +460,9 @@ def forward(
 
     state_kv = jnp.swapaxes(initial_state.astype(jnp.float32), -1, -2)
     operands = (w, kd, decay_chunk, u, cu_seqlens, state_kv)
-    if scan is None:
+    if scan_output is not None:
+        out, finals = scan_output(w, kd, decay_chunk, u, qg, attn, cu_seqlens, state_kv)
+    elif scan is None:
         out, finals = state_scan(*operands, reverse=False, emit=_chunk_output, extras=(qg, attn))
     else:
         # Everything but the state's chain is parallel over chunks: V_new = U - W S.

@@ -284,6 +284,43 @@ def test_operand_images_take_exactly_their_elements(n, k, mn_major):
     assert spans == [n * k]
 
 
+def test_dense_bwd_exports_for_sm90a():
+    """The dense products' backward compiles and exports for sm_90a."""
+    artifact = sm90.dense_bwd_artifact()
+    assert artifact.object_bytes[:4] == b"\x7fELF"
+    assert artifact.prefix == "kda_dense_bwd_sm90"
+
+
+@pytest.mark.parametrize("rows, cols", [(128, 128), (64, 128)])
+def test_k_major_and_n_major_images_of_one_matrix_share_their_bytes(rows, cols):
+    """The dense backward reads one image both ways: written as [rows, cols] K-major (cols
+    contiguous), it is read as the N-major image of [cols, rows] (S and G [K, V] as B of W S
+    and of the S^T products; dO [64, V] as A and as B of Aqk^T dO). Every element must sit at
+    one offset in both layouts."""
+    import cutlass.cute as cute
+
+    from jax_kda.sm90.kernels.wgmma import image_layout
+
+    layouts = []
+
+    @cute.jit
+    def build():
+        layouts.append(_offsets(image_layout(rows, cols), rows, cols, False))
+        layouts.append(_offsets(image_layout(cols, rows, mn_major=True), rows, cols, True))
+
+    build()
+    by_row, by_col = layouts
+    assert sorted(by_row) == list(range(rows * cols))  # each element its own offset
+    assert by_row == by_col
+
+
+def _offsets(layout, rows, cols, transposed):
+    """The offsets of a [rows, cols] matrix's elements in `layout` (static Python ints),
+    row by row; transposed: the layout is indexed (col, row). Plain Python: the DSL would
+    turn a loop written inside a jit function into a device loop."""
+    return [layout((c, r) if transposed else (r, c)) for r in range(rows) for c in range(cols)]
+
+
 def test_chunk_core_single_pass_fits_two_ctas_an_sm():
     """At one pass the chunk core launches with two CTAs an SM (registers capped at 128 a
     thread): its shared memory, the region first, must fit twice in the H200's 228 KiB less 1
@@ -328,6 +365,7 @@ def test_grad_lowers_to_the_backward_kernels_and_no_loop():
     # the tensor-core scan at one bf16 pass a product, the backward's default
     assert "kda_state_scan_sm90_fwd_t16x1" in prefixes
     assert "kda_state_scan_sm90_rev_t16x1" in prefixes
+    assert "kda_dense_bwd_sm90" in prefixes  # the products around the scan, backward
     assert "stablehlo.while" not in text
 
 
@@ -394,7 +432,7 @@ def test_training_lowers_under_scan_over_layers_checkpoint_and_vmap():
         prefixes = set(re.findall(r'prefix = "(\w+)"', _lower(fn, *args)))
         kinds = {p.rsplit("_", 1)[0] for p in prefixes}
         expected = {"kda_fwd_sm90_h2", "kda_chunk_operands_sm90_x1", "kda_decayed_bwd"}
-        expected |= {"kda_state_scan_sm90_fwd", "kda_state_scan_sm90_rev"}
+        expected |= {"kda_state_scan_sm90_fwd", "kda_state_scan_sm90_rev", "kda_dense_bwd"}
         assert kinds == expected, (
             name,
             prefixes,

@@ -270,3 +270,71 @@ def test_operands_bwd_kernel_with_no_slots_returns_zeros_without_a_launch():
     )
     assert [a.shape for a in out] == [(0, 3, 128)] * 4 + [(0, 3)]
     assert all(a.dtype == jnp.float32 for a in out)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_scan_output_wiring_gives_the_xla_paths_gradients(dtype):
+    """sm90.differentiable_scan_output (the state scan and the outputs around it, its backward
+    the reverse scan and the dense products' backward) around XLA stand-ins for the kernels
+    (xla.state_scan, xla_dense_bwd), with the chunk core's wiring too: the XLA path's gradients
+    on long-memory data, where the states carried between chunks and the initial state
+    matter. A backward that dropped the outputs' part of dU, or of the state's cotangent,
+    fails here."""
+    x = long_memory_inputs([130, 0, 70, 1], 2, seed=31, dtype=dtype)
+    args = (*x[:5], x.initial_state)
+    w_o = np.random.default_rng(6).standard_normal(x.q.shape).astype(np.float32)
+    w_f = np.random.default_rng(7).standard_normal(x.initial_state.shape).astype(np.float32)
+
+    def grads(**options):
+        def loss(*a):
+            o, final = xla.forward(*a[:5], x.cu_seqlens, a[5], 0.3, **options)
+            return jnp.sum(o.astype(jnp.float32) * w_o) + jnp.sum(final * w_f)
+
+        return jax.jit(jax.grad(loss, argnums=range(6)))(*args)
+
+    calls = []
+
+    def dense(*a):
+        calls.append(a[0].shape)
+        return sm90.xla_dense_bwd(*a)
+
+    wired = grads(
+        operands=sm90.differentiable_chunk_operands(sm90.xla_chunk_core),
+        scan_output=sm90.differentiable_scan_output(xla.state_scan, dense),
+    )
+    assert len(calls) == 1, calls
+    # bfloat16 gradients round at 2^-9: a changed summation order flips a few roundings
+    bar = 1e-5 if dtype == jnp.float32 else 1e-4
+    for name, a, b, arg in zip("q k v g beta state".split(), wired, grads(), args, strict=True):
+        assert a.dtype == arg.dtype, name
+        assert rms_ratio(a, b) <= bar, (name, rms_ratio(a, b))
+
+
+def test_xla_dense_bwd_is_the_vjp_of_the_products_it_replaces():
+    """xla_dense_bwd against jax.vjp of O = Qg S + Aqk (U - W S) and S' = Diag(a) S + Kd^T
+    (U - W S) chunk by chunk (each chunk's S given): every cotangent, with the scan's G standing
+    in for dL/dS'."""
+    rng = np.random.default_rng(8)
+    shape = (3, 2, 64, 128)
+
+    def f32(*s):
+        return jnp.asarray(rng.standard_normal(s), jnp.float32)
+
+    w, u, qg, kd, d_out = (f32(*shape) for _ in range(5))
+    attn, states, g_end = f32(3, 2, 64, 64), f32(3, 2, 128, 128), f32(3, 2, 128, 128)
+    decay = jnp.asarray(rng.uniform(0.1, 1.0, (3, 2, 128)), jnp.float32)
+    hi = jax.lax.Precision.HIGHEST
+
+    def products(w, u, qg, attn, kd, decay, states):
+        v_new = u - jnp.einsum("shik,shkv->shiv", w, states, precision=hi)
+        out = jnp.einsum("shik,shkv->shiv", qg, states, precision=hi)
+        out = out + jnp.einsum("shij,shjv->shiv", attn, v_new, precision=hi)
+        nxt = decay[..., None] * states + jnp.einsum("shik,shiv->shkv", kd, v_new, precision=hi)
+        return out, nxt
+
+    _, pull = jax.vjp(products, w, u, qg, attn, kd, decay, states)
+    d_w, d_u, d_qg, d_attn, d_kd, d_decay, _ = pull((d_out, g_end))
+    got = sm90.xla_dense_bwd(w, u, qg, attn, kd, states, g_end, d_out)
+    want = (d_w, d_u, d_qg, d_attn, d_kd, d_decay)
+    for name, a, b in zip("d_w d_u d_qg d_attn d_kd d_decay".split(), got, want, strict=True):
+        assert rms_ratio(a, b) <= 1e-5, (name, rms_ratio(a, b))

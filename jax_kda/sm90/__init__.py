@@ -18,8 +18,11 @@ from jax_kda.sm90.backend import (
     chunk_operands_artifact,
     decayed_bwd_artifact,
     decayed_bwd_kernel,
+    dense_bwd_artifact,
+    dense_bwd_kernel,
     device_sm_count,
     differentiable_chunk_operands,
+    differentiable_scan_output,
     differentiable_state_scan,
     forward,
     forward_artifact,
@@ -35,6 +38,7 @@ from jax_kda.sm90.backend import (
     training_forward,
     unavailable_reason,
     xla_chunk_core,
+    xla_dense_bwd,
     xla_operands_bwd,
 )
 
@@ -47,8 +51,11 @@ __all__ = [
     "chunk_operands_artifact",
     "decayed_bwd_artifact",
     "decayed_bwd_kernel",
+    "dense_bwd_artifact",
+    "dense_bwd_kernel",
     "device_sm_count",
     "differentiable_chunk_operands",
+    "differentiable_scan_output",
     "differentiable_state_scan",
     "forward",
     "forward_artifact",
@@ -64,5 +71,6 @@ __all__ = [
     "training_forward",
     "unavailable_reason",
     "xla_chunk_core",
+    "xla_dense_bwd",
     "xla_operands_bwd",
 ]

@@ -377,6 +377,47 @@ def differentiable_state_scan(run, precision=jax.lax.Precision.HIGHEST):
     return call
 
 
+def differentiable_scan_output(run, dense_bwd, precision=jax.lax.Precision.HIGHEST):
+    """xla.forward's scan_output: the forward state scan (`run`, the kernel or xla.state_scan)
+    and the outputs around it, O = Qg S + Aqk (U - W S), whose backward is the reverse scan
+    and `dense_bwd` (dense_bwd_kernel, or xla_dense_bwd in CPU tests and at other
+    precisions): every product that touches a chunk's state in one pass over the chunk,
+    instead of autodiff's products of the scan's and the outputs' backward apart. Products
+    outside the kernels at `precision`."""
+    mm = functools.partial(jnp.einsum, precision=precision)
+
+    def outputs(states, w, u, qg, attn):
+        v_new = u - mm("shik,shkv->shiv", w, states)
+        return mm("shik,shkv->shiv", qg, states) + mm("shij,shjv->shiv", attn, v_new)
+
+    @jax.custom_vjp
+    def scan_output(w, kd, decay, u, qg, attn, cu_seqlens, y0):
+        states, final = run(w, kd, decay, u, cu_seqlens, y0, reverse=False)
+        return outputs(states, w, u, qg, attn), final
+
+    def scan_output_fwd(w, kd, decay, u, qg, attn, cu_seqlens, y0):
+        states, final = run(w, kd, decay, u, cu_seqlens, y0, reverse=False)
+        residuals = (w, kd, decay, u, qg, attn, cu_seqlens, states)
+        return (outputs(states, w, u, qg, attn), final), residuals
+
+    def scan_output_bwd(residuals, cotangents):
+        # S' = Diag(a) S + Kd^T V_new; dL/dS from the outputs is Qg^T dO - W^T Aqk^T dO, the
+        # reverse scan's addend; it returns G = dL/dS' at every chunk's end.
+        w, kd, decay, u, qg, attn, cu_seqlens, states = residuals
+        d_out, d_final = cotangents
+        d_states = mm("shik,shiv->shkv", qg, d_out) - mm(
+            "shik,shiv->shkv", w, mm("shji,shjv->shiv", attn, d_out)
+        )
+        g_end, d_y0 = run(kd, w, decay, d_states, cu_seqlens, d_final, reverse=True)
+        d_w, d_u, d_qg, d_attn, d_kd, d_decay = dense_bwd(
+            w, u, qg, attn, kd, states, g_end, d_out, precision
+        )
+        return d_w, d_kd, d_decay, d_u, d_qg, d_attn, None, d_y0
+
+    scan_output.defvjp(scan_output_fwd, scan_output_bwd)
+    return scan_output
+
+
 @functools.cache
 def chunk_operands_artifact(scale: float, passes: int = 3):
     """The exported exact 64-token chunk core (kernels/kda_chunk_operands_sm90.py) for this
@@ -487,6 +528,71 @@ def decayed_bwd_kernel(residuals, cotangents):
     ]
     results = [jax.ShapeDtypeStruct(q.shape, jnp.float32) for _ in range(3)]
     return tuple(cute_call(decayed_bwd_artifact(), inputs, results))
+
+
+@functools.cache
+def dense_bwd_artifact():
+    """The exported backward of the chunk outputs' dense products (kernels/kda_dense_bwd_sm90.py);
+    slots and heads symbolic."""
+    import cutlass.cute as cute
+    from cutlass import Float32
+
+    from jax_kda.sm90.export import export, row_major_fake
+    from jax_kda.sm90.kernels.kda_dense_bwd_sm90 import DenseBwdSm90
+
+    slots, heads = cute.sym_int32(), cute.sym_int32()
+    chunk = row_major_fake(Float32, (slots, heads, SCAN_CHUNK, HEAD_DIM))
+    pairs = row_major_fake(Float32, (slots, heads, SCAN_CHUNK, SCAN_CHUNK))
+    square = row_major_fake(Float32, (slots, heads, HEAD_DIM, HEAD_DIM))
+    fakes = {
+        **{name: chunk for name in ("w", "u", "qg")},
+        "attn": pairs,
+        "kd": chunk,
+        "states": square,
+        "g_end": square,
+        "d_out": chunk,
+        **{name: chunk for name in ("d_w", "d_u", "d_qg")},
+        "d_attn": pairs,
+        "d_kd": chunk,
+        "d_decay": row_major_fake(Float32, (slots, heads, HEAD_DIM)),
+    }
+    return export(DenseBwdSm90(), fakes, prefix="kda_dense_bwd_sm90", config={})
+
+
+def dense_bwd_kernel(w, u, qg, attn, kd, states, g_end, d_out, precision=None):
+    """xla_dense_bwd's contract on the kernel (one bf16 pass a product; `precision` is
+    xla_dense_bwd's and ignored here)."""
+    from jax_kda.sm90.ffi_call import cute_call
+
+    del precision
+    f32 = jnp.float32
+    results = [
+        *(jax.ShapeDtypeStruct(w.shape, f32) for _ in range(3)),  # d_w, d_u, d_qg
+        jax.ShapeDtypeStruct(attn.shape, f32),
+        jax.ShapeDtypeStruct(kd.shape, f32),
+        jax.ShapeDtypeStruct((*w.shape[:2], HEAD_DIM), f32),  # d_decay
+    ]
+    if w.shape[0] == 0:  # no chunk slots: nothing to launch (an empty grid)
+        return tuple(jnp.zeros(r.shape, r.dtype) for r in results)
+    inputs = [x.astype(f32) for x in (w, u, qg, attn, kd, states, g_end, d_out)]
+    return tuple(cute_call(dense_bwd_artifact(), inputs, results))
+
+
+def xla_dense_bwd(w, u, qg, attn, kd, states, g_end, d_out, precision=jax.lax.Precision.HIGHEST):
+    """dense_bwd_kernel's contract in XLA: with S = states (entering each slot, [slots, H, K,
+    V]), G = g_end (the cotangent of the state leaving it) and dO = d_out ([slots, H, 64, V]):
+    V_new = U - W S, dV = Aqk^T dO + Kd G; returns (d_w = -dV S^T, d_u = dV, d_qg = dO S^T,
+    d_attn = dO V_new^T, d_kd = V_new G^T, d_decay = rowsum(S * G)). Products at
+    `precision`."""
+    mm = functools.partial(jnp.einsum, precision=precision)
+    v_new = u - mm("shik,shkv->shiv", w, states)
+    d_v = mm("shji,shjv->shiv", attn, d_out) + mm("shik,shkv->shiv", kd, g_end)
+    d_w = -mm("shiv,shkv->shik", d_v, states)
+    d_qg = mm("shiv,shkv->shik", d_out, states)
+    d_attn = mm("shiv,shjv->shij", d_out, v_new)
+    d_kd = mm("shiv,shkv->shik", v_new, g_end)
+    d_decay = jnp.sum(states * g_end, axis=-1)
+    return d_w, d_v, d_qg, d_attn, d_kd, d_decay
 
 
 @functools.cache
@@ -673,7 +779,7 @@ def differentiable_chunk_operands(
 def training_forward(
     q, k, v, g, beta, cu_seqlens, initial_state, scale, *, chunk_core=True, decayed_bwd=True,
     scan_v_slice=None, scan_tensor_cores=None, fused_operands_bwd=False, dense_precision="bf16",
-    chunk_core_passes=1, scan_passes=None,
+    chunk_core_passes=1, scan_passes=None, dense_bwd=True,
 ):  # fmt: skip
     """The forward the sm90 backward differentiates (and the no-bound forward), exact for any
     g <= 0: the chunk-core kernel's per-chunk operands (their backward written out,
@@ -717,6 +823,10 @@ def training_forward(
         passes=scan_passes,
     )  # fmt: skip
     scan = differentiable_state_scan(kernel, precision)
+    scan_output = None
+    if dense_bwd:
+        dense = dense_bwd_kernel if dense_precision == "bf16" else xla_dense_bwd
+        scan_output = differentiable_scan_output(kernel, dense, precision)
     if chunk_core:
         operands = differentiable_chunk_operands(
             functools.partial(chunk_core_kernel, passes=chunk_core_passes),
@@ -726,8 +836,9 @@ def training_forward(
         )
         return xla.forward(
             q, k, v, g, beta, cu_seqlens, initial_state, scale, scan=scan, operands=operands,
-            precision=precision,
+            precision=precision, scan_output=scan_output,
         )  # fmt: skip
     return xla.forward(
-        q, k, v, g, beta, cu_seqlens, initial_state, scale, scan=scan, precision=precision
-    )
+        q, k, v, g, beta, cu_seqlens, initial_state, scale, scan=scan, precision=precision,
+        scan_output=scan_output,
+    )  # fmt: skip

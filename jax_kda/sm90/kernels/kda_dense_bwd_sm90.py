@@ -1,0 +1,314 @@
+"""The chunk outputs' dense products' backward on tensor cores, sm_90a CuTe DSL: parallel over
+(chunk slot, head), after both state scans. What xla.forward's products around the state scan
+(V_new = U - W S, O = Qg S + Aqk V_new) and the scan's own parallel part give back, in one pass
+over each chunk.
+
+Per slot, with S the state entering it ([K, V], the forward scan's), G the cotangent of the state
+leaving it ([K, V], the reverse scan's) and dO the outputs' cotangent ([64, V]):
+  V_new = U - W S
+  dV = Aqk^T dO + Kd G                       -> d_u
+  d_w = -dV S^T, d_qg = dO S^T, d_attn = dO V_new^T, d_kd = V_new G^T
+  d_decay = rowsum(S * G)                    (float32, from the loads)
+
+Products on wgmma, one bf16 pass each (the training path's dense products' precision), float32
+accumulation; every [64, 128] result is two m64n64, one a warpgroup (its half of the columns),
+d_attn two m64n32. S and G are each one bf16 image read both ways: [K, V] with V contiguous is
+B N-major for W S and Kd G (N = V) and B K-major for the S^T and G^T products (N = K); dO's
+image likewise is A of dO S^T and dO V_new^T and B N-major of Aqk^T dO. V_new and dV go back
+into shared memory as bf16 images (over W's and Kd's, once those products are done): the later
+products take their whole rows.
+
+One CTA of two warpgroups a (slot, head), 120 KiB of shared memory. Inputs, float32: w, u, qg, kd,
+d_out [slots, H, 64, 128]; attn [slots, H, 64, 64]; states, g_end [slots, H, 128, 128].
+Outputs, float32: d_w, d_u, d_qg, d_kd [slots, H, 64, 128]; d_attn [slots, H, 64, 64]; d_decay
+[slots, H, 128].
+"""
+
+from __future__ import annotations
+
+import cuda.bindings.driver as cuda
+import cutlass
+import cutlass.cute as cute
+import cutlass.cute.nvgpu.warpgroup as warpgroup
+from cutlass import BFloat16, Float32, Int32
+from cutlass.memory import SmemAllocator
+
+from jax_kda.constants import HEAD_DIM, SCAN_CHUNK
+from jax_kda.sm90.kernels.wgmma import bf16_tiled_mma, image_layout, vec4, view
+
+ROWS = SCAN_CHUNK
+WGS = 2  # warpgroups; each takes half of every product's columns
+NTHREADS = 128 * WGS
+HALF_N = HEAD_DIM // WGS
+HALF_T = ROWS // WGS  # d_attn's columns of a warpgroup
+
+# The shared images (bf16), in order, 1024-byte aligned: S and G [128, 128]; dO, W (then
+# V_new), Kd (then dV) [64, 128]; Aqk^T [64, 64].
+SQUARE_BYTES = HEAD_DIM * HEAD_DIM * 2
+CHUNK_BYTES = ROWS * HEAD_DIM * 2
+PAIRS_BYTES = ROWS * ROWS * 2
+OFF_S = 0
+OFF_G = OFF_S + SQUARE_BYTES
+OFF_DO = OFF_G + SQUARE_BYTES
+OFF_W = OFF_DO + CHUNK_BYTES
+OFF_KD = OFF_W + CHUNK_BYTES
+OFF_AT = OFF_KD + CHUNK_BYTES
+SHARED_BYTES = OFF_AT + PAIRS_BYTES
+
+
+class DenseBwdSm90:
+    @cute.jit
+    def __call__(
+        self,
+        w: cute.Tensor,
+        u: cute.Tensor,
+        qg: cute.Tensor,
+        attn: cute.Tensor,
+        kd: cute.Tensor,
+        states: cute.Tensor,
+        g_end: cute.Tensor,
+        d_out: cute.Tensor,
+        d_w: cute.Tensor,
+        d_u: cute.Tensor,
+        d_qg: cute.Tensor,
+        d_attn: cute.Tensor,
+        d_kd: cute.Tensor,
+        d_decay: cute.Tensor,
+        stream: cuda.CUstream,
+    ):
+        n_slots = w.shape[0]
+        heads = w.shape[1]
+        smem = warpgroup.OperandSource.SMEM
+        mma_n = bf16_tiled_mma((ROWS, HALF_N), smem, b_mn_major=True)  # N = V
+        mma_k = bf16_tiled_mma((ROWS, HALF_N), smem)  # N = K (the transposed products)
+        mma_t = bf16_tiled_mma((ROWS, HALF_T), smem)  # d_attn: N = tokens
+        self.kernel(
+            w, u, qg, attn, kd, states, g_end, d_out, d_w, d_u, d_qg, d_attn, d_kd, d_decay,
+            mma_n, mma_k, mma_t,
+        ).launch(grid=[n_slots, heads, 1], block=[NTHREADS, 1, 1], stream=stream)  # fmt: skip
+
+    @cute.kernel
+    def kernel(
+        self,
+        mW: cute.Tensor,
+        mU: cute.Tensor,
+        mQg: cute.Tensor,
+        mAttn: cute.Tensor,
+        mKd: cute.Tensor,
+        mS: cute.Tensor,
+        mG: cute.Tensor,
+        mDo: cute.Tensor,
+        mDw: cute.Tensor,
+        mDu: cute.Tensor,
+        mDqg: cute.Tensor,
+        mDattn: cute.Tensor,
+        mDkd: cute.Tensor,
+        mDdecay: cute.Tensor,
+        mma_n: cute.TiledMma,
+        mma_k: cute.TiledMma,
+        mma_t: cute.TiledMma,
+    ):
+        tid, _, _ = cute.arch.thread_idx()
+        slot, h, _ = cute.arch.block_idx()
+        d = tid % 128  # the thread within its warpgroup
+        part = tid // 128  # warpgroup: columns [HALF_N part, HALF_N (part + 1)) of a product
+
+        smem = SmemAllocator()
+        s_raw = smem.allocate_tensor(Int32, cute.make_layout(SHARED_BYTES // 4), 1024)
+        raw = s_raw.iterator
+        by_k = image_layout(HEAD_DIM, HEAD_DIM)  # [K rows, V]: B of the S^T / G^T products
+        by_v = image_layout(HEAD_DIM, HEAD_DIM, mn_major=True)  # the same bytes as [V, K]
+        s_s = view(raw, OFF_S, by_k)
+        s_s_v = view(raw, OFF_S, by_v)
+        s_g = view(raw, OFF_G, by_k)
+        s_g_v = view(raw, OFF_G, by_v)
+        s_do = view(raw, OFF_DO, image_layout(ROWS, HEAD_DIM))  # [tokens, V]
+        s_do_v = view(raw, OFF_DO, image_layout(HEAD_DIM, ROWS, mn_major=True))  # as [V, tokens]
+        s_w = view(raw, OFF_W, image_layout(ROWS, HEAD_DIM))
+        s_vn = s_w  # V_new once W S is done
+        s_kd = view(raw, OFF_KD, image_layout(ROWS, HEAD_DIM))
+        s_dv = s_kd  # dV once Kd G is done
+        s_at = view(raw, OFF_AT, image_layout(ROWS, ROWS))  # Aqk^T
+
+        # ---- the operands into their images; d_decay from S and G as they pass
+        _square_images(s_s, s_g, mS[slot, h, None, None], mG[slot, h, None, None],
+                       mDdecay[slot, h, None], tid)  # fmt: skip
+        _chunk_image(s_w, mW[slot, h, None, None], tid)
+        _chunk_image(s_kd, mKd[slot, h, None, None], tid)
+        _chunk_image(s_do, mDo[slot, h, None, None], tid)
+        _transposed_pairs_image(s_at, mAttn[slot, h, None, None], tid)
+        cute.arch.fence_proxy("async.shared", space="cta")
+        cute.arch.sync_threads()
+
+        mma_n.set(warpgroup.Field.ACCUMULATE, True)
+        mma_k.set(warpgroup.Field.ACCUMULATE, True)
+        mma_t.set(warpgroup.Field.ACCUMULATE, True)
+        thr_n = mma_n.get_slice(d)
+        thr_k = mma_k.get_slice(d)
+        thr_t = mma_t.get_slice(d)
+        c_half = thr_n.partition_C(cute.make_identity_tensor((ROWS, HALF_N)))
+        c_t = thr_t.partition_C(cute.make_identity_tensor((ROWS, HALF_T)))
+        n0 = part * HALF_N
+
+        # ---- W S and Aqk^T dO + Kd G (this warpgroup's V columns), issued together
+        f_sv = mma_n.make_fragment_B(
+            thr_n.partition_B(cute.local_tile(s_s_v, (HALF_N, HEAD_DIM), (part, 0)))
+        )
+        f_gv = mma_n.make_fragment_B(
+            thr_n.partition_B(cute.local_tile(s_g_v, (HALF_N, HEAD_DIM), (part, 0)))
+        )
+        f_dov = mma_n.make_fragment_B(
+            thr_n.partition_B(cute.local_tile(s_do_v, (HALF_N, ROWS), (part, 0)))
+        )
+        f_w = mma_n.make_fragment_A(thr_n.partition_A(s_w))
+        f_kd = mma_n.make_fragment_A(thr_n.partition_A(s_kd))
+        f_at = mma_n.make_fragment_A(thr_n.partition_A(s_at))
+        acc_ws = cute.make_rmem_tensor(mma_n.partition_shape_C((ROWS, HALF_N)), Float32)
+        acc_dv = cute.make_rmem_tensor(mma_n.partition_shape_C((ROWS, HALF_N)), Float32)
+        acc_ws.fill(0.0)
+        acc_dv.fill(0.0)
+        cute.nvgpu.warpgroup.fence()
+        for kb in cutlass.range_constexpr(HEAD_DIM // 16):
+            cute.gemm(mma_n, acc_ws, f_w[None, None, kb], f_sv[None, None, kb], acc_ws)
+        for kb in cutlass.range_constexpr(ROWS // 16):
+            cute.gemm(mma_n, acc_dv, f_at[None, None, kb], f_dov[None, None, kb], acc_dv)
+        for kb in cutlass.range_constexpr(HEAD_DIM // 16):
+            cute.gemm(mma_n, acc_dv, f_kd[None, None, kb], f_gv[None, None, kb], acc_dv)
+        cute.nvgpu.warpgroup.commit_group()
+        # U's values at this thread's accumulator coordinates load while the products run
+        r_u = cute.make_rmem_tensor(acc_ws.shape, Float32)
+        for e in cutlass.range_constexpr(0, cute.size(acc_ws), 2):
+            i, n = c_half[e]
+            pair = _pair_at(mU[slot, h, i, None], n0 + n).load()
+            r_u[e] = pair[0]
+            r_u[e + 1] = pair[1]
+        cute.nvgpu.warpgroup.wait_group(0)
+        cute.arch.sync_threads()  # both warpgroups are done with W and Kd: their space is free
+        for e in cutlass.range_constexpr(cute.size(acc_ws)):
+            i, n = c_half[e]
+            v_new = r_u[e] - acc_ws[e]
+            s_vn[i, n0 + n] = v_new.to(BFloat16)
+            s_dv[i, n0 + n] = acc_dv[e].to(BFloat16)
+        _store_pairs(acc_dv, c_half, mDu[slot, h, None, None], n0, False)
+        cute.arch.fence_proxy("async.shared", space="cta")
+        cute.arch.sync_threads()
+
+        # ---- dV S^T, dO S^T, V_new G^T (this warpgroup's K channels), dO V_new^T (its tokens)
+        f_sk = mma_k.make_fragment_B(
+            thr_k.partition_B(cute.local_tile(s_s, (HALF_N, HEAD_DIM), (part, 0)))
+        )
+        f_gk = mma_k.make_fragment_B(
+            thr_k.partition_B(cute.local_tile(s_g, (HALF_N, HEAD_DIM), (part, 0)))
+        )
+        f_dv = mma_k.make_fragment_A(thr_k.partition_A(s_dv))
+        f_do = mma_k.make_fragment_A(thr_k.partition_A(s_do))
+        f_vn = mma_k.make_fragment_A(thr_k.partition_A(s_vn))
+        f_do_t = mma_t.make_fragment_A(thr_t.partition_A(s_do))
+        f_vn_t = mma_t.make_fragment_B(
+            thr_t.partition_B(cute.local_tile(s_vn, (HALF_T, HEAD_DIM), (part, 0)))
+        )
+        acc_w = cute.make_rmem_tensor(mma_k.partition_shape_C((ROWS, HALF_N)), Float32)
+        acc_q = cute.make_rmem_tensor(mma_k.partition_shape_C((ROWS, HALF_N)), Float32)
+        acc_kd = cute.make_rmem_tensor(mma_k.partition_shape_C((ROWS, HALF_N)), Float32)
+        acc_at = cute.make_rmem_tensor(mma_t.partition_shape_C((ROWS, HALF_T)), Float32)
+        acc_w.fill(0.0)
+        acc_q.fill(0.0)
+        acc_kd.fill(0.0)
+        acc_at.fill(0.0)
+        cute.nvgpu.warpgroup.fence()
+        for kb in cutlass.range_constexpr(HEAD_DIM // 16):
+            cute.gemm(mma_k, acc_w, f_dv[None, None, kb], f_sk[None, None, kb], acc_w)
+        for kb in cutlass.range_constexpr(HEAD_DIM // 16):
+            cute.gemm(mma_k, acc_q, f_do[None, None, kb], f_sk[None, None, kb], acc_q)
+        cute.nvgpu.warpgroup.commit_group()
+        for kb in cutlass.range_constexpr(HEAD_DIM // 16):
+            cute.gemm(mma_k, acc_kd, f_vn[None, None, kb], f_gk[None, None, kb], acc_kd)
+        for kb in cutlass.range_constexpr(HEAD_DIM // 16):
+            cute.gemm(mma_t, acc_at, f_do_t[None, None, kb], f_vn_t[None, None, kb], acc_at)
+        cute.nvgpu.warpgroup.commit_group()
+        cute.nvgpu.warpgroup.wait_group(1)
+        _store_pairs(acc_w, c_half, mDw[slot, h, None, None], n0, True)
+        _store_pairs(acc_q, c_half, mDqg[slot, h, None, None], n0, False)
+        cute.nvgpu.warpgroup.wait_group(0)
+        _store_pairs(acc_kd, c_half, mDkd[slot, h, None, None], n0, False)
+        _store_pairs(acc_at, c_t, mDattn[slot, h, None, None], part * HALF_T, False)
+
+
+def _pair_at(row: cute.Tensor, n):
+    """Elements n, n + 1 (n even) of a float32 row in global memory as one 8-byte vector."""
+    return cute.make_tensor((row.iterator + n).align(8), cute.make_layout(2))
+
+
+@cute.jit
+def _store_pairs(acc: cute.Tensor, coords: cute.Tensor, out: cute.Tensor, col0, negate: bool):
+    """A warpgroup's float32 accumulator into out[i, col0 + n] (float32 [rows, cols] in global
+    memory), (-) its values; a thread holds columns n, n + 1 (n even) at e, e + 1, stored as
+    one 8-byte pair."""
+    pair = cute.make_rmem_tensor((2,), Float32)
+    for e in cutlass.range_constexpr(0, cute.size(acc), 2):
+        i, n = coords[e]
+        pair[0] = acc[e]
+        pair[1] = acc[e + 1]
+        if cutlass.const_expr(negate):
+            pair[0] = -acc[e]
+            pair[1] = -acc[e + 1]
+        _pair_at(out[i, None], col0 + n).store(pair.load())
+
+
+@cute.jit
+def _square_images(s_s, s_g, m_s: cute.Tensor, m_g: cute.Tensor, m_decay: cute.Tensor, tid):
+    """S and G ([128, 128] float32, row-major) into their bf16 images, and m_decay[k] = the
+    float32 sum over v of S[k, v] G[k, v]. A warp reads one row of each a pass, 16 bytes a
+    lane, and sums its row by shuffles."""
+    lane = tid % 32
+    passes = HEAD_DIM * HEAD_DIM // (NTHREADS * 4)
+    r_s = cute.make_rmem_tensor((passes, 4), Float32)
+    r_g = cute.make_rmem_tensor((passes, 4), Float32)
+    for p in cutlass.range_constexpr(passes):
+        e = (p * NTHREADS + tid) * 4
+        row = e // HEAD_DIM
+        col = e % HEAD_DIM
+        r_s[p, None].store(vec4(m_s[row, None].iterator + col).load())
+        r_g[p, None].store(vec4(m_g[row, None].iterator + col).load())
+    for p in cutlass.range_constexpr(passes):
+        e = (p * NTHREADS + tid) * 4
+        row = e // HEAD_DIM
+        col = e % HEAD_DIM
+        dot = Float32(0.0)
+        for x in cutlass.range_constexpr(4):
+            s_s[row, col + x] = r_s[p, x].to(BFloat16)
+            s_g[row, col + x] = r_g[p, x].to(BFloat16)
+            dot = dot + r_s[p, x] * r_g[p, x]
+        for offset in cutlass.range_constexpr(5):
+            dot = dot + cute.arch.shuffle_sync_bfly(dot, 16 >> offset)
+        if lane == 0:
+            m_decay[row] = dot
+
+
+@cute.jit
+def _chunk_image(image, m_x: cute.Tensor, tid):
+    """A [64, 128] float32 row-major chunk into its bf16 image, 16 bytes a thread a pass."""
+    passes = ROWS * HEAD_DIM // (NTHREADS * 4)
+    r_x = cute.make_rmem_tensor((passes, 4), Float32)
+    for p in cutlass.range_constexpr(passes):
+        e = (p * NTHREADS + tid) * 4
+        r_x[p, None].store(vec4(m_x[e // HEAD_DIM, None].iterator + e % HEAD_DIM).load())
+    for p in cutlass.range_constexpr(passes):
+        e = (p * NTHREADS + tid) * 4
+        for x in cutlass.range_constexpr(4):
+            image[e // HEAD_DIM, e % HEAD_DIM + x] = r_x[p, x].to(BFloat16)
+
+
+@cute.jit
+def _transposed_pairs_image(image, m_a: cute.Tensor, tid):
+    """A [64, 64] float32 row-major pair matrix, transposed, into its bf16 image:
+    image[i, j] = m_a[j, i]."""
+    passes = ROWS * ROWS // (NTHREADS * 4)
+    r_a = cute.make_rmem_tensor((passes, 4), Float32)
+    for p in cutlass.range_constexpr(passes):
+        e = (p * NTHREADS + tid) * 4
+        r_a[p, None].store(vec4(m_a[e // ROWS, None].iterator + e % ROWS).load())
+    for p in cutlass.range_constexpr(passes):
+        e = (p * NTHREADS + tid) * 4
+        for x in cutlass.range_constexpr(4):
+            image[e % ROWS + x, e // ROWS] = r_a[p, x].to(BFloat16)
