@@ -11,7 +11,8 @@ into each given segment count, or (--train) for a training step: forward and bac
 diagnostic for kernel work and for plan.py's cost model; the results tables come from
 ``benchmarks.run``). ``--train-variants base,core+dbwd+x3,core+dbwd+x3+v64`` profiles the
 backward's recompute and backward with the named kernels switched in and the rest off (with
-``--forward-only``, their forward alone: the no-bound forward); core+dbwd+x3 is the default.
+``--forward-only``, their forward alone: the no-bound forward); core1+dbwd+x1+s1+dense is the
+default.
 """
 
 from __future__ import annotations
@@ -218,6 +219,7 @@ def _variants(text: str) -> list[tuple[str, dict]]:
             "dense_precision": "float32",
             "chunk_core_passes": 3,
             "scan_passes": 3,
+            "dense_bwd": False,
         }
         for part in name.split("+"):
             if part == "core":
@@ -236,6 +238,8 @@ def _variants(text: str) -> list[tuple[str, dict]]:
                 options["scan_passes"] = 1
             elif part == "x1":  # the dense products as one bf16 pass
                 options["dense_precision"] = "bf16"
+            elif part == "dense":  # the scan and outputs as one VJP, their backward's kernel
+                options["dense_bwd"] = True
             elif part in SCAN_VARIANTS:
                 options["scan_v_slice"], options["scan_tensor_cores"] = SCAN_VARIANTS[part]
             elif part != "base":

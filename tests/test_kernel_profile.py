@@ -65,6 +65,7 @@ def test_train_variants_parse_into_training_forward_options():
         "dense_precision": "float32",
         "chunk_core_passes": 3,
         "scan_passes": 3,
+        "dense_bwd": False,
     }
     assert _variants("base,core,v64,core+dbwd+v64+x3") == [
         ("base", off),
@@ -91,5 +92,6 @@ def test_train_variants_parse_into_training_forward_options():
     }  # fmt: skip
     assert _variants("core1")[0][1] == {**off, "chunk_core": True, "chunk_core_passes": 1}
     assert _variants("s1")[0][1] == {**off, "scan_passes": 1}
+    assert _variants("x1+dense")[0][1] == {**off, "dense_precision": "bf16", "dense_bwd": True}
     with pytest.raises(argparse.ArgumentTypeError, match="unknown variant part 'v8'"):
         _variants("core+v8")
