@@ -131,7 +131,7 @@ def test_prepared_inputs_and_grouped_heads_lower_to_the_kernels(lower_bound):
     forward = {"kda_fwd_sm90_h2"} if lower_bound is not None else set()
     assert kinds == forward | {
         "kda_chunk_operands_sm90_x1", "kda_decayed_bwd", "kda_state_scan_sm90_fwd",
-        "kda_state_scan_sm90_rev",
+        "kda_state_scan_sm90_rev", "kda_dense_bwd",
     }, kinds  # fmt: skip
 
 
