@@ -691,7 +691,7 @@ def test_vmap_runs_the_sm90_path_as_one_call():
         prefixes = re.findall(r'prefix = "(\w+)"', text)
         kinds = sorted(p.rsplit("_", 1)[0] for p in prefixes)
         expected = ["kda_fwd_sm90"] if name == "vmap" else [
-            "kda_chunk_operands_sm90_x1", "kda_decayed_bwd", "kda_fwd_sm90",
+            "kda_chunk_operands_sm90_x1", "kda_decayed_bwd", "kda_dense_bwd", "kda_fwd_sm90",
             "kda_state_scan_sm90_fwd", "kda_state_scan_sm90_rev",
         ]  # fmt: skip
         assert [k.rsplit("_", 1)[0] if k.startswith("kda_fwd") else k for k in kinds] == expected
