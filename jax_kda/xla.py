@@ -427,7 +427,7 @@ def from_chunks(x: jax.Array, rows: jax.Array) -> jax.Array:
 
 def forward(
     q, k, v, g, beta, cu_seqlens, initial_state, scale, *, scan=None, operands=chunk_operands,
-    precision=_PRECISION, scan_output=None,
+    precision=_PRECISION, chunks=None,
 ):  # fmt: skip
     """KDA forward, packed THD.
 
@@ -443,10 +443,10 @@ def forward(
         sm90 backend's training path.
       operands: chunk_operands's signature: this module's, or the sm90 kernel's.
       precision: of the products around a `scan` (V_new and the outputs; default float32).
-      scan_output: instead of `scan` and the products around it, one function of (w, kd, decay,
-        u, qg, attn, cu_seqlens, state [N, H, K, V]) returning (out [slots, H, 64, V], final
-        [N, H, K, V]): the sm90 training path's, whose backward runs the reverse scan and the
-        dense products' backward kernel.
+      chunks: instead of `operands`, `scan` and the products around them, one function of (q, k,
+        v, g, beta, cu_seqlens, rows, state [N, H, K, V], num_slots, scale) returning (out
+        [slots, H, 64, V], final [N, H, K, V]): the sm90 training path's, one custom VJP
+        (sm90.backend.differentiable_chunks).
     Returns:
       o: [T, H, 128] in q's dtype; final_state: [N, H, 128(V), 128(K)] float32.
     """
@@ -456,13 +456,14 @@ def forward(
     cu_seqlens = jnp.asarray(cu_seqlens, jnp.int32)
     _, rows = _token_slots(cu_seqlens, total_tokens)
     g = jnp.maximum(g, GATE_FLOOR)  # NaN stays NaN
-    w, u, qg, attn, kd, decay_chunk = operands(q, k, v, g, beta, cu_seqlens, rows, num_slots, scale)
-
     state_kv = jnp.swapaxes(initial_state.astype(jnp.float32), -1, -2)
+    if chunks is not None:
+        out, finals = chunks(q, k, v, g, beta, cu_seqlens, rows, state_kv, num_slots, scale)
+        o = from_chunks(out, rows).astype(q.dtype)
+        return o, jnp.swapaxes(finals, -1, -2)
+    w, u, qg, attn, kd, decay_chunk = operands(q, k, v, g, beta, cu_seqlens, rows, num_slots, scale)
     operands = (w, kd, decay_chunk, u, cu_seqlens, state_kv)
-    if scan_output is not None:
-        out, finals = scan_output(w, kd, decay_chunk, u, qg, attn, cu_seqlens, state_kv)
-    elif scan is None:
+    if scan is None:
         out, finals = state_scan(*operands, reverse=False, emit=_chunk_output, extras=(qg, attn))
     else:
         # Everything but the state's chain is parallel over chunks: V_new = U - W S.

@@ -273,13 +273,13 @@ def test_operands_bwd_kernel_with_no_slots_returns_zeros_without_a_launch():
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-def test_scan_output_wiring_gives_the_xla_paths_gradients(dtype):
-    """sm90.differentiable_scan_output (the state scan and the outputs around it, its backward
-    the reverse scan and the dense products' backward) around XLA stand-ins for the kernels
-    (xla.state_scan, xla_dense_bwd), with the chunk core's wiring too: the XLA path's gradients
-    on long-memory data, where the states carried between chunks and the initial state
-    matter. A backward that dropped the outputs' part of dU, or of the state's cotangent,
-    fails here."""
+def test_chunks_wiring_gives_the_xla_paths_gradients(dtype):
+    """sm90.differentiable_chunks (the chunk core, the state scan and the outputs around them as
+    one custom VJP: the reverse scan, then every chunk's backward) around XLA stand-ins for the
+    kernels (xla_chunk_core, xla.state_scan, xla_chunk_bwd): the XLA path's gradients, in the
+    inputs' dtypes, on long-memory data, where the states carried between chunks and the
+    initial state matter. A backward that dropped the outputs' part of dU, or of the state's
+    cotangent, fails here."""
     x = long_memory_inputs([130, 0, 70, 1], 2, seed=31, dtype=dtype)
     args = (*x[:5], x.initial_state)
     w_o = np.random.default_rng(6).standard_normal(x.q.shape).astype(np.float32)
@@ -294,15 +294,13 @@ def test_scan_output_wiring_gives_the_xla_paths_gradients(dtype):
 
     calls = []
 
-    def dense(*a):
-        calls.append(a[0].shape)
-        return sm90.xla_dense_bwd(*a)
+    def chunk_bwd(scale, tokens, *rest):
+        calls.append([t.shape for t in tokens])  # what the forward saved: the tokens themselves
+        return sm90.xla_chunk_bwd(scale, tokens, *rest)
 
-    wired = grads(
-        operands=sm90.differentiable_chunk_operands(sm90.xla_chunk_core),
-        scan_output=sm90.differentiable_scan_output(xla.state_scan, dense),
-    )
-    assert len(calls) == 1, calls
+    chunks = sm90.differentiable_chunks(sm90.xla_chunk_core, xla.state_scan, chunk_bwd)
+    wired = grads(chunks=chunks)
+    assert calls == [[x.q.shape, x.k.shape, x.v.shape, x.beta.shape]], calls
     # bfloat16 gradients round at 2^-9: a changed summation order flips a few roundings
     bar = 1e-5 if dtype == jnp.float32 else 1e-4
     for name, a, b, arg in zip("q k v g beta state".split(), wired, grads(), args, strict=True):

@@ -377,45 +377,78 @@ def differentiable_state_scan(run, precision=jax.lax.Precision.HIGHEST):
     return call
 
 
-def differentiable_scan_output(run, dense_bwd, precision=jax.lax.Precision.HIGHEST):
-    """xla.forward's scan_output: the forward state scan (`run`, the kernel or xla.state_scan)
-    and the outputs around it, O = Qg S + Aqk (U - W S), whose backward is the reverse scan
-    and `dense_bwd` (dense_bwd_kernel, or xla_dense_bwd in CPU tests and at other
-    precisions): every product that touches a chunk's state in one pass over the chunk,
-    instead of autodiff's products of the scan's and the outputs' backward apart. Products
-    outside the kernels at `precision`."""
+def differentiable_chunks(core, scan, chunk_bwd, precision=jax.lax.Precision.HIGHEST):
+    """xla.forward's `chunks`: the packed tokens to (out [slots, H, 64, V], final) through the
+    chunk core (`core`: chunk_core_kernel's contract), the forward state scan (`scan`:
+    state_scan_kernel's, or xla.state_scan) and the outputs around it, O = Qg S + Aqk (U - W S),
+    as one custom VJP. Its backward: the reverse scan, then `chunk_bwd` (xla_chunk_bwd's
+    contract: every chunk's part, parallel over chunks, straight to the tokens' gradients).
+    Residuals: the tokens, the core's outputs and the chunk states. Products outside the
+    kernels at `precision`."""
     mm = functools.partial(jnp.einsum, precision=precision)
 
     def outputs(states, w, u, qg, attn):
         v_new = u - mm("shik,shkv->shiv", w, states)
         return mm("shik,shkv->shiv", qg, states) + mm("shij,shjv->shiv", attn, v_new)
 
-    @jax.custom_vjp
-    def scan_output(w, kd, decay, u, qg, attn, cu_seqlens, y0):
-        states, final = run(w, kd, decay, u, cu_seqlens, y0, reverse=False)
-        return outputs(states, w, u, qg, attn), final
+    def forward(q, k, v, g, beta, cu_seqlens, y0, num_slots, scale):
+        core_out = core(q, k, v, g, beta, cu_seqlens, num_slots, scale)
+        w, u, qg, attn, kd, decay = core_out[:6]
+        states, final = scan(w, kd, decay, u, cu_seqlens, y0, reverse=False)
+        return (outputs(states, w, u, qg, attn), final), core_out, states
 
-    def scan_output_fwd(w, kd, decay, u, qg, attn, cu_seqlens, y0):
-        states, final = run(w, kd, decay, u, cu_seqlens, y0, reverse=False)
-        residuals = (w, kd, decay, u, qg, attn, cu_seqlens, states)
-        return (outputs(states, w, u, qg, attn), final), residuals
+    @functools.partial(jax.custom_vjp, nondiff_argnums=(8, 9))
+    def chunks(q, k, v, g, beta, cu_seqlens, rows, y0, num_slots, scale):
+        return forward(q, k, v, g, beta, cu_seqlens, y0, num_slots, scale)[0]
 
-    def scan_output_bwd(residuals, cotangents):
+    def chunks_fwd(q, k, v, g, beta, cu_seqlens, rows, y0, num_slots, scale):
+        primal, core_out, states = forward(q, k, v, g, beta, cu_seqlens, y0, num_slots, scale)
+        like = tuple(jnp.zeros((0,), x.dtype) for x in (q, k, v, g, beta))  # the dtypes
+        return primal, ((q, k, v, beta), cu_seqlens, rows, core_out, states, like)
+
+    def chunks_bwd(num_slots, scale, saved, cotangents):
         # S' = Diag(a) S + Kd^T V_new; dL/dS from the outputs is Qg^T dO - W^T Aqk^T dO, the
         # reverse scan's addend; it returns G = dL/dS' at every chunk's end.
-        w, kd, decay, u, qg, attn, cu_seqlens, states = residuals
+        tokens, cu_seqlens, rows, core_out, states, like = saved
+        w, _, qg, attn, kd, decay = core_out[:6]
         d_out, d_final = cotangents
         d_states = mm("shik,shiv->shkv", qg, d_out) - mm(
             "shik,shiv->shkv", w, mm("shji,shjv->shiv", attn, d_out)
         )
-        g_end, d_y0 = run(kd, w, decay, d_states, cu_seqlens, d_final, reverse=True)
-        d_w, d_u, d_qg, d_attn, d_kd, d_decay = dense_bwd(
-            w, u, qg, attn, kd, states, g_end, d_out, precision
+        g_end, d_y0 = scan(kd, w, decay, d_states, cu_seqlens, d_final, reverse=True)
+        d_tokens = chunk_bwd(
+            scale, tokens, cu_seqlens, rows, core_out, states, g_end, d_out, precision
         )
-        return d_w, d_kd, d_decay, d_u, d_qg, d_attn, None, d_y0
+        d_tokens = [d.astype(x.dtype) for d, x in zip(d_tokens, like, strict=True)]
+        return (*d_tokens, None, None, d_y0)
 
-    scan_output.defvjp(scan_output_fwd, scan_output_bwd)
-    return scan_output
+    chunks.defvjp(chunks_fwd, chunks_bwd)
+    return chunks
+
+
+def xla_chunk_bwd(
+    scale, tokens, cu_seqlens, rows, core_out, states, g_end, d_out, precision,
+    dense_bwd=None, decayed_bwd=None, operands_bwd=None,
+):  # fmt: skip
+    """Every chunk's part of the backward, straight to the tokens: tokens = (q, k, v, beta)
+    packed; core_out: the chunk core's nine outputs; states: the state entering each slot, g_end
+    the cotangent of the state leaving it (the reverse scan's), d_out the outputs' cotangent
+    [slots, H, 64, V]. Returns (dq, dk, dv, dg, dbeta) in the tokens' rows, float32. The dense
+    products' backward by `dense_bwd` (dense_bwd_kernel's contract; None: xla_dense_bwd), then
+    the chunk core's written-out backward (xla_operands_bwd, its decayed products by
+    `decayed_bwd`, decayed_bwd_kernel's contract; None: in XLA), or `operands_bwd` where given
+    (operands_bwd_kernel's contract)."""
+    w, u, qg, attn, kd, _, gamma, kk, t_inverse = core_out
+    cotangents = (dense_bwd or xla_dense_bwd)(w, u, qg, attn, kd, states, g_end, d_out, precision)
+    intermediates = (gamma, kk, w, u, t_inverse)
+    if operands_bwd is not None:
+        return operands_bwd(
+            scale, tokens, cu_seqlens, rows, w.shape[0], intermediates, cotangents, precision
+        )
+    return xla_operands_bwd(
+        scale, tokens, cu_seqlens, rows, w.shape[0], intermediates, cotangents, precision,
+        decayed_bwd,
+    )  # fmt: skip
 
 
 @functools.cache
@@ -807,11 +840,13 @@ def training_forward(
     the tokens' rows, three passes; it needs decayed_bwd=True). It passes every GPU test but is
     slower than the XLA element-wise part it replaces (H200 profile: 2048x12x1 span 969 against
     944 us, 8192x16x1 4542 against 4119): its tail runs at one CTA an SM, latency-bound, so it
-    is off by default. dense_bwd=True (the default) takes the state scan and the outputs around
-    it as one custom VJP (differentiable_scan_output) whose backward runs the reverse scan and
-    then every product touching a chunk's state in one kernel (dense_bwd_kernel; xla_dense_bwd
-    at dense_precision other than bf16): H200 profile, 2048x12x1 recompute + backward 712
-    against 767 us, 8192x16x1 3149 against 3421."""
+    is off by default. dense_bwd=True (the default) takes the chunk core, the state scan and
+    the outputs around it as one custom VJP (differentiable_chunks) whose backward runs the
+    reverse scan, then every product touching a chunk's state in one kernel (dense_bwd_kernel;
+    xla_dense_bwd at dense_precision other than bf16), then the chunk core's backward
+    (xla_chunk_bwd): H200 profile, 2048x12x1 recompute + backward 712 against 767 us,
+    8192x16x1 3149 against 3421 (measured with the scan and the outputs as the custom VJP and
+    the chunk core's apart; the same kernels)."""
     if decayed_bwd and not chunk_core:
         raise ValueError("decayed_bwd=True needs chunk_core=True (the operands' backward it is in)")
     if fused_operands_bwd and not decayed_bwd:
@@ -829,10 +864,21 @@ def training_forward(
         passes=scan_passes,
     )  # fmt: skip
     scan = differentiable_state_scan(kernel, precision)
-    scan_output = None
     if dense_bwd:
-        dense = dense_bwd_kernel if dense_precision == "bf16" else xla_dense_bwd
-        scan_output = differentiable_scan_output(kernel, dense, precision)
+        chunk_bwd = functools.partial(
+            xla_chunk_bwd,
+            dense_bwd=dense_bwd_kernel if dense_precision == "bf16" else xla_dense_bwd,
+            decayed_bwd=decayed_bwd_kernel if decayed_bwd else None,
+            operands_bwd=operands_bwd_kernel if fused_operands_bwd else None,
+        )
+        core = functools.partial(chunk_core_kernel, passes=chunk_core_passes)
+        chunks = differentiable_chunks(
+            core if chunk_core else xla_chunk_core, kernel, chunk_bwd, precision
+        )
+        return xla.forward(
+            q, k, v, g, beta, cu_seqlens, initial_state, scale, precision=precision,
+            chunks=chunks,
+        )  # fmt: skip
     if chunk_core:
         operands = differentiable_chunk_operands(
             functools.partial(chunk_core_kernel, passes=chunk_core_passes),
@@ -842,9 +888,8 @@ def training_forward(
         )
         return xla.forward(
             q, k, v, g, beta, cu_seqlens, initial_state, scale, scan=scan, operands=operands,
-            precision=precision, scan_output=scan_output,
+            precision=precision,
         )  # fmt: skip
     return xla.forward(
-        q, k, v, g, beta, cu_seqlens, initial_state, scale, scan=scan, precision=precision,
-        scan_output=scan_output,
-    )  # fmt: skip
+        q, k, v, g, beta, cu_seqlens, initial_state, scale, scan=scan, precision=precision
+    )
