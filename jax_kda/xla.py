@@ -313,8 +313,19 @@ def _chunk_operands_bwd(
     sm90 kernel of it; None: this module's. t_inverse: T^-1 where the forward has it (the sm90
     chunk core): dRhs is then one product instead of a blocked triangular solve. precision: of
     that product and dL's (the sm90 backward's bf16x3)."""
-    q, k, v, beta, gamma, kk, lower, solved, qg, kd, decay_chunk = residuals
+    _, _, _, beta, _, kk, lower, solved, _, _, _ = residuals
     d_w, d_u, d_qg, d_attn, d_kd, d_decay = cotangents
+    d_rhs, d_kk, d_beta_kk = _solve_bwd(d_w, d_u, beta, kk, lower, solved, t_inverse, precision)
+    return _chunk_operands_bwd_tail(
+        scale, residuals, (d_rhs, d_kk, d_beta_kk, d_qg, d_attn, d_kd, d_decay), decayed_bwd
+    )
+
+
+def _solve_bwd(d_w, d_u, beta, kk, lower, solved, t_inverse=None, precision=_PRECISION):
+    """The backward of [W | U] = T^-1 R, T = I + L, L = strictLower(beta kk), to R and kk:
+    d_rhs = T^-T [dW | dU] ([..., 64, 256]), d_kk = beta dL with dL = -strictLower(d_rhs
+    [W | U]^T), and d_beta_kk = rowsum(dL kk), L's part of dbeta. t_inverse: T^-1 where the
+    forward has it (d_rhs is then one product), else a blocked triangular solve with `lower`."""
     d_solved = jnp.concatenate([d_w, d_u], axis=-1)
     if t_inverse is not None:
         d_rhs = jnp.einsum("...ji,...jn->...in", t_inverse, d_solved, precision=precision)
@@ -324,15 +335,21 @@ def _chunk_operands_bwd(
         d_rhs = jnp.flip(_blocked_unit_lower_solve(flipped, jnp.flip(d_solved, -2)), -2)
     d_lower = -jnp.einsum("...id,...jd->...ij", d_rhs, solved, precision=precision)
     d_lower = jnp.where(_LOWER_STRICT, d_lower, 0.0)
-    d_kk = beta[..., :, None] * d_lower
+    return d_rhs, beta[..., :, None] * d_lower, jnp.sum(d_lower * kk, axis=-1)
+
+
+def _chunk_operands_bwd_tail(scale, residuals, cotangents, decayed_bwd=None):
+    """_chunk_operands_bwd past the solve: from (d_rhs, d_kk, d_beta_kk) (_solve_bwd's) and the
+    cotangents of Qg, Aqk, Kd and a, the gradients of the chunked (q, k, v, g, beta)."""
+    q, k, v, beta, gamma, _, _, _, qg, kd, decay_chunk = residuals
+    d_rhs, d_kk, d_beta_kk, d_qg, d_attn, d_kd, d_decay = cotangents
     d_qk = jnp.where(_LOWER_INCL, scale * d_attn, 0.0)
     d_q, d_k, d_gamma = (decayed_bwd or _decayed_products_bwd)((q, k, gamma), (d_kk, d_qk))
 
     e = jnp.exp(gamma)
     d_rhs_w, d_rhs_u = jnp.split(d_rhs, 2, axis=-1)
     k_e = k * e
-    d_beta = jnp.sum(d_lower * kk, axis=-1)
-    d_beta = d_beta + jnp.sum(d_rhs_w * k_e, axis=-1) + jnp.sum(d_rhs_u * v, axis=-1)
+    d_beta = d_beta_kk + jnp.sum(d_rhs_w * k_e, axis=-1) + jnp.sum(d_rhs_u * v, axis=-1)
     d_k = d_k + beta[..., None] * e * d_rhs_w
     d_gamma = d_gamma + beta[..., None] * k_e * d_rhs_w
     d_v = beta[..., None] * d_rhs_u

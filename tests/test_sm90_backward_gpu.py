@@ -414,18 +414,21 @@ DENSE_CASES = {
 
 @pytest.mark.parametrize("case", DENSE_CASES)
 def test_dense_bwd_kernel_matches_xla(case):
-    """The dense products' backward (kernels/kda_dense_bwd_sm90.py) against xla_dense_bwd on
-    a real call's chunk operands and states (the XLA path's chunk core and scan), the reverse
-    scan's G from random output and final-state cotangents: every output NaN-poisoned, against
-    float32 products (bar: one bf16 pass) and against the same products of bf16-rounded
-    operands (bar 1e-3: only the accumulation order differs)."""
+    """The dense products' and the solve's backward (kernels/kda_dense_bwd_sm90.py) against
+    xla_dense_bwd on a real call's chunk operands and states (the XLA path's chunk core and
+    scan), the reverse scan's G from random output and final-state cotangents: every output
+    NaN-poisoned, against float32 products (bar: bf16 passes) and against the same products of
+    bf16-rounded operands (only the accumulation order and the roundings it flips differ)."""
     register()
     lengths, make = DENSE_CASES[case]
     x = make(lengths, 3, seed=SEED + 11 * len(case))
     tokens = x.q.shape[0]
     num_slots = xla.chunk_slot_count(tokens, len(lengths))
     cu = jnp.asarray(x.cu_seqlens, jnp.int32)
-    w, u, qg, attn, kd, decay = sm90.xla_chunk_core(*x[:5], cu, num_slots, 0.3)[:6]
+    core = sm90.xla_chunk_core(*x[:5], cu, num_slots, 0.3)
+    w, u, qg, attn, kd, decay, _, kk, tinv = core
+    _, rows = xla._token_slots(cu, tokens)
+    beta = xla._to_chunks(jnp.asarray(x.beta, jnp.float32), rows, num_slots)
     y0 = jnp.swapaxes(jnp.asarray(x.initial_state, jnp.float32), -1, -2)
     states, _ = jax.jit(lambda *a: xla.state_scan(*a, reverse=False))(w, kd, decay, u, cu, y0)
     rng = np.random.default_rng(SEED + len(case))
@@ -435,8 +438,10 @@ def test_dense_bwd_kernel_matches_xla(case):
     g_end, _ = jax.jit(lambda *a: xla.state_scan(*a, reverse=True))(
         kd, w, decay, d_states, cu, d_final
     )
-    inputs = (w, u, qg, attn, kd, states, g_end, d_out)
-    shapes = [w.shape, w.shape, w.shape, attn.shape, w.shape, (*w.shape[:2], 128)]
+    inputs = (w, u, attn, kd, states, g_end, d_out, tinv, kk, beta)
+    slots_heads = w.shape[:2]
+    shapes = [(*slots_heads, 64, 256), w.shape, attn.shape, w.shape, (*slots_heads, 128),
+              attn.shape, (*slots_heads, 64)]  # fmt: skip
     results = [jax.ShapeDtypeStruct(s, jnp.float32) for s in shapes]
 
     @jax.jit
@@ -444,7 +449,7 @@ def test_dense_bwd_kernel_matches_xla(case):
         if num_slots == 0:
             return sm90.dense_bwd_kernel(*inputs)
         poison = [jnp.full(r.shape, jnp.nan, r.dtype) for r in results]
-        aliases = {8 + i: i for i in range(len(results))}
+        aliases = {10 + i: i for i in range(len(results))}
         return cute_call(sm90.dense_bwd_artifact(), [*inputs, *poison], results, aliases=aliases)
 
     ours = run(*inputs)
@@ -452,19 +457,20 @@ def test_dense_bwd_kernel_matches_xla(case):
     rounded = jax.jit(
         lambda *a: sm90.xla_dense_bwd(*a, precision=jax.lax.DotAlgorithmPreset.BF16_BF16_F32)
     )(*inputs)
-    names = ("d_w", "d_u", "d_qg", "d_attn", "d_kd", "d_decay")
+    names = ("d_rhs", "d_qg", "d_attn", "d_kd", "d_decay", "d_kk", "d_beta_kk")
     for name, a, b, c in zip(names, ours, exact, rounded, strict=True):
         assert a.shape == b.shape, name
         if not b.size:
             continue
         assert not np.isnan(np.asarray(a)).any(), name
         error, same_ops = rms_ratio(a, b), rms_ratio(a, c)
-        # d_decay is float32 from the loads; the rest one bf16 pass (V_new and dV rounded to
-        # bf16 once more on their way to the second products: rounded's are not)
+        # d_decay is float32 from the loads; the rest one bf16 pass a product (V_new, dV,
+        # [dW | dV] and d_rhs rounded to bf16 on their way to the next products)
         bar = 1e-5 if name == "d_decay" else 2e-2
+        same_bar = 1e-5 if name == "d_decay" else 5e-3
         print(f"dense bwd {case} {name}: {error:.1e} (bar {bar:.0e}); bf16 products {same_ops:.1e}")
         assert error <= bar, (name, error)
-        assert same_ops <= (1e-5 if name == "d_decay" else 1e-3), (name, same_ops)
+        assert same_ops <= same_bar, (name, same_ops)
 
 
 @pytest.mark.parametrize("case", CORE_CASES)

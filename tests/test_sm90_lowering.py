@@ -291,12 +291,12 @@ def test_dense_bwd_exports_for_sm90a():
     assert artifact.prefix == "kda_dense_bwd_sm90"
 
 
-@pytest.mark.parametrize("rows, cols", [(128, 128), (64, 128)])
+@pytest.mark.parametrize("rows, cols", [(128, 128), (64, 128), (64, 256)])
 def test_k_major_and_n_major_images_of_one_matrix_share_their_bytes(rows, cols):
     """The dense backward reads one image both ways: written as [rows, cols] K-major (cols
     contiguous), it is read as the N-major image of [cols, rows] (S and G [K, V] as B of W S
-    and of the S^T products; dO [64, V] as A and as B of Aqk^T dO). Every element must sit at
-    one offset in both layouts."""
+    and of the S^T products; dO [64, V] as A and as B of Aqk^T dO; [dW | dV] [64, 256] as B of
+    T^-T [dW | dV]). Every element must sit at one offset in both layouts."""
     import cutlass.cute as cute
 
     from jax_kda.sm90.kernels.wgmma import image_layout

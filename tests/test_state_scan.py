@@ -308,8 +308,8 @@ def test_chunks_wiring_gives_the_xla_paths_gradients(dtype):
         assert rms_ratio(a, b) <= bar, (name, rms_ratio(a, b))
 
 
-def test_xla_dense_bwd_is_the_vjp_of_the_products_it_replaces():
-    """xla_dense_bwd against jax.vjp of O = Qg S + Aqk (U - W S) and S' = Diag(a) S + Kd^T
+def test_xla_dense_products_bwd_is_the_vjp_of_the_products_it_replaces():
+    """xla_dense_products_bwd against jax.vjp of O = Qg S + Aqk (U - W S) and S' = Diag(a) S + Kd^T
     (U - W S) chunk by chunk (each chunk's S given): every cotangent, with the scan's G standing
     in for dL/dS'."""
     rng = np.random.default_rng(8)
@@ -332,7 +332,7 @@ def test_xla_dense_bwd_is_the_vjp_of_the_products_it_replaces():
 
     _, pull = jax.vjp(products, w, u, qg, attn, kd, decay, states)
     d_w, d_u, d_qg, d_attn, d_kd, d_decay, _ = pull((d_out, g_end))
-    got = sm90.xla_dense_bwd(w, u, qg, attn, kd, states, g_end, d_out)
+    got = sm90.xla_dense_products_bwd(w, u, attn, kd, states, g_end, d_out)
     want = (d_w, d_u, d_qg, d_attn, d_kd, d_decay)
     for name, a, b in zip("d_w d_u d_qg d_attn d_kd d_decay".split(), got, want, strict=True):
         assert rms_ratio(a, b) <= 1e-5, (name, rms_ratio(a, b))

@@ -40,6 +40,7 @@ from jax_kda.sm90.backend import (
     xla_chunk_bwd,
     xla_chunk_core,
     xla_dense_bwd,
+    xla_dense_products_bwd,
     xla_operands_bwd,
 )
 
@@ -74,5 +75,6 @@ __all__ = [
     "xla_chunk_bwd",
     "xla_chunk_core",
     "xla_dense_bwd",
+    "xla_dense_products_bwd",
     "xla_operands_bwd",
 ]

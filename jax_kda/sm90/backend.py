@@ -434,21 +434,27 @@ def xla_chunk_bwd(
     packed; core_out: the chunk core's nine outputs; states: the state entering each slot, g_end
     the cotangent of the state leaving it (the reverse scan's), d_out the outputs' cotangent
     [slots, H, 64, V]. Returns (dq, dk, dv, dg, dbeta) in the tokens' rows, float32. The dense
-    products' backward by `dense_bwd` (dense_bwd_kernel's contract; None: xla_dense_bwd), then
-    the chunk core's written-out backward (xla_operands_bwd, its decayed products by
-    `decayed_bwd`, decayed_bwd_kernel's contract; None: in XLA), or `operands_bwd` where given
-    (operands_bwd_kernel's contract)."""
-    w, u, qg, attn, kd, _, gamma, kk, t_inverse = core_out
-    cotangents = (dense_bwd or xla_dense_bwd)(w, u, qg, attn, kd, states, g_end, d_out, precision)
-    intermediates = (gamma, kk, w, u, t_inverse)
+    products' and the solve's backward by `dense_bwd` (dense_bwd_kernel's contract; None:
+    xla_dense_bwd), then the rest of the chunk core's (xla._chunk_operands_bwd_tail, its
+    decayed products by `decayed_bwd`, decayed_bwd_kernel's contract; None: in XLA). With
+    `operands_bwd` (operands_bwd_kernel's contract) the dense products in XLA, then that."""
+    w, u, qg, attn, kd, decay, gamma, kk, t_inverse = core_out
+    num_slots = w.shape[0]
     if operands_bwd is not None:
+        cotangents = xla_dense_products_bwd(w, u, attn, kd, states, g_end, d_out, precision)
+        intermediates = (gamma, kk, w, u, t_inverse)
         return operands_bwd(
-            scale, tokens, cu_seqlens, rows, w.shape[0], intermediates, cotangents, precision
+            scale, tokens, cu_seqlens, rows, num_slots, intermediates, cotangents, precision
         )
-    return xla_operands_bwd(
-        scale, tokens, cu_seqlens, rows, w.shape[0], intermediates, cotangents, precision,
-        decayed_bwd,
-    )  # fmt: skip
+    f32 = jnp.float32
+    q_c, k_c, v_c, beta_c = (xla._to_chunks(x.astype(f32), rows, num_slots) for x in tokens)
+    d_rhs, d_qg, d_attn, d_kd, d_decay, d_kk, d_beta_kk = (dense_bwd or xla_dense_bwd)(
+        w, u, attn, kd, states, g_end, d_out, t_inverse, kk, beta_c, precision
+    )
+    residuals = (q_c, k_c, v_c, beta_c, gamma, None, None, None, qg, kd, decay)
+    cotangents = (d_rhs, d_kk, d_beta_kk, d_qg, d_attn, d_kd, d_decay)
+    d_chunked = xla._chunk_operands_bwd_tail(scale, residuals, cotangents, decayed_bwd)
+    return tuple(xla.from_chunks(d, rows) for d in d_chunked)
 
 
 @functools.cache
@@ -565,8 +571,8 @@ def decayed_bwd_kernel(residuals, cotangents):
 
 @functools.cache
 def dense_bwd_artifact():
-    """The exported backward of the chunk outputs' dense products (kernels/kda_dense_bwd_sm90.py);
-    slots and heads symbolic."""
+    """The exported backward of the chunk's dense products and solve
+    (kernels/kda_dense_bwd_sm90.py); slots and heads symbolic."""
     import cutlass.cute as cute
     from cutlass import Float32
 
@@ -577,42 +583,56 @@ def dense_bwd_artifact():
     chunk = row_major_fake(Float32, (slots, heads, SCAN_CHUNK, HEAD_DIM))
     pairs = row_major_fake(Float32, (slots, heads, SCAN_CHUNK, SCAN_CHUNK))
     square = row_major_fake(Float32, (slots, heads, HEAD_DIM, HEAD_DIM))
+    rows = row_major_fake(Float32, (slots, heads, SCAN_CHUNK))
     fakes = {
-        **{name: chunk for name in ("w", "u", "qg")},
+        "w": chunk,
+        "u": chunk,
         "attn": pairs,
         "kd": chunk,
         "states": square,
         "g_end": square,
         "d_out": chunk,
-        **{name: chunk for name in ("d_w", "d_u", "d_qg")},
+        "tinv": pairs,
+        "kk": pairs,
+        "beta": rows,
+        "d_rhs": row_major_fake(Float32, (slots, heads, SCAN_CHUNK, 2 * HEAD_DIM)),
+        "d_qg": chunk,
         "d_attn": pairs,
         "d_kd": chunk,
         "d_decay": row_major_fake(Float32, (slots, heads, HEAD_DIM)),
+        "d_kk": pairs,
+        "d_beta_kk": rows,
     }
     return export(DenseBwdSm90(), fakes, prefix="kda_dense_bwd_sm90", config={})
 
 
-def dense_bwd_kernel(w, u, qg, attn, kd, states, g_end, d_out, precision=None):
+def dense_bwd_kernel(w, u, attn, kd, states, g_end, d_out, t_inverse, kk, beta, precision=None):
     """xla_dense_bwd's contract on the kernel (one bf16 pass a product; `precision` is
     xla_dense_bwd's and ignored here)."""
     from jax_kda.sm90.ffi_call import cute_call
 
     del precision
     f32 = jnp.float32
+    slots, heads = w.shape[:2]
     results = [
-        *(jax.ShapeDtypeStruct(w.shape, f32) for _ in range(3)),  # d_w, d_u, d_qg
-        jax.ShapeDtypeStruct(attn.shape, f32),
-        jax.ShapeDtypeStruct(kd.shape, f32),
-        jax.ShapeDtypeStruct((*w.shape[:2], HEAD_DIM), f32),  # d_decay
+        jax.ShapeDtypeStruct((slots, heads, SCAN_CHUNK, 2 * HEAD_DIM), f32),  # d_rhs
+        jax.ShapeDtypeStruct(w.shape, f32),  # d_qg
+        jax.ShapeDtypeStruct(attn.shape, f32),  # d_attn
+        jax.ShapeDtypeStruct(kd.shape, f32),  # d_kd
+        jax.ShapeDtypeStruct((slots, heads, HEAD_DIM), f32),  # d_decay
+        jax.ShapeDtypeStruct(attn.shape, f32),  # d_kk
+        jax.ShapeDtypeStruct((slots, heads, SCAN_CHUNK), f32),  # d_beta_kk
     ]
-    if w.shape[0] == 0:  # no chunk slots: nothing to launch (an empty grid)
+    if slots == 0:  # no chunk slots: nothing to launch (an empty grid)
         return tuple(jnp.zeros(r.shape, r.dtype) for r in results)
-    inputs = [x.astype(f32) for x in (w, u, qg, attn, kd, states, g_end, d_out)]
+    inputs = [x.astype(f32) for x in (w, u, attn, kd, states, g_end, d_out, t_inverse, kk, beta)]
     return tuple(cute_call(dense_bwd_artifact(), inputs, results))
 
 
-def xla_dense_bwd(w, u, qg, attn, kd, states, g_end, d_out, precision=jax.lax.Precision.HIGHEST):
-    """dense_bwd_kernel's contract in XLA: with S = states (entering each slot, [slots, H, K,
+def xla_dense_products_bwd(
+    w, u, attn, kd, states, g_end, d_out, precision=jax.lax.Precision.HIGHEST
+):
+    """The dense products' backward in XLA: with S = states (entering each slot, [slots, H, K,
     V]), G = g_end (the cotangent of the state leaving it) and dO = d_out ([slots, H, 64, V]):
     V_new = U - W S, dV = Aqk^T dO + Kd G; returns (d_w = -dV S^T, d_u = dV, d_qg = dO S^T,
     d_attn = dO V_new^T, d_kd = V_new G^T, d_decay = rowsum(S * G)). Products at
@@ -626,6 +646,21 @@ def xla_dense_bwd(w, u, qg, attn, kd, states, g_end, d_out, precision=jax.lax.Pr
     d_kd = mm("shiv,shkv->shik", v_new, g_end)
     d_decay = jnp.sum(states * g_end, axis=-1)
     return d_w, d_v, d_qg, d_attn, d_kd, d_decay
+
+
+def xla_dense_bwd(
+    w, u, attn, kd, states, g_end, d_out, t_inverse, kk, beta,
+    precision=jax.lax.Precision.HIGHEST,
+):  # fmt: skip
+    """dense_bwd_kernel's contract in XLA: xla_dense_products_bwd, then the solve's backward
+    (xla._solve_bwd with T^-1 = t_inverse, kk and the chunked beta [slots, H, 64]). Returns
+    (d_rhs [slots, H, 64, 256], d_qg, d_attn, d_kd, d_decay, d_kk, d_beta_kk)."""
+    d_w, d_u, d_qg, d_attn, d_kd, d_decay = xla_dense_products_bwd(
+        w, u, attn, kd, states, g_end, d_out, precision
+    )
+    solved = jnp.concatenate([w, u], axis=-1)
+    d_rhs, d_kk, d_beta_kk = xla._solve_bwd(d_w, d_u, beta, kk, None, solved, t_inverse, precision)
+    return d_rhs, d_qg, d_attn, d_kd, d_decay, d_kk, d_beta_kk
 
 
 @functools.cache
@@ -867,7 +902,7 @@ def training_forward(
     if dense_bwd:
         chunk_bwd = functools.partial(
             xla_chunk_bwd,
-            dense_bwd=dense_bwd_kernel if dense_precision == "bf16" else xla_dense_bwd,
+            dense_bwd=dense_bwd_kernel if dense_precision == "bf16" else None,
             decayed_bwd=decayed_bwd_kernel if decayed_bwd else None,
             operands_bwd=operands_bwd_kernel if fused_operands_bwd else None,
         )

@@ -1,27 +1,31 @@
-"""The chunk outputs' dense products' backward on tensor cores, sm_90a CuTe DSL: parallel over
-(chunk slot, head), after both state scans. What xla.forward's products around the state scan
-(V_new = U - W S, O = Qg S + Aqk V_new) and the scan's own parallel part give back, in one pass
-over each chunk.
+"""The chunk's dense products' backward on tensor cores, sm_90a CuTe DSL: parallel over (chunk
+slot, head), after both state scans. What xla.forward's products around the state scan (V_new =
+U - W S, O = Qg S + Aqk V_new) and the scan's own parallel part give back, and the chunk core's
+solve backward after them, in one pass over each chunk.
 
 Per slot, with S the state entering it ([K, V], the forward scan's), G the cotangent of the state
-leaving it ([K, V], the reverse scan's) and dO the outputs' cotangent ([64, V]):
+leaving it ([K, V], the reverse scan's), dO the outputs' cotangent ([64, V]), T^-1 the chunk
+core's inverse and R = [W | U] ([64, 256]):
   V_new = U - W S
-  dV = Aqk^T dO + Kd G                       -> d_u
-  d_w = -dV S^T, d_qg = dO S^T, d_attn = dO V_new^T, d_kd = V_new G^T
+  dV = Aqk^T dO + Kd G                       (the cotangent of U)
+  dW = -dV S^T, d_qg = dO S^T, d_attn = dO V_new^T, d_kd = V_new G^T
   d_decay = rowsum(S * G)                    (float32, from the loads)
+  d_rhs = T^-T [dW | dV]                     ([64, 256])
+  d_lower = -strictLower(d_rhs R^T); d_kk = beta_i d_lower; d_beta_kk = rowsum(d_lower * kk)
 
 Products on wgmma, one bf16 pass each (the training path's dense products' precision), float32
-accumulation; every [64, 128] result is two m64n64, one a warpgroup (its half of the columns),
-d_attn two m64n32. S and G are each one bf16 image read both ways: [K, V] with V contiguous is
-B N-major for W S and Kd G (N = V) and B K-major for the S^T and G^T products (N = K); dO's
-image likewise is A of dO S^T and dO V_new^T and B N-major of Aqk^T dO. V_new and dV go back
-into shared memory as bf16 images (over W's and Kd's, once those products are done): the later
-products take their whole rows.
+accumulation; the [64, 128] results are two m64n64, one a warpgroup (its half of the columns),
+d_attn and d_lower two m64n32, d_rhs two m64n128 (warpgroup 0 dW's columns, 1 dV's). An image
+written K-major as [rows, cols] is also the N-major image of [cols, rows] (the same bytes): S and G
+are B N-major for W S and Kd G and B K-major for the S^T and G^T products; dO is A of dO S^T and
+dO V_new^T and B N-major of Aqk^T dO; [dW | dV] is B N-major of T^-T [dW | dV]; R is A of W S (its
+first 128 columns) and B K-major of d_rhs R^T. V_new, dV, [dW | dV] and d_rhs go back into shared
+memory as bf16 images for the products after them.
 
-One CTA of two warpgroups a (slot, head), 120 KiB of shared memory. Inputs, float32: w, u, qg, kd,
-d_out [slots, H, 64, 128]; attn [slots, H, 64, 64]; states, g_end [slots, H, 128, 128].
-Outputs, float32: d_w, d_u, d_qg, d_kd [slots, H, 64, 128]; d_attn [slots, H, 64, 64]; d_decay
-[slots, H, 128].
+One CTA of two warpgroups a (slot, head), 192 KiB of shared memory. Inputs, float32: w, u, kd,
+d_out [slots, H, 64, 128]; attn, tinv, kk [slots, H, 64, 64]; states, g_end [slots, H, 128, 128];
+beta [slots, H, 64]. Outputs, float32: d_rhs [slots, H, 64, 256]; d_qg, d_kd [slots, H, 64, 128];
+d_attn, d_kk [slots, H, 64, 64]; d_decay [slots, H, 128]; d_beta_kk [slots, H, 64].
 """
 
 from __future__ import annotations
@@ -42,18 +46,23 @@ NTHREADS = 128 * WGS
 HALF_N = HEAD_DIM // WGS
 HALF_T = ROWS // WGS  # d_attn's columns of a warpgroup
 
-# The shared images (bf16), in order, 1024-byte aligned: S and G [128, 128]; dO, W (then
-# V_new), Kd (then dV) [64, 128]; Aqk^T [64, 64].
+# The shared images (bf16), in order, 1024-byte aligned: S and G [128, 128] (then d_rhs
+# [64, 256] over S); dO, V_new, Kd (then dV) [64, 128]; Aqk^T, T^-T [64, 64]; R = [W | U] and
+# [dW | dV] [64, 256].
 SQUARE_BYTES = HEAD_DIM * HEAD_DIM * 2
 CHUNK_BYTES = ROWS * HEAD_DIM * 2
 PAIRS_BYTES = ROWS * ROWS * 2
+WIDE = 2 * HEAD_DIM  # R's and d_rhs's columns
 OFF_S = 0
 OFF_G = OFF_S + SQUARE_BYTES
 OFF_DO = OFF_G + SQUARE_BYTES
-OFF_W = OFF_DO + CHUNK_BYTES
-OFF_KD = OFF_W + CHUNK_BYTES
+OFF_VN = OFF_DO + CHUNK_BYTES
+OFF_KD = OFF_VN + CHUNK_BYTES
 OFF_AT = OFF_KD + CHUNK_BYTES
-SHARED_BYTES = OFF_AT + PAIRS_BYTES
+OFF_TT = OFF_AT + PAIRS_BYTES
+OFF_R = OFF_TT + PAIRS_BYTES
+OFF_DS = OFF_R + 2 * CHUNK_BYTES
+SHARED_BYTES = OFF_DS + 2 * CHUNK_BYTES
 
 
 class DenseBwdSm90:
@@ -62,18 +71,21 @@ class DenseBwdSm90:
         self,
         w: cute.Tensor,
         u: cute.Tensor,
-        qg: cute.Tensor,
         attn: cute.Tensor,
         kd: cute.Tensor,
         states: cute.Tensor,
         g_end: cute.Tensor,
         d_out: cute.Tensor,
-        d_w: cute.Tensor,
-        d_u: cute.Tensor,
+        tinv: cute.Tensor,
+        kk: cute.Tensor,
+        beta: cute.Tensor,
+        d_rhs: cute.Tensor,
         d_qg: cute.Tensor,
         d_attn: cute.Tensor,
         d_kd: cute.Tensor,
         d_decay: cute.Tensor,
+        d_kk: cute.Tensor,
+        d_beta_kk: cute.Tensor,
         stream: cuda.CUstream,
     ):
         n_slots = w.shape[0]
@@ -81,10 +93,11 @@ class DenseBwdSm90:
         smem = warpgroup.OperandSource.SMEM
         mma_n = bf16_tiled_mma((ROWS, HALF_N), smem, b_mn_major=True)  # N = V
         mma_k = bf16_tiled_mma((ROWS, HALF_N), smem)  # N = K (the transposed products)
-        mma_t = bf16_tiled_mma((ROWS, HALF_T), smem)  # d_attn: N = tokens
+        mma_t = bf16_tiled_mma((ROWS, HALF_T), smem)  # d_attn, d_lower: N = tokens
+        mma_r = bf16_tiled_mma((ROWS, HEAD_DIM), smem, b_mn_major=True)  # d_rhs: N = R's columns
         self.kernel(
-            w, u, qg, attn, kd, states, g_end, d_out, d_w, d_u, d_qg, d_attn, d_kd, d_decay,
-            mma_n, mma_k, mma_t,
+            w, u, attn, kd, states, g_end, d_out, tinv, kk, beta, d_rhs, d_qg, d_attn, d_kd,
+            d_decay, d_kk, d_beta_kk, mma_n, mma_k, mma_t, mma_r,
         ).launch(grid=[n_slots, heads, 1], block=[NTHREADS, 1, 1], stream=stream)  # fmt: skip
 
     @cute.kernel
@@ -92,21 +105,25 @@ class DenseBwdSm90:
         self,
         mW: cute.Tensor,
         mU: cute.Tensor,
-        mQg: cute.Tensor,
         mAttn: cute.Tensor,
         mKd: cute.Tensor,
         mS: cute.Tensor,
         mG: cute.Tensor,
         mDo: cute.Tensor,
-        mDw: cute.Tensor,
-        mDu: cute.Tensor,
+        mTinv: cute.Tensor,
+        mKK: cute.Tensor,
+        mBeta: cute.Tensor,
+        mDrhs: cute.Tensor,
         mDqg: cute.Tensor,
         mDattn: cute.Tensor,
         mDkd: cute.Tensor,
         mDdecay: cute.Tensor,
+        mDkk: cute.Tensor,
+        mDbeta: cute.Tensor,
         mma_n: cute.TiledMma,
         mma_k: cute.TiledMma,
         mma_t: cute.TiledMma,
+        mma_r: cute.TiledMma,
     ):
         tid, _, _ = cute.arch.thread_idx()
         slot, h, _ = cute.arch.block_idx()
@@ -115,6 +132,8 @@ class DenseBwdSm90:
 
         smem = SmemAllocator()
         s_raw = smem.allocate_tensor(Int32, cute.make_layout(SHARED_BYTES // 4), 1024)
+        s_beta = smem.allocate_tensor(Float32, cute.make_layout(ROWS), 16)
+        s_db = smem.allocate_tensor(Float32, cute.make_layout((ROWS, WGS)), 16)
         raw = s_raw.iterator
         by_k = image_layout(HEAD_DIM, HEAD_DIM)  # [K rows, V]: B of the S^T / G^T products
         by_v = image_layout(HEAD_DIM, HEAD_DIM, mn_major=True)  # the same bytes as [V, K]
@@ -124,30 +143,41 @@ class DenseBwdSm90:
         s_g_v = view(raw, OFF_G, by_v)
         s_do = view(raw, OFF_DO, image_layout(ROWS, HEAD_DIM))  # [tokens, V]
         s_do_v = view(raw, OFF_DO, image_layout(HEAD_DIM, ROWS, mn_major=True))  # as [V, tokens]
-        s_w = view(raw, OFF_W, image_layout(ROWS, HEAD_DIM))
-        s_vn = s_w  # V_new once W S is done
+        s_vn = view(raw, OFF_VN, image_layout(ROWS, HEAD_DIM))
         s_kd = view(raw, OFF_KD, image_layout(ROWS, HEAD_DIM))
         s_dv = s_kd  # dV once Kd G is done
         s_at = view(raw, OFF_AT, image_layout(ROWS, ROWS))  # Aqk^T
+        s_tt = view(raw, OFF_TT, image_layout(ROWS, ROWS))  # T^-T
+        s_r = view(raw, OFF_R, image_layout(ROWS, WIDE))  # [W | U]
+        s_ds = view(raw, OFF_DS, image_layout(ROWS, WIDE))  # [dW | dV]
+        s_ds_n = view(raw, OFF_DS, image_layout(WIDE, ROWS, mn_major=True))  # as [256, tokens]
+        s_rhs = view(raw, OFF_S, image_layout(ROWS, WIDE))  # d_rhs, once S is read
 
         # ---- the operands into their images; d_decay from S and G as they pass
         _square_images(s_s, s_g, mS[slot, h, None, None], mG[slot, h, None, None],
                        mDdecay[slot, h, None], tid)  # fmt: skip
-        _chunk_image(s_w, mW[slot, h, None, None], tid)
-        _chunk_image(s_kd, mKd[slot, h, None, None], tid)
-        _chunk_image(s_do, mDo[slot, h, None, None], tid)
+        _chunk_image(s_r, mW[slot, h, None, None], tid, 0)
+        _chunk_image(s_r, mU[slot, h, None, None], tid, HEAD_DIM)
+        _chunk_image(s_kd, mKd[slot, h, None, None], tid, 0)
+        _chunk_image(s_do, mDo[slot, h, None, None], tid, 0)
         _transposed_pairs_image(s_at, mAttn[slot, h, None, None], tid)
+        _transposed_pairs_image(s_tt, mTinv[slot, h, None, None], tid)
+        if tid < ROWS:
+            s_beta[tid] = mBeta[slot, h, tid]
         cute.arch.fence_proxy("async.shared", space="cta")
         cute.arch.sync_threads()
 
         mma_n.set(warpgroup.Field.ACCUMULATE, True)
         mma_k.set(warpgroup.Field.ACCUMULATE, True)
         mma_t.set(warpgroup.Field.ACCUMULATE, True)
+        mma_r.set(warpgroup.Field.ACCUMULATE, True)
         thr_n = mma_n.get_slice(d)
         thr_k = mma_k.get_slice(d)
         thr_t = mma_t.get_slice(d)
+        thr_r = mma_r.get_slice(d)
         c_half = thr_n.partition_C(cute.make_identity_tensor((ROWS, HALF_N)))
         c_t = thr_t.partition_C(cute.make_identity_tensor((ROWS, HALF_T)))
+        c_r = thr_r.partition_C(cute.make_identity_tensor((ROWS, HEAD_DIM)))
         n0 = part * HALF_N
 
         # ---- W S and Aqk^T dO + Kd G (this warpgroup's V columns), issued together
@@ -160,7 +190,7 @@ class DenseBwdSm90:
         f_dov = mma_n.make_fragment_B(
             thr_n.partition_B(cute.local_tile(s_do_v, (HALF_N, ROWS), (part, 0)))
         )
-        f_w = mma_n.make_fragment_A(thr_n.partition_A(s_w))
+        f_r = mma_n.make_fragment_A(thr_n.partition_A(s_r))  # K-blocks [0, 8): W
         f_kd = mma_n.make_fragment_A(thr_n.partition_A(s_kd))
         f_at = mma_n.make_fragment_A(thr_n.partition_A(s_at))
         acc_ws = cute.make_rmem_tensor(mma_n.partition_shape_C((ROWS, HALF_N)), Float32)
@@ -169,7 +199,7 @@ class DenseBwdSm90:
         acc_dv.fill(0.0)
         cute.nvgpu.warpgroup.fence()
         for kb in cutlass.range_constexpr(HEAD_DIM // 16):
-            cute.gemm(mma_n, acc_ws, f_w[None, None, kb], f_sv[None, None, kb], acc_ws)
+            cute.gemm(mma_n, acc_ws, f_r[None, None, kb], f_sv[None, None, kb], acc_ws)
         for kb in cutlass.range_constexpr(ROWS // 16):
             cute.gemm(mma_n, acc_dv, f_at[None, None, kb], f_dov[None, None, kb], acc_dv)
         for kb in cutlass.range_constexpr(HEAD_DIM // 16):
@@ -183,13 +213,13 @@ class DenseBwdSm90:
             r_u[e] = pair[0]
             r_u[e + 1] = pair[1]
         cute.nvgpu.warpgroup.wait_group(0)
-        cute.arch.sync_threads()  # both warpgroups are done with W and Kd: their space is free
+        cute.arch.sync_threads()  # both warpgroups are done with Kd: its space is free for dV
         for e in cutlass.range_constexpr(cute.size(acc_ws)):
             i, n = c_half[e]
-            v_new = r_u[e] - acc_ws[e]
-            s_vn[i, n0 + n] = v_new.to(BFloat16)
-            s_dv[i, n0 + n] = acc_dv[e].to(BFloat16)
-        _store_pairs(acc_dv, c_half, mDu[slot, h, None, None], n0, False)
+            s_vn[i, n0 + n] = (r_u[e] - acc_ws[e]).to(BFloat16)
+            dv = acc_dv[e].to(BFloat16)
+            s_dv[i, n0 + n] = dv
+            s_ds[i, HEAD_DIM + n0 + n] = dv
         cute.arch.fence_proxy("async.shared", space="cta")
         cute.arch.sync_threads()
 
@@ -227,11 +257,79 @@ class DenseBwdSm90:
             cute.gemm(mma_t, acc_at, f_do_t[None, None, kb], f_vn_t[None, None, kb], acc_at)
         cute.nvgpu.warpgroup.commit_group()
         cute.nvgpu.warpgroup.wait_group(1)
-        _store_pairs(acc_w, c_half, mDw[slot, h, None, None], n0, True)
+        for e in cutlass.range_constexpr(cute.size(acc_w)):
+            i, n = c_half[e]
+            s_ds[i, n0 + n] = (-acc_w[e]).to(BFloat16)
         _store_pairs(acc_q, c_half, mDqg[slot, h, None, None], n0, False)
         cute.nvgpu.warpgroup.wait_group(0)
         _store_pairs(acc_kd, c_half, mDkd[slot, h, None, None], n0, False)
         _store_pairs(acc_at, c_t, mDattn[slot, h, None, None], part * HALF_T, False)
+        cute.arch.fence_proxy("async.shared", space="cta")
+        cute.arch.sync_threads()  # [dW | dV] written; S and G read: S's space takes d_rhs
+
+        # ---- d_rhs = T^-T [dW | dV]: warpgroup 0 dW's columns, 1 dV's
+        f_tt = mma_r.make_fragment_A(thr_r.partition_A(s_tt))
+        f_ds = mma_r.make_fragment_B(
+            thr_r.partition_B(cute.local_tile(s_ds_n, (HEAD_DIM, ROWS), (part, 0)))
+        )
+        acc_rhs = cute.make_rmem_tensor(mma_r.partition_shape_C((ROWS, HEAD_DIM)), Float32)
+        acc_rhs.fill(0.0)
+        cute.nvgpu.warpgroup.fence()
+        for kb in cutlass.range_constexpr(ROWS // 16):
+            cute.gemm(mma_r, acc_rhs, f_tt[None, None, kb], f_ds[None, None, kb], acc_rhs)
+        cute.nvgpu.warpgroup.commit_group()
+        cute.nvgpu.warpgroup.wait_group(0)
+        r0 = part * HEAD_DIM
+        for e in cutlass.range_constexpr(cute.size(acc_rhs)):
+            i, n = c_r[e]
+            s_rhs[i, r0 + n] = acc_rhs[e].to(BFloat16)
+        _store_pairs(acc_rhs, c_r, mDrhs[slot, h, None, None], r0, False)
+        cute.arch.fence_proxy("async.shared", space="cta")
+        cute.arch.sync_threads()
+
+        # ---- d_lower = -strictLower(d_rhs R^T) (this warpgroup's tokens j): d_kk, d_beta_kk
+        f_rhs = mma_t.make_fragment_A(thr_t.partition_A(s_rhs))
+        f_rt = mma_t.make_fragment_B(
+            thr_t.partition_B(cute.local_tile(s_r, (HALF_T, WIDE), (part, 0)))
+        )
+        acc_low = cute.make_rmem_tensor(mma_t.partition_shape_C((ROWS, HALF_T)), Float32)
+        acc_low.fill(0.0)
+        cute.nvgpu.warpgroup.fence()
+        for kb in cutlass.range_constexpr(WIDE // 16):
+            cute.gemm(mma_t, acc_low, f_rhs[None, None, kb], f_rt[None, None, kb], acc_low)
+        cute.nvgpu.warpgroup.commit_group()
+        cute.nvgpu.warpgroup.wait_group(0)
+        # A thread's accumulator holds two rows (row_a, row_a + 8), each with three more lanes
+        # of its quad: its d_beta_kk sums reduce over the quad, then over the warpgroups.
+        j0 = part * HALF_T
+        row_a = c_t[0][0]
+        sum_a = Float32(0.0)
+        sum_b = Float32(0.0)
+        pair = cute.make_rmem_tensor((2,), Float32)
+        for e in cutlass.range_constexpr(0, cute.size(acc_low), 2):
+            i, n = c_t[e]
+            kk_pair = _pair_at(mKK[slot, h, i, None], j0 + n).load()
+            for x in cutlass.range_constexpr(2):
+                j = j0 + n + x
+                kk_ij = Float32(kk_pair[x])  # taken out of the vector before any branch
+                low = Float32(0.0)
+                if j < i:
+                    low = -acc_low[e + x]
+                pair[x] = s_beta[i] * low
+                if i == row_a:
+                    sum_a = sum_a + low * kk_ij
+                else:
+                    sum_b = sum_b + low * kk_ij
+            _pair_at(mDkk[slot, h, i, None], j0 + n).store(pair.load())
+        for offset in cutlass.range_constexpr(2):
+            sum_a = sum_a + cute.arch.shuffle_sync_bfly(sum_a, 1 << offset)
+            sum_b = sum_b + cute.arch.shuffle_sync_bfly(sum_b, 1 << offset)
+        if d % 4 == 0:
+            s_db[row_a, part] = sum_a
+            s_db[row_a + 8, part] = sum_b
+        cute.arch.sync_threads()
+        if tid < ROWS:
+            mDbeta[slot, h, tid] = s_db[tid, 0] + s_db[tid, 1]
 
 
 def _pair_at(row: cute.Tensor, n):
@@ -286,8 +384,9 @@ def _square_images(s_s, s_g, m_s: cute.Tensor, m_g: cute.Tensor, m_decay: cute.T
 
 
 @cute.jit
-def _chunk_image(image, m_x: cute.Tensor, tid):
-    """A [64, 128] float32 row-major chunk into its bf16 image, 16 bytes a thread a pass."""
+def _chunk_image(image, m_x: cute.Tensor, tid, col0: cutlass.Constexpr[int]):
+    """A [64, 128] float32 row-major chunk into columns [col0, col0 + 128) of its bf16 image,
+    16 bytes a thread a pass."""
     passes = ROWS * HEAD_DIM // (NTHREADS * 4)
     r_x = cute.make_rmem_tensor((passes, 4), Float32)
     for p in cutlass.range_constexpr(passes):
@@ -296,7 +395,7 @@ def _chunk_image(image, m_x: cute.Tensor, tid):
     for p in cutlass.range_constexpr(passes):
         e = (p * NTHREADS + tid) * 4
         for x in cutlass.range_constexpr(4):
-            image[e // HEAD_DIM, e % HEAD_DIM + x] = r_x[p, x].to(BFloat16)
+            image[e // HEAD_DIM, col0 + e % HEAD_DIM + x] = r_x[p, x].to(BFloat16)
 
 
 @cute.jit
