@@ -877,11 +877,10 @@ def training_forward(
     944 us, 8192x16x1 4542 against 4119): its tail runs at one CTA an SM, latency-bound, so it
     is off by default. dense_bwd=True (the default) takes the chunk core, the state scan and
     the outputs around it as one custom VJP (differentiable_chunks) whose backward runs the
-    reverse scan, then every product touching a chunk's state in one kernel (dense_bwd_kernel;
-    xla_dense_bwd at dense_precision other than bf16), then the chunk core's backward
-    (xla_chunk_bwd): H200 profile, 2048x12x1 recompute + backward 712 against 767 us,
-    8192x16x1 3149 against 3421 (measured with the scan and the outputs as the custom VJP and
-    the chunk core's apart; the same kernels)."""
+    reverse scan, then every product touching a chunk's state and the chunk core's solve
+    backward in one kernel (dense_bwd_kernel; xla_dense_bwd at dense_precision other than
+    bf16), then the rest of the chunk core's backward (xla_chunk_bwd): H200 profile,
+    2048x12x1 recompute + backward 684 against 769 us, 8192x16x1 2985 against 3420."""
     if decayed_bwd and not chunk_core:
         raise ValueError("decayed_bwd=True needs chunk_core=True (the operands' backward it is in)")
     if fused_operands_bwd and not decayed_bwd:
