@@ -15,6 +15,11 @@ jax_kda.sm90.backend around XLA stand-ins, every other product one bf16 pass) wi
 the kernel's anchored decomposition (anchored_decayed_bwd) whose two product kinds, P (the
 cotangent in the anchors' packing x the right factors) and back (the transposed ones), take
 float32 or bf16-rounded operands each.
+
+--intermediates asks which per-chunk arrays the sm90 backward could keep in bfloat16 (half their
+HBM traffic): the training path's structure (sm90.backend.differentiable_chunks around XLA
+stand-ins, every product one bf16 pass) with the chunk core's outputs, the chunk states or the
+states' cotangents rounded to bfloat16 where they are stored (bf16_intermediates).
 """
 
 from __future__ import annotations
@@ -187,6 +192,65 @@ def errors(x, scale: float, seed: int, prefill=jax_kda.prefill) -> dict[str, flo
     return out
 
 
+def _rounded_bf16(x):
+    return x.astype(jnp.bfloat16).astype(jnp.float32)
+
+
+def bf16_intermediates(core_outputs: bool, states: bool, state_cotangents: bool):
+    """prefill's signature on the sm90 training path's structure in XLA (differentiable_chunks
+    around xla_chunk_core, xla.state_scan and xla_chunk_bwd) with stored arrays rounded to
+    bfloat16: core_outputs, the chunk core's W, U, Qg, Aqk and Kd (the element-wise backward
+    keeps float32 Qg and Kd, recomputed from the tokens and Gamma); states, the chunk states
+    the forward scan writes; state_cotangents, those the reverse scan writes (G)."""
+
+    def core(*args):
+        out = list(sm90_backend.xla_chunk_core(*args))
+        if core_outputs:
+            out[:5] = [_rounded_bf16(x) for x in out[:5]]
+        return tuple(out)
+
+    def scan(*args, reverse):
+        per_slot, final = xla.state_scan(*args, reverse=reverse)
+        if state_cotangents if reverse else states:
+            per_slot = _rounded_bf16(per_slot)
+        return per_slot, final
+
+    def chunk_bwd(scale, tokens, cu_seqlens, rows, core_out, *rest):
+        gamma = core_out[6]
+        q_c, k_c = (xla._to_chunks(t.astype(jnp.float32), rows, gamma.shape[0]) for t in tokens[:2])
+        qg = scale * q_c * jnp.exp(gamma)
+        kd = k_c * jnp.exp(gamma[:, :, -1:, :] - gamma)
+        core_out = (*core_out[:2], qg, core_out[3], kd, *core_out[5:])
+        return sm90_backend.xla_chunk_bwd(scale, tokens, cu_seqlens, rows, core_out, *rest)
+
+    chunks = sm90_backend.differentiable_chunks(core, scan, chunk_bwd)
+
+    def forward(q, k, v, g, beta, cu_seqlens=None, initial_state=None, scale=None, backend=None):
+        del backend
+        return xla.forward(q, k, v, g, beta, cu_seqlens, initial_state, scale, chunks=chunks)
+
+    return forward
+
+
+def _intermediates_study(lengths, heads: int, scale: float) -> None:
+    """Production and long-memory data; every product one bf16 pass (the sm90 default)."""
+    variants = {
+        "all float32": (False, False, False),
+        "core outputs bf16": (True, False, False),
+        "states bf16": (False, True, False),
+        "state cotangents bf16": (False, False, True),
+        "all three bf16": (True, True, True),
+    }
+    for data, make in (("production", production_inputs), ("long-memory", long_memory_inputs)):
+        x = make(lengths, heads, seed=5)
+        for name, options in variants.items():
+            with single_pass_bf16_products():
+                result = errors(x, scale, seed=7, prefill=bf16_intermediates(*options))
+            worst = max(result.values())
+            cells = " ".join(f"{k} {v:.1e}" for k, v in result.items())
+            print(f"{data:12s} {name:22s} worst {worst:.1e} | {cells}", flush=True)
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--lengths", default="300,0,77,130")
@@ -196,10 +260,17 @@ def main(argv=None) -> None:
         "--decayed-products", action="store_true",
         help="which products of the decayed products' backward need three passes (read above)",
     )  # fmt: skip
+    parser.add_argument(
+        "--intermediates", action="store_true",
+        help="which per-chunk arrays the sm90 backward could store in bfloat16 (read above)",
+    )  # fmt: skip
     args = parser.parse_args(argv)
     lengths = [int(n) for n in args.lengths.split(",")]
     if args.decayed_products:
         _decayed_products_study(lengths, args.heads, args.scale)
+        return
+    if args.intermediates:
+        _intermediates_study(lengths, args.heads, args.scale)
         return
     for data, make in (("production", production_inputs), ("long-memory", long_memory_inputs)):
         x = make(lengths, args.heads, seed=5)

@@ -78,3 +78,33 @@ def test_anchored_model_with_exact_diagonal_blocks_rounds_only_the_earlier_block
     for a, b, c in zip(split, exact, rounded, strict=True):
         assert float(jnp.max(jnp.abs(a - b))) <= 1e-5 * float(jnp.max(jnp.abs(b)))
         assert float(jnp.max(jnp.abs(c - b))) > 1e-4 * float(jnp.max(jnp.abs(b)))
+
+
+def test_bf16_intermediates_model_is_the_training_structure_until_rounded():
+    """bf16_intermediates with nothing rounded gives the XLA path's gradients (the training
+    path's structure around stand-ins), and each switch changes them by bf16's rounding, no
+    more: else --intermediates would measure something else."""
+    import jax
+
+    from benchmarks.precision_study import bf16_intermediates
+    from jax_kda.oracle import long_memory_inputs, rms_ratio
+
+    x = long_memory_inputs([130, 0, 70], 2, seed=9)
+    args = (*x[:5], x.initial_state)
+    w_o = np.random.default_rng(3).standard_normal(x.q.shape).astype(np.float32)
+
+    def grads(forward):
+        def loss(*a):
+            o, final = forward(*a[:5], x.cu_seqlens, a[5], 0.3)
+            return jnp.sum(o.astype(jnp.float32) * w_o) + jnp.sum(final**2)
+
+        return jax.jit(jax.grad(loss, argnums=range(6)))(*args)
+
+    reference = grads(lambda *a: xla.forward(*a))
+    plain = grads(bf16_intermediates(False, False, False))
+    for a, b in zip(plain, reference, strict=True):
+        assert rms_ratio(a, b) <= 1e-5
+    for options in ((True, False, False), (False, True, False), (False, False, True)):
+        rounded = grads(bf16_intermediates(*options))
+        worst = max(rms_ratio(a, b) for a, b in zip(rounded, reference, strict=True))
+        assert 1e-6 <= worst <= 2e-2, (options, worst)
