@@ -389,7 +389,7 @@ def differentiable_chunks(core, scan, chunk_bwd, precision=jax.lax.Precision.HIG
 
     def outputs(states, w, u, qg, attn):
         v_new = u - mm("shik,shkv->shiv", w, states)
-        return mm("shik,shkv->shiv", qg, states) + mm("shij,shjv->shiv", attn, v_new)
+        return xla._chunk_output(states, v_new, qg, attn, precision)
 
     def forward(q, k, v, g, beta, cu_seqlens, y0, num_slots, scale):
         core_out = core(q, k, v, g, beta, cu_seqlens, num_slots, scale)
@@ -897,7 +897,7 @@ def training_forward(
         state_scan_kernel, v_slice=scan_v_slice, tensor_cores=scan_tensor_cores,
         passes=scan_passes,
     )  # fmt: skip
-    scan = differentiable_state_scan(kernel, precision)
+    core = functools.partial(chunk_core_kernel, passes=chunk_core_passes)
     if dense_bwd:
         chunk_bwd = functools.partial(
             xla_chunk_bwd,
@@ -905,7 +905,6 @@ def training_forward(
             decayed_bwd=decayed_bwd_kernel if decayed_bwd else None,
             operands_bwd=operands_bwd_kernel if fused_operands_bwd else None,
         )
-        core = functools.partial(chunk_core_kernel, passes=chunk_core_passes)
         chunks = differentiable_chunks(
             core if chunk_core else xla_chunk_core, kernel, chunk_bwd, precision
         )
@@ -913,9 +912,10 @@ def training_forward(
             q, k, v, g, beta, cu_seqlens, initial_state, scale, precision=precision,
             chunks=chunks,
         )  # fmt: skip
+    scan = differentiable_state_scan(kernel, precision)
     if chunk_core:
         operands = differentiable_chunk_operands(
-            functools.partial(chunk_core_kernel, passes=chunk_core_passes),
+            core,
             decayed_bwd_kernel if decayed_bwd else None,
             precision,
             fused_bwd=operands_bwd_kernel if fused_operands_bwd else None,
