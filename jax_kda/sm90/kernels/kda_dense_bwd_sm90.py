@@ -44,7 +44,7 @@ ROWS = SCAN_CHUNK
 WGS = 2  # warpgroups; each takes half of every product's columns
 NTHREADS = 128 * WGS
 HALF_N = HEAD_DIM // WGS
-HALF_T = ROWS // WGS  # d_attn's columns of a warpgroup
+HALF_T = ROWS // WGS  # a warpgroup's token columns of d_attn and d_lower
 
 # The shared images (bf16), in order, 1024-byte aligned: S and G [128, 128] (then d_rhs
 # [64, 256] over S); dO, V_new, Kd (then dV) [64, 128]; Aqk^T, T^-T [64, 64]; R = [W | U] and
