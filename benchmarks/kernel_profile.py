@@ -11,8 +11,8 @@ into each given segment count, or (--train) for a training step: forward and bac
 diagnostic for kernel work and for plan.py's cost model; the results tables come from
 ``benchmarks.run``). ``--train-variants base,core+dbwd+x3,core+dbwd+x3+v64`` profiles the
 backward's recompute and backward with the named kernels switched in and the rest off (with
-``--forward-only``, their forward alone: the no-bound forward); core1+dbwd+x1+s1+dense is the
-default.
+``--forward-only``, their forward alone: the no-bound forward); core1+dbwd+x1+s1+dense+tok is
+the default.
 """
 
 from __future__ import annotations
@@ -148,7 +148,9 @@ def _main():
         "(the chunk-core kernel's operands), 'dbwd' (with core: their backward's decayed "
         "products on their kernel), 'x3' (the dense products around the scan as bf16x3), "
         "'v16'/'v32'/'v64' (the float32 state-scan variants) or 't16'/'t32' (the tensor-core "
-        "scan with the V-slice as wgmma N), joined by '+' (e.g. base,core+dbwd+v64+x3)",
+        "scan with the V-slice as wgmma N), 'dense' (the scan and the outputs around it as one "
+        "VJP, its backward's products on their kernel), 'tok' (with dense: the element-wise rest "
+        "on its kernel, into the tokens' rows), joined by '+' (e.g. base,core+dbwd+v64+x3)",
     )
     parser.add_argument(
         "--forward-only",
@@ -215,11 +217,11 @@ def _variants(text: str) -> list[tuple[str, dict]]:
         options = {
             "chunk_core": False,
             "decayed_bwd": False,
-            "fused_operands_bwd": False,
             "dense_precision": "float32",
             "chunk_core_passes": 3,
             "scan_passes": 3,
             "dense_bwd": False,
+            "tokens_bwd": False,
         }
         for part in name.split("+"):
             if part == "core":
@@ -229,9 +231,6 @@ def _variants(text: str) -> list[tuple[str, dict]]:
                 options["chunk_core_passes"] = 1
             elif part == "dbwd":
                 options["decayed_bwd"] = True
-            elif part == "obwd":  # the fused operands' backward (it extends dbwd's kernel)
-                options["decayed_bwd"] = True
-                options["fused_operands_bwd"] = True
             elif part == "x3":
                 options["dense_precision"] = "bf16x3"
             elif part == "s1":  # the tensor-core state scan with one bf16 pass a product
@@ -240,6 +239,8 @@ def _variants(text: str) -> list[tuple[str, dict]]:
                 options["dense_precision"] = "bf16"
             elif part == "dense":  # the scan and outputs as one VJP, their backward's kernel
                 options["dense_bwd"] = True
+            elif part == "tok":  # with dense: the element-wise rest on its kernel, to tokens
+                options["tokens_bwd"] = True
             elif part in SCAN_VARIANTS:
                 options["scan_v_slice"], options["scan_tensor_cores"] = SCAN_VARIANTS[part]
             elif part != "base":

@@ -279,7 +279,7 @@ def _chunk_operands_with_residuals(q, k, v, g, beta, scale):
     qg = scale * q * jnp.exp(gamma)
     kd = k * jnp.exp(gamma_last - gamma)
     decay_chunk = jnp.exp(gamma_last[:, :, 0, :])
-    residuals = (q, k, v, beta, gamma, kk, lower, solved, qg, kd, decay_chunk)
+    residuals = (q, k, v, beta, gamma, kk, lower, solved)
     return (w, u, qg, attn, kd, decay_chunk), residuals
 
 
@@ -313,7 +313,7 @@ def _chunk_operands_bwd(
     sm90 kernel of it; None: this module's. t_inverse: T^-1 where the forward has it (the sm90
     chunk core): dRhs is then one product instead of a blocked triangular solve. precision: of
     that product and dL's (the sm90 backward's bf16x3)."""
-    _, _, _, beta, _, kk, lower, solved, _, _, _ = residuals
+    _, _, _, beta, _, kk, lower, solved = residuals
     d_w, d_u, d_qg, d_attn, d_kd, d_decay = cotangents
     d_rhs, d_kk, d_beta_kk = _solve_bwd(d_w, d_u, beta, kk, lower, solved, t_inverse, precision)
     return _chunk_operands_bwd_tail(
@@ -341,12 +341,27 @@ def _solve_bwd(d_w, d_u, beta, kk, lower, solved, t_inverse=None, precision=_PRE
 def _chunk_operands_bwd_tail(scale, residuals, cotangents, decayed_bwd=None):
     """_chunk_operands_bwd past the solve: from (d_rhs, d_kk, d_beta_kk) (_solve_bwd's) and the
     cotangents of Qg, Aqk, Kd and a, the gradients of the chunked (q, k, v, g, beta)."""
-    q, k, v, beta, gamma, _, _, _, qg, kd, decay_chunk = residuals
+    q, k, v, beta, gamma = residuals[:5]
     d_rhs, d_kk, d_beta_kk, d_qg, d_attn, d_kd, d_decay = cotangents
     d_qk = jnp.where(_LOWER_INCL, scale * d_attn, 0.0)
-    d_q, d_k, d_gamma = (decayed_bwd or _decayed_products_bwd)((q, k, gamma), (d_kk, d_qk))
+    d_decayed = (decayed_bwd or _decayed_products_bwd)((q, k, gamma), (d_kk, d_qk))
+    return _elementwise_bwd(
+        scale, (q, k, v, beta, gamma), d_decayed, (d_rhs, d_beta_kk, d_qg, d_kd, d_decay)
+    )
 
+
+def _elementwise_bwd(scale, chunked, d_decayed, cotangents):
+    """The chunk core's backward past its products: from the chunked (q, k, v, beta) and gamma
+    (the in-chunk cumsum of g), the decayed products' backward (dq, dk, dGamma) and the
+    cotangents (d_rhs [..., 64, 256], d_beta_kk, d_qg, d_kd, d_decay), the gradients of the
+    chunked (q, k, v, g, beta): the element-wise terms of E = exp(Gamma), Qg = scale q E,
+    Kd = k exp(Gamma_last - Gamma) and a = exp(Gamma_last), and dg = the reverse cumsum of
+    dGamma over the rows. The sm90 tokens-backward kernel's statement."""
+    q, k, v, beta, gamma = chunked
+    d_q, d_k, d_gamma = d_decayed
+    d_rhs, d_beta_kk, d_qg, d_kd, d_decay = cotangents
     e = jnp.exp(gamma)
+    gamma_last = gamma[:, :, -1:, :]
     d_rhs_w, d_rhs_u = jnp.split(d_rhs, 2, axis=-1)
     k_e = k * e
     d_beta = d_beta_kk + jnp.sum(d_rhs_w * k_e, axis=-1) + jnp.sum(d_rhs_u * v, axis=-1)
@@ -354,10 +369,11 @@ def _chunk_operands_bwd_tail(scale, residuals, cotangents, decayed_bwd=None):
     d_gamma = d_gamma + beta[..., None] * k_e * d_rhs_w
     d_v = beta[..., None] * d_rhs_u
     d_q = d_q + scale * e * d_qg
-    d_gamma = d_gamma + qg * d_qg
-    d_k = d_k + jnp.exp(gamma[:, :, -1:, :] - gamma) * d_kd
-    kd_terms = kd * d_kd
-    last = jnp.sum(kd_terms, axis=2) + decay_chunk * d_decay  # onto Gamma_last
+    d_gamma = d_gamma + scale * q * e * d_qg
+    kd_factor = jnp.exp(gamma_last - gamma)
+    d_k = d_k + kd_factor * d_kd
+    kd_terms = k * kd_factor * d_kd
+    last = jnp.sum(kd_terms, axis=2) + jnp.exp(gamma_last[:, :, 0, :]) * d_decay  # Gamma_last
     d_gamma = (d_gamma - kd_terms).at[:, :, -1, :].add(last)
     d_g = jnp.flip(jnp.cumsum(jnp.flip(d_gamma, 2), axis=2), 2)
     return d_q, d_k, d_v, d_g, d_beta

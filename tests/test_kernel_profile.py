@@ -61,11 +61,11 @@ def test_train_variants_parse_into_training_forward_options():
     off = {
         "chunk_core": False,
         "decayed_bwd": False,
-        "fused_operands_bwd": False,
         "dense_precision": "float32",
         "chunk_core_passes": 3,
         "scan_passes": 3,
         "dense_bwd": False,
+        "tokens_bwd": False,
     }
     assert _variants("base,core,v64,core+dbwd+v64+x3") == [
         ("base", off),
@@ -83,9 +83,8 @@ def test_train_variants_parse_into_training_forward_options():
             },
         ),
     ]
-    assert _variants("core+obwd+x3")[0][1] == {
-        **off, "chunk_core": True, "decayed_bwd": True, "fused_operands_bwd": True,
-        "dense_precision": "bf16x3",
+    assert _variants("core+dbwd+dense+tok")[0][1] == {
+        **off, "chunk_core": True, "decayed_bwd": True, "dense_bwd": True, "tokens_bwd": True,
     }  # fmt: skip
     assert _variants("core+x1")[0][1] == {
         **off, "chunk_core": True, "dense_precision": "bf16",

@@ -131,7 +131,7 @@ def test_prepared_inputs_and_grouped_heads_lower_to_the_kernels(lower_bound):
     forward = {"kda_fwd_sm90_h2"} if lower_bound is not None else set()
     assert kinds == forward | {
         "kda_chunk_operands_sm90_x1", "kda_decayed_bwd", "kda_state_scan_sm90_fwd",
-        "kda_state_scan_sm90_rev", "kda_dense_bwd",
+        "kda_state_scan_sm90_rev", "kda_dense_bwd", "kda_tokens_bwd_sm90",
     }, kinds  # fmt: skip
 
 
@@ -217,31 +217,33 @@ def test_chunk_core_exports_for_sm90a():
     assert len(artifact.tensors) == 15  # q, k, v, g, beta, cu_seqlens and nine outputs
 
 
-def test_operands_bwd_exports_for_sm90a():
-    """The fused backward of the chunk core compiles and exports for sm_90a (symbolic tokens,
+def test_tokens_bwd_exports_for_sm90a():
+    """The backward into the tokens' rows compiles and exports for sm_90a (symbolic tokens,
     heads, slots and sequences)."""
-    artifact = sm90.operands_bwd_artifact(0.3)
+    artifact = sm90.tokens_bwd_artifact(0.3)
     assert artifact.object_bytes[:4] == b"\x7fELF"
-    assert len(artifact.tensors) == 22  # 14 inputs, 3 scratch and 5 results
+    assert len(artifact.tensors) == 19  # 14 inputs and 5 results
 
 
-def test_training_forward_with_the_fused_operands_bwd_lowers_to_its_kernel():
-    """training_forward(fused_operands_bwd=True): the fused kernel replaces the decayed
-    products' one; without the decayed products' kernel it is refused, not dropped."""
+@pytest.mark.parametrize("tokens_bwd", [True, False])
+def test_training_forward_lowers_to_the_tokens_bwd_kernel_unless_switched_off(tokens_bwd):
+    """training_forward's backward ends on the tokens-backward kernel by default and in XLA
+    with tokens_bwd=False; without the dense backward it ends, it is refused, not dropped."""
     x = production_inputs([300, 0, 77], 2, seed=8)
 
     def step(q, k, v, g, beta, cu, state):
         def forward(q, k, v, g, beta, state):
-            return sm90.training_forward(q, k, v, g, beta, cu, state, 0.3, fused_operands_bwd=True)
+            return sm90.training_forward(q, k, v, g, beta, cu, state, 0.3, tokens_bwd=tokens_bwd)
 
         out, pullback = jax.vjp(forward, q, k, v, g, beta, state)
         return pullback(out)
 
     text = _lower(step, *x)
     prefixes = {p.rsplit("_", 1)[0] for p in re.findall(r'prefix = "(\w+)"', text)}
-    assert "kda_operands_bwd_sm90" in prefixes and "kda_decayed_bwd" not in prefixes, prefixes
-    with pytest.raises(ValueError, match="needs decayed_bwd=True"):
-        sm90.training_forward(*x[:7], 0.3, decayed_bwd=False, fused_operands_bwd=True)
+    assert ("kda_tokens_bwd_sm90" in prefixes) == tokens_bwd, prefixes
+    assert {"kda_dense_bwd", "kda_decayed_bwd"} <= prefixes, prefixes
+    with pytest.raises(ValueError, match="needs dense_bwd=True"):
+        sm90.training_forward(*x[:7], 0.3, dense_bwd=False, tokens_bwd=True)
 
 
 @pytest.mark.parametrize(
@@ -371,8 +373,8 @@ def test_grad_lowers_to_the_backward_kernels_and_no_loop():
 
 def test_training_forward_variants_lower_to_their_kernels():
     """The backward's variants under development (benchmarks.kernel_profile --train-variants):
-    the chunk-core kernel's operands, their backward's decayed products and the tensor-core
-    state scan lower for CUDA, both directions of the scan, and no XLA loop."""
+    the chunk-core kernel's operands, their backward's decayed products, the SIMT state scan
+    and the tokens' backward lower for CUDA, both directions of the scan, and no XLA loop."""
     x = production_inputs([300, 0, 77], 2, seed=8)
 
     def step(q, k, v, g, beta, cu, state):
@@ -392,6 +394,7 @@ def test_training_forward_variants_lower_to_their_kernels():
         "kda_decayed_bwd",
         "kda_state_scan_sm90_fwd",
         "kda_state_scan_sm90_rev",
+        "kda_tokens_bwd_sm90",
     }, prefixes
     assert {"kda_state_scan_sm90_fwd_v64", "kda_state_scan_sm90_rev_v64"} <= prefixes
     assert "stablehlo.while" not in text
@@ -399,8 +402,8 @@ def test_training_forward_variants_lower_to_their_kernels():
 
 def test_training_lowers_under_scan_over_layers_checkpoint_and_vmap():
     """A model's training step: layers in lax.scan, each rematerialised (jax.checkpoint), and a
-    vmapped batch; every form lowers to the forward kernel, the chunk-core kernel, the decayed
-    products' backward and both state-scan kernels."""
+    vmapped batch; every form lowers to the forward kernel, the chunk-core kernel, both
+    state-scan kernels and the three backward kernels (dense, decayed, tokens)."""
     x = production_inputs([130, 0, 60], 2, seed=6)
     layer = _prefill(backend="sm90")
 
@@ -433,6 +436,7 @@ def test_training_lowers_under_scan_over_layers_checkpoint_and_vmap():
         kinds = {p.rsplit("_", 1)[0] for p in prefixes}
         expected = {"kda_fwd_sm90_h2", "kda_chunk_operands_sm90_x1", "kda_decayed_bwd"}
         expected |= {"kda_state_scan_sm90_fwd", "kda_state_scan_sm90_rev", "kda_dense_bwd"}
+        expected |= {"kda_tokens_bwd_sm90"}
         assert kinds == expected, (
             name,
             prefixes,
@@ -692,7 +696,7 @@ def test_vmap_runs_the_sm90_path_as_one_call():
         kinds = sorted(p.rsplit("_", 1)[0] for p in prefixes)
         expected = ["kda_fwd_sm90"] if name == "vmap" else [
             "kda_chunk_operands_sm90_x1", "kda_decayed_bwd", "kda_dense_bwd", "kda_fwd_sm90",
-            "kda_state_scan_sm90_fwd", "kda_state_scan_sm90_rev",
+            "kda_state_scan_sm90_fwd", "kda_state_scan_sm90_rev", "kda_tokens_bwd_sm90",
         ]  # fmt: skip
         assert [k.rsplit("_", 1)[0] if k.startswith("kda_fwd") else k for k in kinds] == expected
         assert "stablehlo.while" not in text, name

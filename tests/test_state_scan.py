@@ -226,47 +226,15 @@ def test_tensor_core_scan_operands():
     np.testing.assert_array_equal(slices[1, 0, 2].reshape(128, 32), np.asarray(add)[1, 0, :, 64:96])
 
 
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-def test_fused_operands_bwd_wiring_gives_the_xla_paths_gradients(dtype):
-    """sm90.differentiable_chunk_operands with a fused backward (operands_bwd_kernel's
-    contract, here its XLA stand-in xla_operands_bwd): the residuals it saves (the tokens and
-    the core's intermediates, nothing chunked), the cotangents it passes and the dtypes it
-    returns give the XLA path's gradients."""
-    x = long_memory_inputs([130, 0, 70, 1], 2, seed=29, dtype=dtype)
-    args = (*x[:5], x.initial_state)
-    w_o = np.random.default_rng(4).standard_normal(x.q.shape).astype(np.float32)
-
-    def grads(**options):
-        def loss(*a):
-            o, final = xla.forward(*a[:5], x.cu_seqlens, a[5], 0.3, **options)
-            return jnp.sum(o.astype(jnp.float32) * w_o) + jnp.sum(final**2)
-
-        return jax.jit(jax.grad(loss, argnums=range(6)))(*args)
-
-    calls = []
-
-    def spy(scale, tokens, *rest):
-        calls.append([t.shape for t in tokens])  # what the forward saved: the tokens themselves
-        return sm90.xla_operands_bwd(scale, tokens, *rest)
-
-    operands = sm90.differentiable_chunk_operands(sm90.xla_chunk_core, fused_bwd=spy)
-    wired = grads(operands=operands)
-    assert calls == [[x.q.shape, x.k.shape, x.v.shape, x.beta.shape]], calls
-    for name, a, b, arg in zip("q k v g beta state".split(), wired, grads(), args, strict=True):
-        assert a.dtype == arg.dtype, name
-        assert rms_ratio(a, b) <= 1e-5, (name, rms_ratio(a, b))
-
-
-def test_operands_bwd_kernel_with_no_slots_returns_zeros_without_a_launch():
-    """No tokens and no sequences: operands_bwd_kernel returns zero gradients of the tokens'
+def test_tokens_bwd_kernel_with_no_slots_returns_zeros_without_a_launch():
+    """No tokens and no sequences: tokens_bwd_kernel returns zero gradients of the tokens'
     shapes (no kernel call: an empty grid cannot launch)."""
     tokens = (*(jnp.zeros((0, 3, 128), jnp.bfloat16) for _ in range(3)), jnp.zeros((0, 3)))
     chunk = jnp.zeros((0, 3, 64, 128), jnp.float32)
-    pairs = jnp.zeros((0, 3, 64, 64), jnp.float32)
-    intermediates = (chunk, pairs, chunk, chunk, pairs)
-    cotangents = (chunk, chunk, chunk, pairs, chunk, jnp.zeros((0, 3, 128), jnp.float32))
-    out = sm90.operands_bwd_kernel(
-        0.3, tokens, jnp.zeros((1,), jnp.int32), None, 0, intermediates, cotangents, None
+    wide = jnp.zeros((0, 3, 64, 256), jnp.float32)
+    cotangents = (wide, jnp.zeros((0, 3, 64)), chunk, chunk, jnp.zeros((0, 3, 128)))
+    out = sm90.tokens_bwd_kernel(
+        0.3, tokens, jnp.zeros((1,), jnp.int32), None, chunk, (chunk, chunk, chunk), cotangents
     )
     assert [a.shape for a in out] == [(0, 3, 128)] * 4 + [(0, 3)]
     assert all(a.dtype == jnp.float32 for a in out)

@@ -428,32 +428,44 @@ def differentiable_chunks(core, scan, chunk_bwd, precision=jax.lax.Precision.HIG
 
 def xla_chunk_bwd(
     scale, tokens, cu_seqlens, rows, core_out, states, g_end, d_out, precision,
-    dense_bwd=None, decayed_bwd=None, operands_bwd=None,
+    dense_bwd=None, decayed_bwd=None, tokens_bwd=None,
 ):  # fmt: skip
     """Every chunk's part of the backward, straight to the tokens: tokens = (q, k, v, beta)
     packed; core_out: the chunk core's nine outputs; states: the state entering each slot, g_end
     the cotangent of the state leaving it (the reverse scan's), d_out the outputs' cotangent
-    [slots, H, 64, V]. Returns (dq, dk, dv, dg, dbeta) in the tokens' rows, float32. The dense
-    products' and the solve's backward by `dense_bwd` (dense_bwd_kernel's contract; None:
-    xla_dense_bwd), then the rest of the chunk core's (xla._chunk_operands_bwd_tail, its
-    decayed products by `decayed_bwd`, decayed_bwd_kernel's contract; None: in XLA). With
-    `operands_bwd` (operands_bwd_kernel's contract) the dense products in XLA, then that."""
-    w, u, qg, attn, kd, decay, gamma, kk, t_inverse = core_out
+    [slots, H, 64, V]. Returns (dq, dk, dv, dg, dbeta) in the tokens' rows, float32. Three
+    stages, each by its kernel's contract or (None) its XLA statement: the dense products' and
+    the solve's backward (`dense_bwd`: dense_bwd_kernel; xla_dense_bwd), the decayed products'
+    (`decayed_bwd`: decayed_bwd_kernel; xla._decayed_products_bwd), then the element-wise
+    terms back into the tokens' rows (`tokens_bwd`: tokens_bwd_kernel; xla_tokens_bwd)."""
+    gamma, kk, t_inverse = core_out[6:]
+    w, u, _, attn, kd = core_out[:5]
     num_slots = w.shape[0]
-    if operands_bwd is not None:
-        cotangents = xla_dense_products_bwd(w, u, attn, kd, states, g_end, d_out, precision)
-        intermediates = (gamma, kk, w, u, t_inverse)
-        return operands_bwd(
-            scale, tokens, cu_seqlens, rows, num_slots, intermediates, cotangents, precision
-        )
     f32 = jnp.float32
-    q_c, k_c, v_c, beta_c = (xla._to_chunks(x.astype(f32), rows, num_slots) for x in tokens)
+    q_c, k_c, beta_c = (
+        xla._to_chunks(x.astype(f32), rows, num_slots) for x in (tokens[0], tokens[1], tokens[3])
+    )
     d_rhs, d_qg, d_attn, d_kd, d_decay, d_kk, d_beta_kk = (dense_bwd or xla_dense_bwd)(
         w, u, attn, kd, states, g_end, d_out, t_inverse, kk, beta_c, precision
     )
-    residuals = (q_c, k_c, v_c, beta_c, gamma, None, None, None, qg, kd, decay)
-    cotangents = (d_rhs, d_kk, d_beta_kk, d_qg, d_attn, d_kd, d_decay)
-    d_chunked = xla._chunk_operands_bwd_tail(scale, residuals, cotangents, decayed_bwd)
+    # both take the cotangents for j <= i only
+    decayed = decayed_bwd or xla._decayed_products_bwd
+    d_decayed = decayed((q_c, k_c, gamma), (d_kk, scale * d_attn))
+    cotangents = (d_rhs, d_beta_kk, d_qg, d_kd, d_decay)
+    return (tokens_bwd or xla_tokens_bwd)(
+        scale, tokens, cu_seqlens, rows, gamma, d_decayed, cotangents
+    )
+
+
+def xla_tokens_bwd(scale, tokens, cu_seqlens, rows, gamma, d_decayed, cotangents):
+    """tokens_bwd_kernel's contract in XLA: xla._elementwise_bwd on the chunked tokens (q, k,
+    v, beta), gamma [slots, H, 64, 128] and the decayed products' backward (dq_c, dk_c,
+    dgamma_c), cotangents (d_rhs, d_beta_kk, d_qg, d_kd, d_decay) as dense_bwd_kernel gives
+    them; returns (dq, dk, dv, dg, dbeta) float32 in the tokens' rows."""
+    del cu_seqlens  # the rows say where each token sits
+    num_slots = gamma.shape[0]
+    chunked = [xla._to_chunks(x.astype(jnp.float32), rows, num_slots) for x in tokens]
+    d_chunked = xla._elementwise_bwd(scale, (*chunked, gamma), d_decayed, cotangents)
     return tuple(xla.from_chunks(d, rows) for d in d_chunked)
 
 
@@ -664,96 +676,72 @@ def xla_dense_bwd(
 
 
 @functools.cache
-def operands_bwd_artifact(scale: float):
-    """The exported fused backward of the chunk core past its solve (OperandsBwdSm90 in
-    kernels/kda_decayed_bwd_sm90.py) for this scale; tokens, heads, slots and sequences
+def tokens_bwd_artifact(scale: float):
+    """The exported backward from the chunk core's products' cotangents to the tokens
+    (kernels/kda_tokens_bwd_sm90.py) for this scale; tokens, heads, slots and sequences
     symbolic."""
     import cutlass.cute as cute
     from cutlass import BFloat16, Float32, Int32
 
     from jax_kda.sm90.export import export, row_major_fake
-    from jax_kda.sm90.kernels.kda_decayed_bwd_sm90 import OperandsBwdConfig, OperandsBwdSm90
+    from jax_kda.sm90.kernels.kda_tokens_bwd_sm90 import TokensBwdConfig, TokensBwdSm90
 
     tokens, heads, slots = cute.sym_int32(), cute.sym_int32(), cute.sym_int32()
     token_shape = (tokens, heads, HEAD_DIM)
     chunk = (slots, heads, SCAN_CHUNK, HEAD_DIM)
-    pairs = (slots, heads, SCAN_CHUNK, SCAN_CHUNK)
     fakes = {
         **{name: row_major_fake(BFloat16, token_shape) for name in ("q", "k", "v")},
         "beta": row_major_fake(Float32, (tokens, heads), align=4),
         "cu_seqlens": row_major_fake(Int32, (cute.sym_int32(),), align=4),
-        "gamma": row_major_fake(Float32, chunk),
-        "d_lower": row_major_fake(Float32, pairs),
-        "d_attn": row_major_fake(Float32, pairs),
-        **{name: row_major_fake(Float32, chunk) for name in ("d_rhs_w", "d_rhs_u", "d_qg", "d_kd")},
+        **{name: row_major_fake(Float32, chunk) for name in ("gamma", "dq_c", "dk_c", "dgamma_c")},
+        "d_rhs": row_major_fake(Float32, (slots, heads, SCAN_CHUNK, 2 * HEAD_DIM)),
+        **{name: row_major_fake(Float32, chunk) for name in ("d_qg", "d_kd")},
         "d_decay": row_major_fake(Float32, (slots, heads, HEAD_DIM)),
-        "d_beta_lower": row_major_fake(Float32, (slots, heads, SCAN_CHUNK)),
-        **{name: row_major_fake(Float32, chunk) for name in ("dq_c", "dk_c", "dgamma_c")},
+        "d_beta_kk": row_major_fake(Float32, (slots, heads, SCAN_CHUNK)),
         **{name: row_major_fake(Float32, token_shape) for name in ("dq", "dk", "dv", "dg")},
         "dbeta": row_major_fake(Float32, (tokens, heads), align=4),
     }
     scale_tag = hashlib.sha256(repr(scale).encode()).hexdigest()[:8]
     return export(
-        OperandsBwdSm90(OperandsBwdConfig(scale=scale)),
+        TokensBwdSm90(TokensBwdConfig(scale=scale)),
         fakes,
-        prefix=f"kda_operands_bwd_sm90_{scale_tag}",
+        prefix=f"kda_tokens_bwd_sm90_{scale_tag}",
         config={"scale": repr(scale)},
     )
 
 
-def operands_bwd_call(scale, tokens, cu_seqlens, intermediates, cotangents, precision):
-    """operands_bwd_kernel's kernel call, unlaunched: (artifact, inputs, results). The XLA
-    products ahead of the kernel: dRhs = T^-T [dW | dU], d_lower = -strictLower(dRhs [W | U]^T)
-    and its term of dbeta, sum_j d_lower_ij kk_ij."""
+def tokens_bwd_call(scale, tokens, cu_seqlens, gamma, d_decayed, cotangents):
+    """tokens_bwd_kernel's kernel call, unlaunched: (artifact, inputs, results)."""
     q, k, v, beta = tokens
-    gamma, kk, w, u, t_inverse = intermediates
-    d_w, d_u, d_qg, d_attn, d_kd, d_decay = cotangents
+    d_rhs, d_beta_kk, d_qg, d_kd, d_decay = cotangents
     f32 = jnp.float32
     token_shape = (*q.shape[:2], HEAD_DIM)
-    results = [jax.ShapeDtypeStruct(gamma.shape, f32) for _ in range(3)]  # scratch
-    results += [jax.ShapeDtypeStruct(token_shape, f32) for _ in range(4)]
+    results = [jax.ShapeDtypeStruct(token_shape, f32) for _ in range(4)]
     results += [jax.ShapeDtypeStruct(q.shape[:2], f32)]
-    d_rhs_w, d_rhs_u = (
-        jnp.einsum("...ji,...jn->...in", t_inverse, x, precision=precision) for x in (d_w, d_u)
-    )
-    d_lower = -(
-        jnp.einsum("...id,...jd->...ij", d_rhs_w, w, precision=precision)
-        + jnp.einsum("...id,...jd->...ij", d_rhs_u, u, precision=precision)
-    )
-    strict = jnp.arange(SCAN_CHUNK)[:, None] > jnp.arange(SCAN_CHUNK)[None, :]
-    d_lower = jnp.where(strict, d_lower, 0.0)
-    d_beta_lower = jnp.sum(d_lower * kk, axis=-1)
+    chunked = (gamma, *d_decayed, d_rhs, d_qg, d_kd, d_decay, d_beta_kk)
     inputs = [
         *(x.astype(jnp.bfloat16) for x in (q, k, v)),
         beta.astype(f32),
         jnp.asarray(cu_seqlens, jnp.int32),
-        gamma,
-        d_lower,
-        *(x.astype(f32) for x in (d_attn, d_rhs_w, d_rhs_u, d_qg, d_kd, d_decay)),
-        d_beta_lower,
+        *(x.astype(f32) for x in chunked),
     ]
-    return operands_bwd_artifact(scale), inputs, results
+    return tokens_bwd_artifact(scale), inputs, results
 
 
-def operands_bwd_kernel(
-    scale, tokens, cu_seqlens, rows, num_slots, intermediates, cotangents, precision
-):
-    """The chunk core's backward from the token inputs (q, k, v, beta), its intermediates
-    (gamma, kk, w, u, T^-1) and the cotangents of (w, u, qg, attn, kd, decay): XLA products
-    at `precision` (operands_bwd_call), the rest on OperandsBwdSm90. Returns float32 (dq, dk,
-    dv, dg) [T, H, 128] and dbeta [T, H]: what xla._chunk_operands_bwd computes, in the
-    tokens' rows (rows and num_slots: unused, the kernel reads cu_seqlens; they are the XLA
-    stand-in's, xla_operands_bwd)."""
+def tokens_bwd_kernel(scale, tokens, cu_seqlens, rows, gamma, d_decayed, cotangents):
+    """xla_tokens_bwd's contract on the kernel (rows: unused, the kernel reads cu_seqlens; q, k
+    and v taken as bfloat16, as the sm90 path has them)."""
     from jax_kda.sm90.ffi_call import cute_call
 
+    del rows
     q = tokens[0]
-    if intermediates[0].shape[0] == 0:  # no slots: no tokens either
+    if gamma.shape[0] == 0:  # no slots: no tokens either
         shapes = [(*q.shape[:2], HEAD_DIM)] * 4 + [q.shape[:2]]
         return tuple(jnp.zeros(shape, jnp.float32) for shape in shapes)
-    artifact, inputs, results = operands_bwd_call(
-        scale, tokens, cu_seqlens, intermediates, cotangents, precision
+    artifact, inputs, results = tokens_bwd_call(
+        scale, tokens, cu_seqlens, gamma, d_decayed, cotangents
     )
-    return tuple(cute_call(artifact, inputs, results)[3:])
+    return tuple(cute_call(artifact, inputs, results))
 
 
 def xla_chunk_core(q, k, v, g, beta, cu_seqlens, num_slots, scale):
@@ -767,36 +755,11 @@ def xla_chunk_core(q, k, v, g, beta, cu_seqlens, num_slots, scale):
     return (*outputs, gamma, kk, xla._blocked_unit_lower_solve(lower, identity))
 
 
-def xla_operands_bwd(scale, tokens, cu_seqlens, rows, num_slots, intermediates, cotangents,
-                     precision, decayed_bwd=None):  # fmt: skip
-    """operands_bwd_kernel's contract in XLA: xla._chunk_operands_bwd on the chunked tokens,
-    back in the tokens' rows (the stand-in of CPU tests, and the path without the kernel)."""
-    gamma, kk, w, u, t_inverse = intermediates
-    f32 = jnp.float32
-    q_c, k_c, v_c, beta_c = (xla._to_chunks(x.astype(f32), rows, num_slots) for x in tokens)
-    strict = jnp.arange(SCAN_CHUNK)[:, None] > jnp.arange(SCAN_CHUNK)[None, :]
-    lower = jnp.where(strict, beta_c[..., :, None] * kk, 0.0)
-    solved = jnp.concatenate([w, u], axis=-1)
-    qg = scale * q_c * jnp.exp(gamma)
-    kd = k_c * jnp.exp(gamma[:, :, -1:, :] - gamma)
-    decay = jnp.exp(gamma[:, :, -1, :])
-    residuals = (q_c, k_c, v_c, beta_c, gamma, kk, lower, solved, qg, kd, decay)
-    d_chunked = xla._chunk_operands_bwd(
-        scale, residuals, cotangents, decayed_bwd=decayed_bwd, t_inverse=t_inverse,
-        precision=precision,
-    )  # fmt: skip
-    return tuple(xla.from_chunks(d, rows) for d in d_chunked)
-
-
-def differentiable_chunk_operands(
-    run, decayed_bwd=None, precision=jax.lax.Precision.HIGHEST, fused_bwd=None
-):
+def differentiable_chunk_operands(run, decayed_bwd=None, precision=jax.lax.Precision.HIGHEST):
     """xla.chunk_operands's contract from `run` (chunk_core_kernel, or a stand-in in CPU tests),
     with xla._chunk_operands_bwd (written out, parallel over chunks) as its backward; its
     decayed products' part by `decayed_bwd` (decayed_bwd_kernel) where given, else in XLA;
-    `precision` that of its dense products (with the chunk core's T^-1, the solve's too).
-    fused_bwd (operands_bwd_kernel's contract; takes precedence over decayed_bwd): the whole
-    backward from the token inputs and the core's intermediates, straight to the tokens."""
+    `precision` that of its dense products (with the chunk core's T^-1, the solve's too)."""
 
     @functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8))
     def operands(q, k, v, g, beta, cu_seqlens, rows, num_slots, scale):
@@ -804,12 +767,8 @@ def differentiable_chunk_operands(
 
     def operands_fwd(q, k, v, g, beta, cu_seqlens, rows, num_slots, scale):
         outputs = run(q, k, v, g, beta, cu_seqlens, num_slots, scale)
-        w, u, qg, attn, kd, decay, gamma, kk, t_inverse = outputs
-        primal = (w, u, qg, attn, kd, decay)
+        w, u, _, _, _, _, gamma, kk, t_inverse = outputs
         like = tuple(jnp.zeros((0,), x.dtype) for x in (q, k, v, g, beta))  # the dtypes
-        if fused_bwd is not None:  # the tokens and the core's own outputs, nothing chunked
-            intermediates = (gamma, kk, w, u, t_inverse)
-            return primal, ((q, k, v, beta), cu_seqlens, intermediates, rows, like)
         # What xla._chunk_operands_bwd needs: the chunked inputs and the kernel's intermediates.
         f32 = jnp.float32
         q_c, k_c, v_c, beta_c = (
@@ -818,18 +777,10 @@ def differentiable_chunk_operands(
         strict = jnp.arange(SCAN_CHUNK)[:, None] > jnp.arange(SCAN_CHUNK)[None, :]
         lower = jnp.where(strict, beta_c[..., :, None] * kk, 0.0)
         solved = jnp.concatenate([w, u], axis=-1)
-        residuals = (q_c, k_c, v_c, beta_c, gamma, kk, lower, solved, qg, kd, decay)
-        return primal, (residuals, t_inverse, rows, like)
+        residuals = (q_c, k_c, v_c, beta_c, gamma, kk, lower, solved)
+        return outputs[:6], (residuals, t_inverse, rows, like)
 
     def operands_bwd(num_slots, scale, saved, cotangents):
-        if fused_bwd is not None:
-            tokens, cu_seqlens, intermediates, rows, like = saved
-            d_tokens = fused_bwd(
-                scale, tokens, cu_seqlens, rows, num_slots, intermediates, cotangents[:6],
-                precision,
-            )  # fmt: skip
-            d_tokens = [d.astype(x.dtype) for d, x in zip(d_tokens, like, strict=True)]
-            return (*d_tokens, None, None)
         residuals, t_inverse, rows, like = saved
         d_chunked = xla._chunk_operands_bwd(
             scale, residuals, cotangents, decayed_bwd=decayed_bwd, t_inverse=t_inverse,
@@ -846,8 +797,8 @@ def differentiable_chunk_operands(
 
 def training_forward(
     q, k, v, g, beta, cu_seqlens, initial_state, scale, *, chunk_core=True, decayed_bwd=True,
-    scan_v_slice=None, scan_tensor_cores=None, fused_operands_bwd=False, dense_precision="bf16",
-    chunk_core_passes=1, scan_passes=None, dense_bwd=True,
+    scan_v_slice=None, scan_tensor_cores=None, dense_precision="bf16", chunk_core_passes=1,
+    scan_passes=None, dense_bwd=True, tokens_bwd=None,
 ):  # fmt: skip
     """The forward the sm90 backward differentiates (and the no-bound forward), exact for any
     g <= 0: the chunk-core kernel's per-chunk operands (their backward written out,
@@ -870,21 +821,23 @@ def training_forward(
     The other switches are for profiling (benchmarks.kernel_profile --train-variants) and
     tests: chunk_core=False takes the operands from the XLA path's code, decayed_bwd=False
     their backward's decayed products too; scan_v_slice and scan_tensor_cores pick the
-    state-scan variant (None: the plan's); fused_operands_bwd=True takes the operands' backward
-    past the solve as one kernel (operands_bwd_kernel: decayed products, element-wise terms and
-    the tokens' rows, three passes; it needs decayed_bwd=True). It passes every GPU test but is
-    slower than the XLA element-wise part it replaces (H200 profile: 2048x12x1 span 969 against
-    944 us, 8192x16x1 4542 against 4119): its tail runs at one CTA an SM, latency-bound, so it
-    is off by default. dense_bwd=True (the default) takes the chunk core, the state scan and
-    the outputs around it as one custom VJP (differentiable_chunks) whose backward runs the
-    reverse scan, then every product touching a chunk's state and the chunk core's solve
-    backward in one kernel (dense_bwd_kernel; xla_dense_bwd at dense_precision other than
-    bf16), then the rest of the chunk core's backward (xla_chunk_bwd): H200 profile,
-    2048x12x1 recompute + backward 684 against 769 us, 8192x16x1 2985 against 3420."""
+    state-scan variant (None: the plan's). dense_bwd=True (the default) takes the chunk core,
+    the state scan and the outputs around it as one custom VJP (differentiable_chunks) whose
+    backward runs the reverse scan, then every product touching a chunk's state and the chunk
+    core's solve backward in one kernel (dense_bwd_kernel; xla_dense_bwd at dense_precision
+    other than bf16), then the decayed products' backward, then (tokens_bwd=True; None: as
+    dense_bwd) the element-wise rest straight into the tokens' rows on tokens_bwd_kernel
+    (False: in XLA, xla_tokens_bwd). H200 profile, recompute + backward, of dense_bwd:
+    2048x12x1 684 against 769 us, 8192x16x1 2985 against 3420.
+    An earlier variant fused the element-wise rest into the decayed products' kernel instead:
+    exact, but slower than XLA (2048x12x1 969 against 944 us): at that kernel's one CTA an SM
+    the memory-bound tail was latency-bound; tokens_bwd_kernel runs it at full occupancy."""
     if decayed_bwd and not chunk_core:
         raise ValueError("decayed_bwd=True needs chunk_core=True (the operands' backward it is in)")
-    if fused_operands_bwd and not decayed_bwd:
-        raise ValueError("fused_operands_bwd=True needs decayed_bwd=True (the kernel it extends)")
+    if tokens_bwd is None:
+        tokens_bwd = dense_bwd
+    if tokens_bwd and not dense_bwd:
+        raise ValueError("tokens_bwd=True needs dense_bwd=True (the backward it ends)")
     presets = {
         "bf16": jax.lax.DotAlgorithmPreset.BF16_BF16_F32,
         "bf16x3": jax.lax.DotAlgorithmPreset.BF16_BF16_F32_X3,
@@ -903,7 +856,7 @@ def training_forward(
             xla_chunk_bwd,
             dense_bwd=dense_bwd_kernel if dense_precision == "bf16" else None,
             decayed_bwd=decayed_bwd_kernel if decayed_bwd else None,
-            operands_bwd=operands_bwd_kernel if fused_operands_bwd else None,
+            tokens_bwd=tokens_bwd_kernel if tokens_bwd else None,
         )
         chunks = differentiable_chunks(
             core if chunk_core else xla_chunk_core, kernel, chunk_bwd, precision
@@ -918,7 +871,6 @@ def training_forward(
             core,
             decayed_bwd_kernel if decayed_bwd else None,
             precision,
-            fused_bwd=operands_bwd_kernel if fused_operands_bwd else None,
         )
         return xla.forward(
             q, k, v, g, beta, cu_seqlens, initial_state, scale, scan=scan, operands=operands,

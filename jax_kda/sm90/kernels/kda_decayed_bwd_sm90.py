@@ -1,6 +1,5 @@
 """The backward of the in-chunk decayed products, sm_90a CuTe DSL: xla._decayed_products_bwd on
-tensor cores, parallel over (chunk slot, head); and OperandsBwdSm90, the same products with the
-rest of the chunk core's backward past its solve (below).
+tensor cores, parallel over (chunk slot, head).
 
 With E_ijd = exp(Gamma_id - Gamma_jd) and the cotangents w = d_kk, d_qk [64, 64] (taken for
 j <= i only) of kk_ij = sum_d k_id k_jd E_ijd and qk_ij = sum_d q_id k_jd E_ijd:
@@ -27,8 +26,6 @@ float32. One CTA of two warpgroups a (slot, head): each issues the products for 
 
 from __future__ import annotations
 
-import dataclasses
-
 import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
@@ -36,7 +33,7 @@ import cutlass.cute.nvgpu.warpgroup as warpgroup
 from cutlass import BFloat16, Float32, Int32
 from cutlass.memory import SmemAllocator
 
-from jax_kda.constants import HEAD_DIM, SCAN_CHUNK
+from jax_kda.constants import HEAD_DIM
 from jax_kda.sm90.kernels.chunk64 import (
     BLOCK,
     BLOCKS,
@@ -47,7 +44,6 @@ from jax_kda.sm90.kernels.chunk64 import (
     packed_row,
     put_right_factors,
 )
-from jax_kda.sm90.kernels.varlen import slot_owner
 from jax_kda.sm90.kernels.wgmma import (
     bf16_tiled_mma,
     image_layout,
@@ -67,7 +63,6 @@ RT_BYTES = HEAD_DIM * 2 * PACKED * 2  # R^T image [128, 320] bf16: 80 KiB
 W_BYTES = ROWS * 2 * PACKED * 2  # packed cotangent image [64, 320] bf16: 40 KiB
 REGION_BYTES = RT_BYTES + W_BYTES
 BACK_A_BYTES = ROWS * 2 * SIDE * 2  # [64, 64] bf16: 8 KiB
-TAIL_BATCH = 16  # rows of the fused backward's element-wise tail loaded at once
 
 
 class DecayedBwdSm90:
@@ -111,7 +106,7 @@ class DecayedBwdSm90:
         d = tid % 128  # channel, in the element-wise phases
         part = tid // 128  # warpgroup: rows = part mod WGS; in products channels HALF_N part + n
         shared = _allocate()
-        _, s_q, s_k, s_gam, s_dkk, s_dqk, s_flag, _ = shared
+        _, s_q, s_k, s_gam, s_dkk, s_dqk, s_flag = shared
 
         # ---- the chunk into shared memory; the cotangents for j <= i only
         if tid == 0:
@@ -131,7 +126,7 @@ class DecayedBwdSm90:
         cotangents in place and visible to all) into mDq, mDk, mDgamma."""
         d = tid % 128
         part = tid // 128
-        s_region, s_q, s_k, s_gam, s_dkk, s_dqk, s_flag, _ = shared
+        s_region, s_q, s_k, s_gam, s_dkk, s_dqk, s_flag = shared
         row_major = cute.make_layout((ROWS, HEAD_DIM), stride=(HEAD_DIM, 1))
         raw = s_region.iterator
         s_rt = view(raw, 0, image_layout(HEAD_DIM, 2 * PACKED, mn_major=True))
@@ -258,7 +253,7 @@ class DecayedBwdSm90:
 
 
 def _allocate():
-    """The kernels' shared memory: (operand region, q, k, Gamma, d_kk, d_qk, flag, beta)."""
+    """The kernel's shared memory: (operand region, q, k, Gamma, d_kk, d_qk, flag)."""
     smem = SmemAllocator()
     row_major = cute.make_layout((ROWS, HEAD_DIM), stride=(HEAD_DIM, 1))
     s_region = smem.allocate_tensor(Int32, cute.make_layout(REGION_BYTES // 4), 1024)
@@ -273,14 +268,12 @@ def _allocate():
     s_dkk = smem.allocate_tensor(Float32, pairs, 16)
     s_dqk = smem.allocate_tensor(Float32, pairs, 16)
     s_flag = smem.allocate_tensor(Int32, cute.make_layout(1), 4)
-    s_beta = smem.allocate_tensor(Float32, cute.make_layout(ROWS), 16)
-    return s_region, s_q, s_k, s_gam, s_dkk, s_dqk, s_flag, s_beta
+    return s_region, s_q, s_k, s_gam, s_dkk, s_dqk, s_flag
 
 
 @cute.jit
-def _load_cotangents(s_dkk, s_dqk, m_kk, m_qk, tid, s_beta=None, scale: cutlass.Constexpr = 1.0):
-    """d_kk and d_qk [64, 64] of the chunk into shared memory, j <= i only; with s_beta d_kk is
-    beta_i m_kk[i, j] (m_kk then d_lower), and d_qk scale m_qk[i, j] (m_qk then dAqk)."""
+def _load_cotangents(s_dkk, s_dqk, m_kk, m_qk, tid):
+    """d_kk and d_qk [64, 64] of the chunk into shared memory, j <= i only."""
     for it in cutlass.range_constexpr(ROWS * ROWS // NTHREADS):
         e = tid + it * NTHREADS
         i = e // ROWS
@@ -290,233 +283,5 @@ def _load_cotangents(s_dkk, s_dqk, m_kk, m_qk, tid, s_beta=None, scale: cutlass.
         if j <= i:
             w_kk = m_kk[i, j]
             w_qk = m_qk[i, j]
-            if cutlass.const_expr(s_beta is not None):
-                w_kk = w_kk * s_beta[i]
-                w_qk = w_qk * Float32(scale)
         s_dkk[i, j] = w_kk
         s_dqk[i, j] = w_qk
-
-
-@dataclasses.dataclass(frozen=True)
-class OperandsBwdConfig:
-    scale: float
-
-
-class OperandsBwdSm90(DecayedBwdSm90):
-    """The chunk core's whole backward past the solve, xla._chunk_operands_bwd from dRhs on:
-    the decayed products' backward above, then, per row i and channel d of the chunk (E =
-    exp(Gamma), Kd's factor F = exp(Gamma_last - Gamma), qg = scale q E, kd = k F):
-      dq = P(d_qk, k) + scale E dQg;  dk = P(d_kk, k) + back + beta E dRhs_w + F dKd;
-      dv = beta dRhs_u;  dbeta = dbeta_lower + sum_d (dRhs_w k E + dRhs_u v);
-      dGamma = [decayed products'] + beta k E dRhs_w + qg dQg - kd dKd, and on the last row
-        sum_i kd dKd + a dA;  dg = the reverse cumsum of dGamma over the rows,
-    written straight to the tokens' rows (rows past a sequence's end are not written).
-
-    Inputs: q, k, v [T, H, 128] bfloat16 and beta [T, H] float32 (the tokens), cu_seqlens;
-    float32 per slot and head: gamma [64, 128] (the chunk core's), d_lower [64, 64] (strictly
-    lower: -dRhs [W | U]^T; d_kk = beta_i d_lower_ij here), d_attn [64, 64] (d_qk = scale d_attn
-    for j <= i here), d_rhs_w, d_rhs_u, d_qg, d_kd [64, 128], d_decay [128], d_beta_lower [64]
-    (sum_j d_lower_ij kk_ij). Outputs: scratch dq_c, dk_c, dgamma_c [slots, H, 64, 128] (the
-    products' results, read back by the CTA that wrote them), and float32 dq, dk, dv, dg
-    [T, H, 128], dbeta [T, H].
-
-    Exact (H200: within 7e-6 of its XLA statement) but slower than leaving the element-wise
-    part to XLA: the tail adds 153 us at 2048x12x1 where XLA took about 130 (one CTA an SM, so
-    its memory-bound tail is latency-bound), hence training_forward's default off.
-    """
-
-    def __init__(self, config: OperandsBwdConfig):
-        self.scale = float(config.scale)
-
-    @cute.jit
-    def __call__(
-        self,
-        q: cute.Tensor,
-        k: cute.Tensor,
-        v: cute.Tensor,
-        beta: cute.Tensor,
-        cu_seqlens: cute.Tensor,
-        gamma: cute.Tensor,
-        d_lower: cute.Tensor,
-        d_attn: cute.Tensor,
-        d_rhs_w: cute.Tensor,
-        d_rhs_u: cute.Tensor,
-        d_qg: cute.Tensor,
-        d_kd: cute.Tensor,
-        d_decay: cute.Tensor,
-        d_beta_lower: cute.Tensor,
-        dq_c: cute.Tensor,
-        dk_c: cute.Tensor,
-        dgamma_c: cute.Tensor,
-        dq: cute.Tensor,
-        dk: cute.Tensor,
-        dv: cute.Tensor,
-        dg: cute.Tensor,
-        dbeta: cute.Tensor,
-        stream: cuda.CUstream,
-    ):
-        mma = bf16_tiled_mma((ROWS, HALF_N), warpgroup.OperandSource.SMEM, b_mn_major=True)
-        grid = [gamma.shape[0], gamma.shape[1], 1]
-        self.kernel(
-            q, k, v, beta, cu_seqlens, gamma, d_lower, d_attn, d_rhs_w, d_rhs_u, d_qg, d_kd,
-            d_decay, d_beta_lower, dq_c, dk_c, dgamma_c, dq, dk, dv, dg, dbeta, mma,
-        ).launch(grid=grid, block=[NTHREADS, 1, 1], stream=stream)  # fmt: skip
-
-    @cute.kernel
-    def kernel(
-        self,
-        mQ: cute.Tensor,
-        mK: cute.Tensor,
-        mV: cute.Tensor,
-        mBeta: cute.Tensor,
-        mCu: cute.Tensor,
-        mGamma: cute.Tensor,
-        mDlower: cute.Tensor,
-        mDattn: cute.Tensor,
-        mDrw: cute.Tensor,
-        mDru: cute.Tensor,
-        mDqg: cute.Tensor,
-        mDkd: cute.Tensor,
-        mDdecay: cute.Tensor,
-        mDbetaLower: cute.Tensor,
-        mDqC: cute.Tensor,
-        mDkC: cute.Tensor,
-        mDgamC: cute.Tensor,
-        mDq: cute.Tensor,
-        mDk: cute.Tensor,
-        mDv: cute.Tensor,
-        mDg: cute.Tensor,
-        mDbeta: cute.Tensor,
-        mma: cute.TiledMma,
-    ):
-        tid, _, _ = cute.arch.thread_idx()
-        slot, h, _ = cute.arch.block_idx()
-        d = tid % 128
-        part = tid // 128
-        scale = self.scale
-        shared = _allocate()
-        s_region, s_q, s_k, s_gam, s_dkk, s_dqk, s_flag, s_beta = shared
-
-        # ---- the chunk from the tokens (rows past the end and gap slots: q = k = beta = 0),
-        # loads unconditional (clamped into the tensor, zeroed afterwards) so that they overlap
-        active, bos, seqlen, c = slot_owner(mCu, slot, SCAN_CHUNK)
-        tokens = mQ.shape[0]
-        last_ok = cutlass.min(bos + seqlen, tokens) - 1
-        row0 = bos + c * ROWS
-        if tid == 0:
-            s_flag[0] = Int32(0)
-        for i in cutlass.range(part, ROWS, WGS, unroll=8):
-            qv = BFloat16(0.0)
-            kv = BFloat16(0.0)
-            bv = Float32(0.0)
-            if tokens > 0:
-                token = cutlass.max(cutlass.min(row0 + i, last_ok), 0)
-                qv = mQ[token, h, d]
-                kv = mK[token, h, d]
-                bv = mBeta[token, h]
-            if not (active and c * ROWS + i < seqlen):
-                qv = BFloat16(0.0)
-                kv = BFloat16(0.0)
-                bv = Float32(0.0)
-            s_q[i, d] = qv
-            s_k[i, d] = kv
-            s_gam[i, d] = mGamma[slot, h, i, d]
-            if d == 0:
-                s_beta[i] = bv
-        cute.arch.sync_threads()
-        _load_cotangents(
-            s_dkk, s_dqk, mDlower[slot, h, None, None], mDattn[slot, h, None, None], tid, s_beta,
-            scale,
-        )  # fmt: skip
-        cute.arch.sync_threads()
-        m_dq_c = mDqC[slot, h, None, None]
-        m_dk_c = mDkC[slot, h, None, None]
-        m_dgam_c = mDgamC[slot, h, None, None]
-        self._products(shared, mma, m_dq_c, m_dk_c, m_dgam_c, tid)
-        cute.arch.sync_threads()  # the products' (and pairwise pass's) writes visible to all
-
-        # ---- the element-wise terms, thread (part, d) = channel d of rows [32 part, 32 part + 32)
-        half = ROWS // WGS
-        s_terms = cute.make_tensor(
-            cute.recast_ptr(s_region.iterator, dtype=Float32),
-            cute.make_layout((ROWS, HEAD_DIM), stride=(HEAD_DIM, 1)),
-        )  # dbeta's per-channel terms
-        s_sums = cute.make_tensor(
-            cute.recast_ptr(s_region.iterator + ROWS * HEAD_DIM, dtype=Float32),
-            cute.make_layout((WGS, 2, HEAD_DIM), stride=(2 * HEAD_DIM, HEAD_DIM, 1)),
-        )  # per warpgroup: its rows' dGamma sum and kd dKd sum
-        gam_last = s_gam[ROWS - 1, d]
-        r_dgam = cute.make_rmem_tensor((half,), Float32)
-        kd_sum = Float32(0.0)
-        # In batches of TAIL_BATCH rows, every load of a batch issued before its stores (a
-        # store may alias a later load, so the compiler keeps them in order: row by row, each
-        # row's loads waited for one at a time; latency-bound)
-        r_in = cute.make_rmem_tensor((TAIL_BATCH, 8), Float32)
-        for bt in cutlass.range_constexpr(half // TAIL_BATCH):
-            for r in cutlass.range_constexpr(TAIL_BATCH):
-                i = part * half + bt * TAIL_BATCH + r
-                r_in[r, 0] = m_dq_c[i, d]
-                r_in[r, 1] = m_dk_c[i, d]
-                r_in[r, 2] = m_dgam_c[i, d]
-                r_in[r, 3] = mDrw[slot, h, i, d]
-                r_in[r, 4] = mDru[slot, h, i, d]
-                r_in[r, 5] = mDqg[slot, h, i, d]
-                r_in[r, 6] = mDkd[slot, h, i, d]
-                r_in[r, 7] = Float32(0.0)
-                if tokens > 0:
-                    r_in[r, 7] = Float32(mV[cutlass.max(cutlass.min(row0 + i, last_ok), 0), h, d])
-            for r in cutlass.range_constexpr(TAIL_BATCH):
-                i = part * half + bt * TAIL_BATCH + r
-                gam = s_gam[i, d]
-                e = cute.math.exp(gam)
-                f = cute.math.exp(gam_last - gam)
-                kv = Float32(s_k[i, d])
-                qv = Float32(s_q[i, d])
-                b = s_beta[i]
-                d_rw = r_in[r, 3]
-                d_ru = r_in[r, 4]
-                d_qg = r_in[r, 5]
-                d_kd = r_in[r, 6]
-                valid = active and c * ROWS + i < seqlen
-                vv = r_in[r, 7]
-                if not valid:
-                    vv = Float32(0.0)
-                kd_term = kv * f * d_kd
-                kd_sum = kd_sum + kd_term
-                r_dgam[bt * TAIL_BATCH + r] = (
-                    r_in[r, 2] + b * kv * e * d_rw + scale * qv * e * d_qg - kd_term
-                )
-                s_terms[i, d] = d_rw * kv * e + d_ru * vv
-                if valid:
-                    token = row0 + i
-                    mDq[token, h, d] = r_in[r, 0] + scale * e * d_qg
-                    mDk[token, h, d] = r_in[r, 1] + b * e * d_rw + f * d_kd
-                    mDv[token, h, d] = b * d_ru
-        # dg: the reverse cumsum, within this warpgroup's rows, then across
-        run = Float32(0.0)
-        for r in cutlass.range_constexpr(half):
-            run = run + r_dgam[half - 1 - r]
-            r_dgam[half - 1 - r] = run
-        s_sums[part, 0, d] = run
-        s_sums[part, 1, d] = kd_sum
-        cute.arch.sync_threads()
-        last = cute.math.exp(gam_last) * mDdecay[slot, h, d]
-        for p in cutlass.range_constexpr(WGS):
-            last = last + s_sums[p, 1, d]
-            if part < p:
-                last = last + s_sums[p, 0, d]
-        for r in cutlass.range_constexpr(half):
-            i = part * half + r
-            if active and c * ROWS + i < seqlen:
-                mDg[row0 + i, h, d] = r_dgam[r] + last
-        # dbeta: four threads a row, each a quarter of the channels (staggered: no conflicts)
-        i = tid // 4
-        quarter = tid % 4
-        lane = tid % 32
-        acc = Float32(0.0)
-        for m in cutlass.range_constexpr(HEAD_DIM // 4):
-            acc = acc + s_terms[i, quarter * (HEAD_DIM // 4) + (m + lane) % (HEAD_DIM // 4)]
-        acc = acc + cute.arch.shuffle_sync_bfly(acc, offset=1)
-        acc = acc + cute.arch.shuffle_sync_bfly(acc, offset=2)
-        if quarter == 0 and active and c * ROWS + i < seqlen:
-            mDbeta[row0 + i, h] = acc + mDbetaLower[slot, h, i]

@@ -1,0 +1,225 @@
+"""The chunk core's backward from its products' cotangents to the tokens' gradients, sm_90a CuTe
+DSL: the element-wise terms, dg's reverse cumsum and the scatter back into the tokens' rows, one
+pass over each chunk after the dense and decayed backward kernels (xla._elementwise_bwd, then
+xla.from_chunks).
+
+Per row i and channel d of a chunk, with Gamma the chunk core's in-chunk cumsum of g, E =
+exp(Gamma), F = exp(Gamma_last - Gamma) (Kd's factor), qg = scale q E and kd = k F:
+  dq = dq_c + scale E dQg;  dk = dk_c + beta E dRhs_w + F dKd;  dv = beta dRhs_u;
+  dbeta = dbeta_kk + sum_d (dRhs_w k E + dRhs_u v);
+  dGamma = dgamma_c + beta k E dRhs_w + qg dQg - kd dKd, and on the last row
+    sum_i kd dKd + exp(Gamma_last) dA;  dg = the reverse cumsum of dGamma over the rows,
+where (dq_c, dk_c, dgamma_c) are the decayed products' backward (kda_decayed_bwd_sm90.py),
+(dRhs = [dRhs_w | dRhs_u], dQg, dKd, dA, dbeta_kk) the dense kernel's (kda_dense_bwd_sm90.py).
+Rows past a sequence's end take q = k = v = beta = 0 (as the chunked tokens have them) and are
+not written; gap slots write nothing.
+
+Memory-bound, so built for occupancy: no shared operands, one CTA of four row groups a (slot,
+head), thread (group, d) = channel d of the group's 16 rows, loads issued BATCH rows at a time
+(each row's loads coalesced, 512 bytes a warpgroup).
+
+Inputs: q, k, v [T, H, 128] bfloat16 and beta [T, H] float32 (the tokens), cu_seqlens [N + 1]
+int32; float32 per slot and head: gamma, dq_c, dk_c, dgamma_c, d_qg, d_kd [64, 128], d_rhs
+[64, 256], d_decay [128], d_beta_kk [64]. Outputs, float32: dq, dk, dv, dg [T, H, 128], dbeta
+[T, H].
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import cuda.bindings.driver as cuda
+import cutlass
+import cutlass.cute as cute
+from cutlass import BFloat16, Float32
+from cutlass.memory import SmemAllocator
+
+from jax_kda.constants import HEAD_DIM, SCAN_CHUNK
+from jax_kda.sm90.kernels.varlen import slot_owner
+
+ROWS = SCAN_CHUNK
+GROUPS = 4  # row groups of a CTA, one warpgroup each
+NTHREADS = HEAD_DIM * GROUPS
+GROUP_ROWS = ROWS // GROUPS
+BATCH = 4  # rows whose loads are issued before any of their arithmetic
+WARPS = HEAD_DIM // 32  # warps across a row's channels
+LOADS = 12  # values a thread loads per row
+
+
+@dataclasses.dataclass(frozen=True)
+class TokensBwdConfig:
+    scale: float
+
+
+class TokensBwdSm90:
+    def __init__(self, config: TokensBwdConfig):
+        self.scale = float(config.scale)
+
+    @cute.jit
+    def __call__(
+        self,
+        q: cute.Tensor,
+        k: cute.Tensor,
+        v: cute.Tensor,
+        beta: cute.Tensor,
+        cu_seqlens: cute.Tensor,
+        gamma: cute.Tensor,
+        dq_c: cute.Tensor,
+        dk_c: cute.Tensor,
+        dgamma_c: cute.Tensor,
+        d_rhs: cute.Tensor,
+        d_qg: cute.Tensor,
+        d_kd: cute.Tensor,
+        d_decay: cute.Tensor,
+        d_beta_kk: cute.Tensor,
+        dq: cute.Tensor,
+        dk: cute.Tensor,
+        dv: cute.Tensor,
+        dg: cute.Tensor,
+        dbeta: cute.Tensor,
+        stream: cuda.CUstream,
+    ):
+        self.kernel(
+            q, k, v, beta, cu_seqlens, gamma, dq_c, dk_c, dgamma_c, d_rhs, d_qg, d_kd, d_decay,
+            d_beta_kk, dq, dk, dv, dg, dbeta,
+        ).launch(
+            grid=[gamma.shape[0], gamma.shape[1], 1], block=[NTHREADS, 1, 1], stream=stream
+        )  # fmt: skip
+
+    @cute.kernel
+    def kernel(
+        self,
+        mQ: cute.Tensor,
+        mK: cute.Tensor,
+        mV: cute.Tensor,
+        mBeta: cute.Tensor,
+        mCu: cute.Tensor,
+        mGamma: cute.Tensor,
+        mDqC: cute.Tensor,
+        mDkC: cute.Tensor,
+        mDgamC: cute.Tensor,
+        mDrhs: cute.Tensor,
+        mDqg: cute.Tensor,
+        mDkd: cute.Tensor,
+        mDdecay: cute.Tensor,
+        mDbetaKk: cute.Tensor,
+        mDq: cute.Tensor,
+        mDk: cute.Tensor,
+        mDv: cute.Tensor,
+        mDg: cute.Tensor,
+        mDbeta: cute.Tensor,
+    ):
+        tid, _, _ = cute.arch.thread_idx()
+        slot, h, _ = cute.arch.block_idx()
+        d = tid % HEAD_DIM
+        group = tid // HEAD_DIM
+        warp = d // 32
+        lane = tid % 32
+        scale = self.scale
+
+        smem = SmemAllocator()
+        # per group: its rows' dGamma sum and kd dKd sum, by channel
+        s_sums = smem.allocate_tensor(
+            Float32,
+            cute.make_layout((GROUPS, 2, HEAD_DIM), stride=(2 * HEAD_DIM, HEAD_DIM, 1)),
+            16,
+        )
+        # dbeta's per-warp partial sums over a row's channels
+        s_rows = smem.allocate_tensor(
+            Float32, cute.make_layout((ROWS, WARPS), stride=(WARPS, 1)), 16
+        )
+
+        # Loads are unconditional (token rows clamped into the tensor, the values zeroed
+        # afterwards) so that a batch's loads all issue before its arithmetic waits on them.
+        active, bos, seqlen, c = slot_owner(mCu, slot, SCAN_CHUNK)
+        tokens = mQ.shape[0]
+        last_ok = cutlass.min(bos + seqlen, tokens) - 1
+        row0 = bos + c * ROWS
+        gam_last = mGamma[slot, h, ROWS - 1, d]
+        r_dgam = cute.make_rmem_tensor((GROUP_ROWS,), Float32)
+        r_in = cute.make_rmem_tensor((BATCH, LOADS), Float32)
+        kd_sum = Float32(0.0)
+        for bt in cutlass.range_constexpr(GROUP_ROWS // BATCH):
+            for r in cutlass.range_constexpr(BATCH):
+                i = group * GROUP_ROWS + bt * BATCH + r
+                r_in[r, 0] = mGamma[slot, h, i, d]
+                r_in[r, 1] = mDqC[slot, h, i, d]
+                r_in[r, 2] = mDkC[slot, h, i, d]
+                r_in[r, 3] = mDgamC[slot, h, i, d]
+                r_in[r, 4] = mDrhs[slot, h, i, d]
+                r_in[r, 5] = mDrhs[slot, h, i, HEAD_DIM + d]
+                r_in[r, 6] = mDqg[slot, h, i, d]
+                r_in[r, 7] = mDkd[slot, h, i, d]
+                qv = BFloat16(0.0)
+                kv = BFloat16(0.0)
+                vv = BFloat16(0.0)
+                bv = Float32(0.0)
+                if tokens > 0:
+                    token = cutlass.max(cutlass.min(row0 + i, last_ok), 0)
+                    qv = mQ[token, h, d]
+                    kv = mK[token, h, d]
+                    vv = mV[token, h, d]
+                    bv = mBeta[token, h]
+                r_in[r, 8] = Float32(qv)
+                r_in[r, 9] = Float32(kv)
+                r_in[r, 10] = Float32(vv)
+                r_in[r, 11] = bv
+            for r in cutlass.range_constexpr(BATCH):
+                i = group * GROUP_ROWS + bt * BATCH + r
+                valid = active and c * ROWS + i < seqlen
+                gam = r_in[r, 0]
+                d_rw = r_in[r, 4]
+                d_ru = r_in[r, 5]
+                d_qg = r_in[r, 6]
+                d_kd = r_in[r, 7]
+                qv = r_in[r, 8]
+                kv = r_in[r, 9]
+                vv = r_in[r, 10]
+                b = r_in[r, 11]
+                if not valid:
+                    qv = Float32(0.0)
+                    kv = Float32(0.0)
+                    vv = Float32(0.0)
+                    b = Float32(0.0)
+                e = cute.math.exp(gam)
+                f = cute.math.exp(gam_last - gam)
+                kd_term = kv * f * d_kd
+                kd_sum = kd_sum + kd_term
+                d_gam = r_in[r, 3] + b * kv * e * d_rw + scale * qv * e * d_qg
+                r_dgam[bt * BATCH + r] = d_gam - kd_term
+                term = d_rw * kv * e + d_ru * vv
+                for offset in cutlass.range_constexpr(5):
+                    term = term + cute.arch.shuffle_sync_bfly(term, offset=16 >> offset)
+                if lane == 0:
+                    s_rows[i, warp] = term
+                if valid:
+                    token = row0 + i
+                    mDq[token, h, d] = r_in[r, 1] + scale * e * d_qg
+                    mDk[token, h, d] = r_in[r, 2] + b * e * d_rw + f * d_kd
+                    mDv[token, h, d] = b * d_ru
+
+        # dg: the reverse cumsum within the group's rows, then the later groups' sums and the
+        # last row's terms (every row's kd dKd and the chunk decay's a dA) onto every row
+        run = Float32(0.0)
+        for r in cutlass.range_constexpr(GROUP_ROWS):
+            run = run + r_dgam[GROUP_ROWS - 1 - r]
+            r_dgam[GROUP_ROWS - 1 - r] = run
+        s_sums[group, 0, d] = run
+        s_sums[group, 1, d] = kd_sum
+        cute.arch.sync_threads()
+        last = cute.math.exp(gam_last) * mDdecay[slot, h, d]
+        for p in cutlass.range_constexpr(GROUPS):
+            last = last + s_sums[p, 1, d]
+            if group < p:
+                last = last + s_sums[p, 0, d]
+        for r in cutlass.range_constexpr(GROUP_ROWS):
+            i = group * GROUP_ROWS + r
+            if active and c * ROWS + i < seqlen:
+                mDg[row0 + i, h, d] = r_dgam[r] + last
+        if tid < ROWS:
+            i = tid
+            if active and c * ROWS + i < seqlen:
+                total = mDbetaKk[slot, h, i]
+                for w in cutlass.range_constexpr(WARPS):
+                    total = total + s_rows[i, w]
+                mDbeta[row0 + i, h] = total
