@@ -473,6 +473,37 @@ def test_dense_bwd_kernel_matches_xla(case):
         assert same_ops <= same_bar, (name, same_ops)
 
 
+@pytest.mark.parametrize("slots", [1, 7, 131])
+def test_state_cotangent_kernel_matches_xla(slots):
+    """The outputs' part of the state cotangent (kernels/kda_state_cotangent_sm90.py) against
+    its XLA statement (sm90.xla_state_cotangent) at float32 and with the kernel's own rounding
+    (one bf16 pass a product), NaN-poisoned, on random operands with Aqk lower-triangular."""
+    register()
+    rng = np.random.default_rng(SEED + slots)
+    heads = 3
+    chunk = (slots, heads, 64, 128)
+    qg, w, d_out = (jnp.asarray(rng.standard_normal(chunk), jnp.float32) for _ in range(3))
+    attn = np.tril(rng.standard_normal((slots, heads, 64, 64)))
+    attn = jnp.asarray(attn, jnp.float32)
+    result = jax.ShapeDtypeStruct((slots, heads, 128, 128), jnp.float32)
+
+    @jax.jit
+    def run(*inputs):
+        poison = jnp.full(result.shape, jnp.nan, result.dtype)
+        artifact = sm90.state_cotangent_artifact()
+        return cute_call(artifact, [*inputs, poison], [result], aliases={4: 0})[0]
+
+    ours = run(qg, w, attn, d_out)
+    exact = jax.jit(sm90.xla_state_cotangent)(qg, w, attn, d_out)
+    rounded = jax.jit(
+        lambda *a: sm90.xla_state_cotangent(*a, jax.lax.DotAlgorithmPreset.BF16_BF16_F32)
+    )(qg, w, attn, d_out)
+    assert not np.isnan(np.asarray(ours)).any()
+    error, same_ops = rms_ratio(ours, exact), rms_ratio(ours, rounded)
+    print(f"state cotangent {slots} slots: {error:.1e} (bar 2e-2); bf16 products {same_ops:.1e}")
+    assert error <= 2e-2 and same_ops <= 5e-3, (error, same_ops)
+
+
 @pytest.mark.parametrize("case", [*CORE_CASES, "all-empty"])
 def test_tokens_bwd_kernel_matches_xla(case):
     """The backward into the tokens' rows (kernels/kda_tokens_bwd_sm90.py) against its XLA

@@ -131,7 +131,7 @@ def test_prepared_inputs_and_grouped_heads_lower_to_the_kernels(lower_bound):
     forward = {"kda_fwd_sm90_h2"} if lower_bound is not None else set()
     assert kinds == forward | {
         "kda_chunk_operands_sm90_x1", "kda_decayed_bwd", "kda_state_scan_sm90_fwd",
-        "kda_state_scan_sm90_rev", "kda_dense_bwd", "kda_tokens_bwd_sm90",
+        "kda_state_scan_sm90_rev", "kda_dense_bwd", "kda_tokens_bwd_sm90", "kda_state_cotangent",
     }, kinds  # fmt: skip
 
 
@@ -225,6 +225,13 @@ def test_tokens_bwd_exports_for_sm90a():
     assert len(artifact.tensors) == 19  # 14 inputs and 5 results
 
 
+def test_state_cotangent_exports_for_sm90a():
+    """The outputs' part of the state cotangent compiles and exports for sm_90a."""
+    artifact = sm90.state_cotangent_artifact()
+    assert artifact.object_bytes[:4] == b"\x7fELF"
+    assert len(artifact.tensors) == 5  # qg, w, attn, d_out and d_states
+
+
 @pytest.mark.parametrize("tokens_bwd", [True, False])
 def test_training_forward_lowers_to_the_tokens_bwd_kernel_unless_switched_off(tokens_bwd):
     """training_forward's backward ends on the tokens-backward kernel by default and in XLA
@@ -241,7 +248,7 @@ def test_training_forward_lowers_to_the_tokens_bwd_kernel_unless_switched_off(to
     text = _lower(step, *x)
     prefixes = {p.rsplit("_", 1)[0] for p in re.findall(r'prefix = "(\w+)"', text)}
     assert ("kda_tokens_bwd_sm90" in prefixes) == tokens_bwd, prefixes
-    assert {"kda_dense_bwd", "kda_decayed_bwd"} <= prefixes, prefixes
+    assert {"kda_dense_bwd", "kda_decayed_bwd", "kda_state_cotangent"} <= prefixes, prefixes
     with pytest.raises(ValueError, match="needs dense_bwd=True"):
         sm90.training_forward(*x[:7], 0.3, dense_bwd=False, tokens_bwd=True)
 
@@ -436,7 +443,7 @@ def test_training_lowers_under_scan_over_layers_checkpoint_and_vmap():
         kinds = {p.rsplit("_", 1)[0] for p in prefixes}
         expected = {"kda_fwd_sm90_h2", "kda_chunk_operands_sm90_x1", "kda_decayed_bwd"}
         expected |= {"kda_state_scan_sm90_fwd", "kda_state_scan_sm90_rev", "kda_dense_bwd"}
-        expected |= {"kda_tokens_bwd_sm90"}
+        expected |= {"kda_tokens_bwd_sm90", "kda_state_cotangent"}
         assert kinds == expected, (
             name,
             prefixes,
@@ -696,7 +703,8 @@ def test_vmap_runs_the_sm90_path_as_one_call():
         kinds = sorted(p.rsplit("_", 1)[0] for p in prefixes)
         expected = ["kda_fwd_sm90"] if name == "vmap" else [
             "kda_chunk_operands_sm90_x1", "kda_decayed_bwd", "kda_dense_bwd", "kda_fwd_sm90",
-            "kda_state_scan_sm90_fwd", "kda_state_scan_sm90_rev", "kda_tokens_bwd_sm90",
+            "kda_state_cotangent", "kda_state_scan_sm90_fwd", "kda_state_scan_sm90_rev",
+            "kda_tokens_bwd_sm90",
         ]  # fmt: skip
         assert [k.rsplit("_", 1)[0] if k.startswith("kda_fwd") else k for k in kinds] == expected
         assert "stablehlo.while" not in text, name

@@ -29,6 +29,8 @@ from jax_kda.sm90.backend import (
     has_hopper,
     result_shapes,
     scan_unavailable_reason,
+    state_cotangent_artifact,
+    state_cotangent_kernel,
     state_scan_artifact,
     state_scan_kernel,
     state_scan_operands,
@@ -41,6 +43,7 @@ from jax_kda.sm90.backend import (
     xla_chunk_core,
     xla_dense_bwd,
     xla_dense_products_bwd,
+    xla_state_cotangent,
     xla_tokens_bwd,
 )
 
@@ -64,6 +67,8 @@ __all__ = [
     "has_hopper",
     "result_shapes",
     "scan_unavailable_reason",
+    "state_cotangent_artifact",
+    "state_cotangent_kernel",
     "state_scan_artifact",
     "state_scan_kernel",
     "state_scan_operands",
@@ -76,5 +81,6 @@ __all__ = [
     "xla_chunk_core",
     "xla_dense_bwd",
     "xla_dense_products_bwd",
+    "xla_state_cotangent",
     "xla_tokens_bwd",
 ]

@@ -377,12 +377,16 @@ def differentiable_state_scan(run, precision=jax.lax.Precision.HIGHEST):
     return call
 
 
-def differentiable_chunks(core, scan, chunk_bwd, precision=jax.lax.Precision.HIGHEST):
+def differentiable_chunks(
+    core, scan, chunk_bwd, precision=jax.lax.Precision.HIGHEST, state_cotangent=None
+):
     """xla.forward's `chunks`: the packed tokens to (out [slots, H, 64, V], final) through the
     chunk core (`core`: chunk_core_kernel's contract), the forward state scan (`scan`:
     state_scan_kernel's, or xla.state_scan) and the outputs around it, O = Qg S + Aqk (U - W S),
     as one custom VJP. Its backward: the reverse scan, then `chunk_bwd` (xla_chunk_bwd's
-    contract: every chunk's part, parallel over chunks, straight to the tokens' gradients).
+    contract: every chunk's part, parallel over chunks, straight to the tokens' gradients); the
+    reverse scan's addend, the outputs' part of each chunk's state cotangent, by
+    `state_cotangent` (state_cotangent_kernel's contract; None: xla_state_cotangent).
     Residuals: the tokens, the core's outputs and the chunk states. Products outside the
     kernels at `precision`."""
     mm = functools.partial(jnp.einsum, precision=precision)
@@ -412,9 +416,7 @@ def differentiable_chunks(core, scan, chunk_bwd, precision=jax.lax.Precision.HIG
         tokens, cu_seqlens, rows, core_out, states, like = saved
         w, _, qg, attn, kd, decay = core_out[:6]
         d_out, d_final = cotangents
-        d_states = mm("shik,shiv->shkv", qg, d_out) - mm(
-            "shik,shiv->shkv", w, mm("shji,shjv->shiv", attn, d_out)
-        )
+        d_states = (state_cotangent or xla_state_cotangent)(qg, w, attn, d_out, precision)
         g_end, d_y0 = scan(kd, w, decay, d_states, cu_seqlens, d_final, reverse=True)
         d_tokens = chunk_bwd(
             scale, tokens, cu_seqlens, rows, core_out, states, g_end, d_out, precision
@@ -424,6 +426,53 @@ def differentiable_chunks(core, scan, chunk_bwd, precision=jax.lax.Precision.HIG
 
     chunks.defvjp(chunks_fwd, chunks_bwd)
     return chunks
+
+
+def xla_state_cotangent(qg, w, attn, d_out, precision=jax.lax.Precision.HIGHEST):
+    """The outputs' part of each chunk's state cotangent, dL/dS = Qg^T dO - W^T (Aqk^T dO)
+    ([slots, H, K, V]; qg, w, d_out [slots, H, 64, 128], attn [slots, H, 64, 64]), products at
+    `precision`: state_cotangent_kernel's statement."""
+    mm = functools.partial(jnp.einsum, precision=precision)
+    return mm("shik,shiv->shkv", qg, d_out) - mm(
+        "shik,shiv->shkv", w, mm("shji,shjv->shiv", attn, d_out)
+    )
+
+
+@functools.cache
+def state_cotangent_artifact():
+    """The exported outputs' part of the state cotangent (kernels/kda_state_cotangent_sm90.py);
+    slots and heads symbolic."""
+    import cutlass.cute as cute
+    from cutlass import Float32
+
+    from jax_kda.sm90.export import export, row_major_fake
+    from jax_kda.sm90.kernels.kda_state_cotangent_sm90 import StateCotangentSm90
+
+    slots, heads = cute.sym_int32(), cute.sym_int32()
+    chunk = row_major_fake(Float32, (slots, heads, SCAN_CHUNK, HEAD_DIM))
+    fakes = {
+        "qg": chunk,
+        "w": chunk,
+        "attn": row_major_fake(Float32, (slots, heads, SCAN_CHUNK, SCAN_CHUNK)),
+        "d_out": chunk,
+        "d_states": row_major_fake(Float32, (slots, heads, HEAD_DIM, HEAD_DIM)),
+    }
+    return export(StateCotangentSm90(), fakes, prefix="kda_state_cotangent_sm90", config={})
+
+
+def state_cotangent_kernel(qg, w, attn, d_out, precision=None):
+    """xla_state_cotangent's contract on the kernel (one bf16 pass a product; `precision` is
+    xla_state_cotangent's and ignored here)."""
+    from jax_kda.sm90.ffi_call import cute_call
+
+    del precision
+    slots, heads = qg.shape[:2]
+    result = jax.ShapeDtypeStruct((slots, heads, HEAD_DIM, HEAD_DIM), jnp.float32)
+    if slots == 0:  # no chunk slots: nothing to launch (an empty grid)
+        return jnp.zeros(result.shape, result.dtype)
+    inputs = [x.astype(jnp.float32) for x in (qg, w, attn, d_out)]
+    (d_states,) = cute_call(state_cotangent_artifact(), inputs, [result])
+    return d_states
 
 
 def xla_chunk_bwd(
@@ -825,7 +874,8 @@ def training_forward(
     the state scan and the outputs around it as one custom VJP (differentiable_chunks) whose
     backward runs the reverse scan, then every product touching a chunk's state and the chunk
     core's solve backward in one kernel (dense_bwd_kernel; xla_dense_bwd at dense_precision
-    other than bf16), then the decayed products' backward, then (tokens_bwd=True; None: as
+    other than bf16; the reverse scan's addend likewise on state_cotangent_kernel), then the
+    decayed products' backward, then (tokens_bwd=True; None: as
     dense_bwd) the element-wise rest straight into the tokens' rows on tokens_bwd_kernel
     (False: in XLA, xla_tokens_bwd). H200 profile, recompute + backward, of dense_bwd:
     2048x12x1 684 against 769 us, 8192x16x1 2985 against 3420.
@@ -859,8 +909,9 @@ def training_forward(
             tokens_bwd=tokens_bwd_kernel if tokens_bwd else None,
         )
         chunks = differentiable_chunks(
-            core if chunk_core else xla_chunk_core, kernel, chunk_bwd, precision
-        )
+            core if chunk_core else xla_chunk_core, kernel, chunk_bwd, precision,
+            state_cotangent=state_cotangent_kernel if dense_precision == "bf16" else None,
+        )  # fmt: skip
         return xla.forward(
             q, k, v, g, beta, cu_seqlens, initial_state, scale, precision=precision,
             chunks=chunks,

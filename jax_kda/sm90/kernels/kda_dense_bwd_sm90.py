@@ -38,11 +38,17 @@ from cutlass import BFloat16, Float32, Int32
 from cutlass.memory import SmemAllocator
 
 from jax_kda.constants import HEAD_DIM, SCAN_CHUNK
+from jax_kda.sm90.kernels.chunk_io import (
+    NTHREADS,
+    chunk_image,
+    pair_at,
+    store_pairs,
+    transposed_pairs_image,
+)
 from jax_kda.sm90.kernels.wgmma import bf16_tiled_mma, image_layout, vec4, view
 
 ROWS = SCAN_CHUNK
 WGS = 2  # warpgroups; each takes half of every product's columns
-NTHREADS = 128 * WGS
 HALF_N = HEAD_DIM // WGS
 HALF_T = ROWS // WGS  # a warpgroup's token columns of d_attn and d_lower
 
@@ -156,12 +162,12 @@ class DenseBwdSm90:
         # ---- the operands into their images; d_decay from S and G as they pass
         _square_images(s_s, s_g, mS[slot, h, None, None], mG[slot, h, None, None],
                        mDdecay[slot, h, None], tid)  # fmt: skip
-        _chunk_image(s_r, mW[slot, h, None, None], tid, 0)
-        _chunk_image(s_r, mU[slot, h, None, None], tid, HEAD_DIM)
-        _chunk_image(s_kd, mKd[slot, h, None, None], tid, 0)
-        _chunk_image(s_do, mDo[slot, h, None, None], tid, 0)
-        _transposed_pairs_image(s_at, mAttn[slot, h, None, None], tid)
-        _transposed_pairs_image(s_tt, mTinv[slot, h, None, None], tid)
+        chunk_image(s_r, mW[slot, h, None, None], tid, 0)
+        chunk_image(s_r, mU[slot, h, None, None], tid, HEAD_DIM)
+        chunk_image(s_kd, mKd[slot, h, None, None], tid, 0)
+        chunk_image(s_do, mDo[slot, h, None, None], tid, 0)
+        transposed_pairs_image(s_at, mAttn[slot, h, None, None], tid)
+        transposed_pairs_image(s_tt, mTinv[slot, h, None, None], tid)
         if tid < ROWS:
             s_beta[tid] = mBeta[slot, h, tid]
         cute.arch.fence_proxy("async.shared", space="cta")
@@ -209,7 +215,7 @@ class DenseBwdSm90:
         r_u = cute.make_rmem_tensor(acc_ws.shape, Float32)
         for e in cutlass.range_constexpr(0, cute.size(acc_ws), 2):
             i, n = c_half[e]
-            pair = _pair_at(mU[slot, h, i, None], n0 + n).load()
+            pair = pair_at(mU[slot, h, i, None], n0 + n).load()
             r_u[e] = pair[0]
             r_u[e + 1] = pair[1]
         cute.nvgpu.warpgroup.wait_group(0)
@@ -260,10 +266,10 @@ class DenseBwdSm90:
         for e in cutlass.range_constexpr(cute.size(acc_w)):
             i, n = c_half[e]
             s_ds[i, n0 + n] = (-acc_w[e]).to(BFloat16)
-        _store_pairs(acc_q, c_half, mDqg[slot, h, None, None], n0, False)
+        store_pairs(acc_q, c_half, mDqg[slot, h, None, None], n0, False)
         cute.nvgpu.warpgroup.wait_group(0)
-        _store_pairs(acc_kd, c_half, mDkd[slot, h, None, None], n0, False)
-        _store_pairs(acc_at, c_t, mDattn[slot, h, None, None], part * HALF_T, False)
+        store_pairs(acc_kd, c_half, mDkd[slot, h, None, None], n0, False)
+        store_pairs(acc_at, c_t, mDattn[slot, h, None, None], part * HALF_T, False)
         cute.arch.fence_proxy("async.shared", space="cta")
         cute.arch.sync_threads()  # [dW | dV] written; S and G read: S's space takes d_rhs
 
@@ -283,7 +289,7 @@ class DenseBwdSm90:
         for e in cutlass.range_constexpr(cute.size(acc_rhs)):
             i, n = c_r[e]
             s_rhs[i, r0 + n] = acc_rhs[e].to(BFloat16)
-        _store_pairs(acc_rhs, c_r, mDrhs[slot, h, None, None], r0, False)
+        store_pairs(acc_rhs, c_r, mDrhs[slot, h, None, None], r0, False)
         cute.arch.fence_proxy("async.shared", space="cta")
         cute.arch.sync_threads()
 
@@ -308,7 +314,7 @@ class DenseBwdSm90:
         pair = cute.make_rmem_tensor((2,), Float32)
         for e in cutlass.range_constexpr(0, cute.size(acc_low), 2):
             i, n = c_t[e]
-            kk_pair = _pair_at(mKK[slot, h, i, None], j0 + n).load()
+            kk_pair = pair_at(mKK[slot, h, i, None], j0 + n).load()
             for x in cutlass.range_constexpr(2):
                 j = j0 + n + x
                 kk_ij = Float32(kk_pair[x])  # taken out of the vector before any branch
@@ -320,7 +326,7 @@ class DenseBwdSm90:
                     sum_a = sum_a + low * kk_ij
                 else:
                     sum_b = sum_b + low * kk_ij
-            _pair_at(mDkk[slot, h, i, None], j0 + n).store(pair.load())
+            pair_at(mDkk[slot, h, i, None], j0 + n).store(pair.load())
         for offset in cutlass.range_constexpr(2):
             sum_a = sum_a + cute.arch.shuffle_sync_bfly(sum_a, 1 << offset)
             sum_b = sum_b + cute.arch.shuffle_sync_bfly(sum_b, 1 << offset)
@@ -330,27 +336,6 @@ class DenseBwdSm90:
         cute.arch.sync_threads()
         if tid < ROWS:
             mDbeta[slot, h, tid] = s_db[tid, 0] + s_db[tid, 1]
-
-
-def _pair_at(row: cute.Tensor, n):
-    """Elements n, n + 1 (n even) of a float32 row in global memory as one 8-byte vector."""
-    return cute.make_tensor((row.iterator + n).align(8), cute.make_layout(2))
-
-
-@cute.jit
-def _store_pairs(acc: cute.Tensor, coords: cute.Tensor, out: cute.Tensor, col0, negate: bool):
-    """A warpgroup's float32 accumulator into out[i, col0 + n] (float32 [rows, cols] in global
-    memory), (-) its values; a thread holds columns n, n + 1 (n even) at e, e + 1, stored as
-    one 8-byte pair."""
-    pair = cute.make_rmem_tensor((2,), Float32)
-    for e in cutlass.range_constexpr(0, cute.size(acc), 2):
-        i, n = coords[e]
-        pair[0] = acc[e]
-        pair[1] = acc[e + 1]
-        if cutlass.const_expr(negate):
-            pair[0] = -acc[e]
-            pair[1] = -acc[e + 1]
-        _pair_at(out[i, None], col0 + n).store(pair.load())
 
 
 @cute.jit
@@ -381,33 +366,3 @@ def _square_images(s_s, s_g, m_s: cute.Tensor, m_g: cute.Tensor, m_decay: cute.T
             dot = dot + cute.arch.shuffle_sync_bfly(dot, 16 >> offset)
         if lane == 0:
             m_decay[row] = dot
-
-
-@cute.jit
-def _chunk_image(image, m_x: cute.Tensor, tid, col0: cutlass.Constexpr[int]):
-    """A [64, 128] float32 row-major chunk into columns [col0, col0 + 128) of its bf16 image,
-    16 bytes a thread a pass."""
-    passes = ROWS * HEAD_DIM // (NTHREADS * 4)
-    r_x = cute.make_rmem_tensor((passes, 4), Float32)
-    for p in cutlass.range_constexpr(passes):
-        e = (p * NTHREADS + tid) * 4
-        r_x[p, None].store(vec4(m_x[e // HEAD_DIM, None].iterator + e % HEAD_DIM).load())
-    for p in cutlass.range_constexpr(passes):
-        e = (p * NTHREADS + tid) * 4
-        for x in cutlass.range_constexpr(4):
-            image[e // HEAD_DIM, col0 + e % HEAD_DIM + x] = r_x[p, x].to(BFloat16)
-
-
-@cute.jit
-def _transposed_pairs_image(image, m_a: cute.Tensor, tid):
-    """A [64, 64] float32 row-major pair matrix, transposed, into its bf16 image:
-    image[i, j] = m_a[j, i]."""
-    passes = ROWS * ROWS // (NTHREADS * 4)
-    r_a = cute.make_rmem_tensor((passes, 4), Float32)
-    for p in cutlass.range_constexpr(passes):
-        e = (p * NTHREADS + tid) * 4
-        r_a[p, None].store(vec4(m_a[e // ROWS, None].iterator + e % ROWS).load())
-    for p in cutlass.range_constexpr(passes):
-        e = (p * NTHREADS + tid) * 4
-        for x in cutlass.range_constexpr(4):
-            image[e % ROWS + x, e // ROWS] = r_a[p, x].to(BFloat16)

@@ -15,8 +15,10 @@ Rows past a sequence's end take q = k = v = beta = 0 (as the chunked tokens have
 not written; gap slots write nothing.
 
 Memory-bound, so built for occupancy: no shared operands, one CTA of four row groups a (slot,
-head), thread (group, d) = channel d of the group's 16 rows, loads issued BATCH rows at a time
-(each row's loads coalesced, 512 bytes a warpgroup).
+head), two CTAs an SM, thread (group, d) = channel d of the group's 16 rows, loads issued BATCH
+rows at a time (each row's loads coalesced, 512 bytes a warpgroup). Writes stay inside the
+token rows whatever cu_seqlens holds (bad boundaries give garbage, never an out-of-bounds
+access).
 
 Inputs: q, k, v [T, H, 128] bfloat16 and beta [T, H] float32 (the tokens), cu_seqlens [N + 1]
 int32; float32 per slot and head: gamma, dq_c, dk_c, dgamma_c, d_qg, d_kd [64, 128], d_rhs
@@ -41,7 +43,8 @@ ROWS = SCAN_CHUNK
 GROUPS = 4  # row groups of a CTA, one warpgroup each
 NTHREADS = HEAD_DIM * GROUPS
 GROUP_ROWS = ROWS // GROUPS
-BATCH = 4  # rows whose loads are issued before any of their arithmetic
+BATCH = 2  # rows whose loads are issued before any of their arithmetic
+PER_SM = 2  # CTAs an SM: registers capped at 64 (no spills at BATCH = 2)
 WARPS = HEAD_DIM // 32  # warps across a row's channels
 LOADS = 12  # values a thread loads per row
 
@@ -83,7 +86,8 @@ class TokensBwdSm90:
             q, k, v, beta, cu_seqlens, gamma, dq_c, dk_c, dgamma_c, d_rhs, d_qg, d_kd, d_decay,
             d_beta_kk, dq, dk, dv, dg, dbeta,
         ).launch(
-            grid=[gamma.shape[0], gamma.shape[1], 1], block=[NTHREADS, 1, 1], stream=stream
+            grid=[gamma.shape[0], gamma.shape[1], 1], block=[NTHREADS, 1, 1], stream=stream,
+            min_blocks_per_mp=PER_SM, preferred_smem_carveout=100,
         )  # fmt: skip
 
     @cute.kernel
@@ -129,13 +133,15 @@ class TokensBwdSm90:
             Float32, cute.make_layout((ROWS, WARPS), stride=(WARPS, 1)), 16
         )
 
-        # Loads are unconditional (token rows clamped into the tensor, the values zeroed
-        # afterwards) so that a batch's loads all issue before its arithmetic waits on them.
+        # The slot's own values first, then the token rows' owner; token loads unconditional
+        # (rows clamped into the tensor, the values zeroed afterwards) so that a batch's loads
+        # all issue before its arithmetic waits on them.
+        gam_last = mGamma[slot, h, ROWS - 1, d]
+        d_decay = mDdecay[slot, h, d]
         active, bos, seqlen, c = slot_owner(mCu, slot, SCAN_CHUNK)
         tokens = mQ.shape[0]
         last_ok = cutlass.min(bos + seqlen, tokens) - 1
         row0 = bos + c * ROWS
-        gam_last = mGamma[slot, h, ROWS - 1, d]
         r_dgam = cute.make_rmem_tensor((GROUP_ROWS,), Float32)
         r_in = cute.make_rmem_tensor((BATCH, LOADS), Float32)
         kd_sum = Float32(0.0)
@@ -166,7 +172,7 @@ class TokensBwdSm90:
                 r_in[r, 11] = bv
             for r in cutlass.range_constexpr(BATCH):
                 i = group * GROUP_ROWS + bt * BATCH + r
-                valid = active and c * ROWS + i < seqlen
+                valid = _valid(active, c, i, seqlen, row0, last_ok)
                 gam = r_in[r, 0]
                 d_rw = r_in[r, 4]
                 d_ru = r_in[r, 5]
@@ -207,19 +213,26 @@ class TokensBwdSm90:
         s_sums[group, 0, d] = run
         s_sums[group, 1, d] = kd_sum
         cute.arch.sync_threads()
-        last = cute.math.exp(gam_last) * mDdecay[slot, h, d]
+        last = cute.math.exp(gam_last) * d_decay
         for p in cutlass.range_constexpr(GROUPS):
             last = last + s_sums[p, 1, d]
             if group < p:
                 last = last + s_sums[p, 0, d]
         for r in cutlass.range_constexpr(GROUP_ROWS):
             i = group * GROUP_ROWS + r
-            if active and c * ROWS + i < seqlen:
+            if _valid(active, c, i, seqlen, row0, last_ok):
                 mDg[row0 + i, h, d] = r_dgam[r] + last
         if tid < ROWS:
             i = tid
-            if active and c * ROWS + i < seqlen:
+            if _valid(active, c, i, seqlen, row0, last_ok):
                 total = mDbetaKk[slot, h, i]
                 for w in cutlass.range_constexpr(WARPS):
                     total = total + s_rows[i, w]
                 mDbeta[row0 + i, h] = total
+
+
+@cute.jit
+def _valid(active, c, i, seqlen, row0, last_ok):
+    """Row i of the slot holds a token of its sequence, inside the token rows."""
+    token = row0 + i
+    return active and c * ROWS + i < seqlen and token >= 0 and token <= last_ok

@@ -1,0 +1,71 @@
+"""Moving a chunk's float32 arrays between global memory and bf16 wgmma operand images, for the
+per-chunk kernels of two warpgroups (256 threads): [64, 128] chunks and [64, 64] pair matrices
+into images 16 bytes a thread a pass, accumulators out as 8-byte pairs."""
+
+from __future__ import annotations
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import BFloat16, Float32
+
+from jax_kda.constants import HEAD_DIM, SCAN_CHUNK
+from jax_kda.sm90.kernels.wgmma import vec4
+
+ROWS = SCAN_CHUNK
+NTHREADS = 256  # two warpgroups
+
+
+def pair_at(row: cute.Tensor, n):
+    """Elements n, n + 1 (n even) of a float32 row in global memory as one 8-byte vector."""
+    return cute.make_tensor((row.iterator + n).align(8), cute.make_layout(2))
+
+
+@cute.jit
+def store_pairs(acc: cute.Tensor, coords: cute.Tensor, out: cute.Tensor, col0, negate: bool):
+    """A warpgroup's float32 accumulator into out[i, col0 + n] (float32 [rows, cols] in global
+    memory), (-) its values; a thread holds columns n, n + 1 (n even) at e, e + 1, stored as
+    one 8-byte pair."""
+    pair = cute.make_rmem_tensor((2,), Float32)
+    for e in cutlass.range_constexpr(0, cute.size(acc), 2):
+        i, n = coords[e]
+        pair[0] = acc[e]
+        pair[1] = acc[e + 1]
+        if cutlass.const_expr(negate):
+            pair[0] = -acc[e]
+            pair[1] = -acc[e + 1]
+        pair_at(out[i, None], col0 + n).store(pair.load())
+
+
+@cute.jit
+def chunk_image(
+    image, m_x: cute.Tensor, tid, col0: cutlass.Constexpr[int], negate: cutlass.Constexpr = False
+):
+    """A [64, 128] float32 row-major chunk, (-) its values, into columns [col0, col0 + 128) of
+    its bf16 image, 16 bytes a thread a pass."""
+    passes = ROWS * HEAD_DIM // (NTHREADS * 4)
+    r_x = cute.make_rmem_tensor((passes, 4), Float32)
+    for p in cutlass.range_constexpr(passes):
+        e = (p * NTHREADS + tid) * 4
+        r_x[p, None].store(vec4(m_x[e // HEAD_DIM, None].iterator + e % HEAD_DIM).load())
+    for p in cutlass.range_constexpr(passes):
+        e = (p * NTHREADS + tid) * 4
+        for x in cutlass.range_constexpr(4):
+            value = r_x[p, x]
+            if cutlass.const_expr(negate):
+                value = -value
+            image[e // HEAD_DIM, col0 + e % HEAD_DIM + x] = value.to(BFloat16)
+
+
+@cute.jit
+def transposed_pairs_image(image, m_a: cute.Tensor, tid):
+    """A [64, 64] float32 row-major pair matrix, transposed, into its bf16 image:
+    image[i, j] = m_a[j, i]."""
+    passes = ROWS * ROWS // (NTHREADS * 4)
+    r_a = cute.make_rmem_tensor((passes, 4), Float32)
+    for p in cutlass.range_constexpr(passes):
+        e = (p * NTHREADS + tid) * 4
+        r_a[p, None].store(vec4(m_a[e // ROWS, None].iterator + e % ROWS).load())
+    for p in cutlass.range_constexpr(passes):
+        e = (p * NTHREADS + tid) * 4
+        for x in cutlass.range_constexpr(4):
+            image[e % ROWS + x, e // ROWS] = r_a[p, x].to(BFloat16)
