@@ -280,6 +280,30 @@ def test_scan_kernel_stays_in_bounds_on_bad_boundaries(bad_cu):
         assert states.shape == (args[0].shape[0], 2, 128, 128)
 
 
+@pytest.mark.parametrize(
+    "bad_cu", [[0, 5000, 3, 200], [-300, 10, 100, 200], [0, 100, 50, 900]], ids=str
+)
+def test_tokens_bwd_kernel_stays_in_bounds_on_bad_boundaries(bad_cu):
+    """The tokens' backward writes token rows from cu_seqlens: bad boundaries give garbage,
+    never a write out of the buffers (compute-sanitizer checks that; here, that it runs)."""
+    register()
+    rng = np.random.default_rng(SEED)
+    tokens, heads, slots = 200, 2, 6
+    token_inputs = [jnp.asarray(rng.standard_normal((tokens, heads, 128)), jnp.bfloat16)] * 3
+    token_inputs.append(jnp.asarray(rng.uniform(size=(tokens, heads)), jnp.float32))
+    chunk = jnp.asarray(rng.standard_normal((slots, heads, 64, 128)), jnp.float32)
+    gamma = -jnp.cumsum(jnp.abs(chunk), axis=2)
+    cotangents = (
+        jnp.concatenate([chunk, chunk], axis=-1), chunk[..., 0], chunk, chunk, chunk[:, :, 0],
+    )  # fmt: skip
+    out = sm90.tokens_bwd_kernel(
+        0.3, tuple(token_inputs), jnp.asarray(bad_cu, jnp.int32), None, gamma,
+        (chunk, chunk, chunk), cotangents,
+    )  # fmt: skip
+    jax.block_until_ready(out)
+    assert [a.shape for a in out] == [(tokens, heads, 128)] * 4 + [(tokens, heads)]
+
+
 CORE_CASES = {
     "ragged": ([130, 0, 70, 1], "production"),
     "gaps": ([64, 10, 128, 0, 65], "production"),
