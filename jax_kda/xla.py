@@ -477,9 +477,9 @@ def forward(
       operands: chunk_operands's signature: this module's, or the sm90 kernel's.
       precision: of the products around a `scan` (V_new and the outputs; default float32).
       chunks: instead of `operands`, `scan` and the products around them, one function of (q, k,
-        v, g, beta, cu_seqlens, rows, state [N, H, K, V], num_slots, scale) returning (out
-        [slots, H, 64, V], final [N, H, K, V]): the sm90 training path's, one custom VJP
-        (sm90.backend.differentiable_chunks).
+        v, g, beta, cu_seqlens, rows, state [N, H, K, V], num_slots, scale) returning (o
+        [T, H, V] in the tokens' rows, any float dtype, final [N, H, K, V]): the sm90 training
+        path's, one custom VJP (sm90.backend.differentiable_chunks).
     Returns:
       o: [T, H, 128] in q's dtype; final_state: [N, H, 128(V), 128(K)] float32.
     """
@@ -491,9 +491,8 @@ def forward(
     g = jnp.maximum(g, GATE_FLOOR)  # NaN stays NaN
     state_kv = jnp.swapaxes(initial_state.astype(jnp.float32), -1, -2)
     if chunks is not None:
-        out, finals = chunks(q, k, v, g, beta, cu_seqlens, rows, state_kv, num_slots, scale)
-        o = from_chunks(out, rows).astype(q.dtype)
-        return o, jnp.swapaxes(finals, -1, -2)
+        o, finals = chunks(q, k, v, g, beta, cu_seqlens, rows, state_kv, num_slots, scale)
+        return o.astype(q.dtype), jnp.swapaxes(finals, -1, -2)
     w, u, qg, attn, kd, decay_chunk = operands(q, k, v, g, beta, cu_seqlens, rows, num_slots, scale)
     operands = (w, kd, decay_chunk, u, cu_seqlens, state_kv)
     if scan is None:

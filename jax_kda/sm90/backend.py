@@ -378,35 +378,34 @@ def differentiable_state_scan(run, precision=jax.lax.Precision.HIGHEST):
 
 
 def differentiable_chunks(
-    core, scan, chunk_bwd, precision=jax.lax.Precision.HIGHEST, state_cotangent=None
-):
-    """xla.forward's `chunks`: the packed tokens to (out [slots, H, 64, V], final) through the
-    chunk core (`core`: chunk_core_kernel's contract), the forward state scan (`scan`:
-    state_scan_kernel's, or xla.state_scan) and the outputs around it, O = Qg S + Aqk (U - W S),
-    as one custom VJP. Its backward: the reverse scan, then `chunk_bwd` (xla_chunk_bwd's
+    core, scan, chunk_bwd, precision=jax.lax.Precision.HIGHEST, state_cotangent=None,
+    chunk_outputs=None,
+):  # fmt: skip
+    """xla.forward's `chunks`: the packed tokens to (o [T, H, V] in the tokens' rows, final)
+    through the chunk core (`core`: chunk_core_kernel's contract), the forward state scan
+    (`scan`: state_scan_kernel's, or xla.state_scan) and the outputs after it, O = Qg S + Aqk
+    (U - W S) (`chunk_outputs`: chunk_outputs_kernel's contract; None: xla_chunk_outputs), as
+    one custom VJP. Its backward: the reverse scan, then `chunk_bwd` (xla_chunk_bwd's
     contract: every chunk's part, parallel over chunks, straight to the tokens' gradients); the
     reverse scan's addend, the outputs' part of each chunk's state cotangent, by
     `state_cotangent` (state_cotangent_kernel's contract; None: xla_state_cotangent).
     Residuals: the tokens, the core's outputs and the chunk states. Products outside the
     kernels at `precision`."""
-    mm = functools.partial(jnp.einsum, precision=precision)
+    outputs = chunk_outputs or xla_chunk_outputs
 
-    def outputs(states, w, u, qg, attn):
-        v_new = u - mm("shik,shkv->shiv", w, states)
-        return xla._chunk_output(states, v_new, qg, attn, precision)
-
-    def forward(q, k, v, g, beta, cu_seqlens, y0, num_slots, scale):
+    def forward(q, k, v, g, beta, cu_seqlens, rows, y0, num_slots, scale):
         core_out = core(q, k, v, g, beta, cu_seqlens, num_slots, scale)
         w, u, qg, attn, kd, decay = core_out[:6]
         states, final = scan(w, kd, decay, u, cu_seqlens, y0, reverse=False)
-        return (outputs(states, w, u, qg, attn), final), core_out, states
+        o = outputs(states, w, u, qg, attn, cu_seqlens, rows, precision)
+        return (o, final), core_out, states
 
     @functools.partial(jax.custom_vjp, nondiff_argnums=(8, 9))
     def chunks(q, k, v, g, beta, cu_seqlens, rows, y0, num_slots, scale):
-        return forward(q, k, v, g, beta, cu_seqlens, y0, num_slots, scale)[0]
+        return forward(q, k, v, g, beta, cu_seqlens, rows, y0, num_slots, scale)[0]
 
     def chunks_fwd(q, k, v, g, beta, cu_seqlens, rows, y0, num_slots, scale):
-        primal, core_out, states = forward(q, k, v, g, beta, cu_seqlens, y0, num_slots, scale)
+        primal, core_out, states = forward(q, k, v, g, beta, cu_seqlens, rows, y0, num_slots, scale)
         like = tuple(jnp.zeros((0,), x.dtype) for x in (q, k, v, g, beta))  # the dtypes
         return primal, ((q, k, v, beta), cu_seqlens, rows, core_out, states, like)
 
@@ -415,7 +414,8 @@ def differentiable_chunks(
         # reverse scan's addend; it returns G = dL/dS' at every chunk's end.
         tokens, cu_seqlens, rows, core_out, states, like = saved
         w, _, qg, attn, kd, decay = core_out[:6]
-        d_out, d_final = cotangents
+        d_o, d_final = cotangents
+        d_out = xla._to_chunks(d_o.astype(jnp.float32), rows, num_slots)
         d_states = (state_cotangent or xla_state_cotangent)(qg, w, attn, d_out, precision)
         g_end, d_y0 = scan(kd, w, decay, d_states, cu_seqlens, d_final, reverse=True)
         d_tokens = chunk_bwd(
@@ -426,6 +426,56 @@ def differentiable_chunks(
 
     chunks.defvjp(chunks_fwd, chunks_bwd)
     return chunks
+
+
+def xla_chunk_outputs(states, w, u, qg, attn, cu_seqlens, rows, precision):
+    """Every chunk's outputs from the state entering it, O = Qg S + Aqk (U - W S), in the
+    tokens' rows ([T, H, V] float32; states [slots, H, K, V], w, u, qg [slots, H, 64, 128], attn
+    [slots, H, 64, 64]), products at `precision`: chunk_outputs_kernel's statement."""
+    del cu_seqlens  # the rows say where each token sits
+    v_new = u - jnp.einsum("shik,shkv->shiv", w, states, precision=precision)
+    return xla.from_chunks(xla._chunk_output(states, v_new, qg, attn, precision), rows)
+
+
+def chunk_outputs_kernel(states, w, u, qg, attn, cu_seqlens, rows, precision=None):
+    """xla_chunk_outputs's contract on the kernel, o in bfloat16 (one bf16 pass a product;
+    `precision` is xla_chunk_outputs's and ignored here)."""
+    from jax_kda.sm90.ffi_call import cute_call
+
+    del precision
+    slots, heads = w.shape[:2]
+    result = jax.ShapeDtypeStruct((rows.shape[0], heads, HEAD_DIM), jnp.bfloat16)
+    if slots == 0 or rows.shape[0] == 0:  # nothing to launch or nothing to write
+        return jnp.zeros(result.shape, result.dtype)
+    inputs = [x.astype(jnp.float32) for x in (states, w, u, qg, attn)]
+    (o,) = cute_call(
+        chunk_outputs_artifact(), [*inputs, jnp.asarray(cu_seqlens, jnp.int32)], [result]
+    )
+    return o
+
+
+@functools.cache
+def chunk_outputs_artifact():
+    """The exported chunk outputs (kernels/kda_chunk_outputs_sm90.py); tokens, heads, slots and
+    sequences symbolic."""
+    import cutlass.cute as cute
+    from cutlass import BFloat16, Float32, Int32
+
+    from jax_kda.sm90.export import export, row_major_fake
+    from jax_kda.sm90.kernels.kda_chunk_outputs_sm90 import ChunkOutputsSm90
+
+    tokens, heads, slots = cute.sym_int32(), cute.sym_int32(), cute.sym_int32()
+    chunk = row_major_fake(Float32, (slots, heads, SCAN_CHUNK, HEAD_DIM))
+    fakes = {
+        "states": row_major_fake(Float32, (slots, heads, HEAD_DIM, HEAD_DIM)),
+        "w": chunk,
+        "u": chunk,
+        "qg": chunk,
+        "attn": row_major_fake(Float32, (slots, heads, SCAN_CHUNK, SCAN_CHUNK)),
+        "cu_seqlens": row_major_fake(Int32, (cute.sym_int32(),), align=4),
+        "o": row_major_fake(BFloat16, (tokens, heads, HEAD_DIM)),
+    }
+    return export(ChunkOutputsSm90(), fakes, prefix="kda_chunk_outputs_sm90", config={})
 
 
 def xla_state_cotangent(qg, w, attn, d_out, precision=jax.lax.Precision.HIGHEST):
@@ -874,9 +924,10 @@ def training_forward(
     the state scan and the outputs around it as one custom VJP (differentiable_chunks) whose
     backward runs the reverse scan, then every product touching a chunk's state and the chunk
     core's solve backward in one kernel (dense_bwd_kernel; xla_dense_bwd at dense_precision
-    other than bf16; the reverse scan's addend likewise on state_cotangent_kernel), then the
-    decayed products' backward, then (tokens_bwd=True; None: as
-    dense_bwd) the element-wise rest straight into the tokens' rows on tokens_bwd_kernel
+    other than bf16; the reverse scan's addend likewise on state_cotangent_kernel, and the
+    forward's outputs on chunk_outputs_kernel), then the decayed products' backward, then
+    (tokens_bwd=True; None: as dense_bwd) the element-wise rest straight into the tokens'
+    rows on tokens_bwd_kernel
     (False: in XLA, xla_tokens_bwd). H200 profile, recompute + backward, of dense_bwd:
     2048x12x1 684 against 769 us, 8192x16x1 2985 against 3420.
     An earlier variant fused the element-wise rest into the decayed products' kernel instead:
@@ -911,6 +962,7 @@ def training_forward(
         chunks = differentiable_chunks(
             core if chunk_core else xla_chunk_core, kernel, chunk_bwd, precision,
             state_cotangent=state_cotangent_kernel if dense_precision == "bf16" else None,
+            chunk_outputs=chunk_outputs_kernel if dense_precision == "bf16" else None,
         )  # fmt: skip
         return xla.forward(
             q, k, v, g, beta, cu_seqlens, initial_state, scale, precision=precision,

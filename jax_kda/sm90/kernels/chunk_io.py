@@ -1,6 +1,6 @@
 """Moving a chunk's float32 arrays between global memory and bf16 wgmma operand images, for the
-per-chunk kernels of two warpgroups (256 threads): [64, 128] chunks and [64, 64] pair matrices
-into images 16 bytes a thread a pass, accumulators out as 8-byte pairs."""
+per-chunk kernels of two warpgroups (256 threads): matrices (as they are, or [64, 64] pair
+matrices transposed) into images 16 bytes a thread a pass, accumulators out as 8-byte pairs."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import BFloat16, Float32
 
-from jax_kda.constants import HEAD_DIM, SCAN_CHUNK
+from jax_kda.constants import SCAN_CHUNK
 from jax_kda.sm90.kernels.wgmma import vec4
 
 ROWS = SCAN_CHUNK
@@ -37,23 +37,29 @@ def store_pairs(acc: cute.Tensor, coords: cute.Tensor, out: cute.Tensor, col0, n
 
 
 @cute.jit
-def chunk_image(
-    image, m_x: cute.Tensor, tid, col0: cutlass.Constexpr[int], negate: cutlass.Constexpr = False
+def to_image(
+    image,
+    m_x: cute.Tensor,
+    tid,
+    rows: cutlass.Constexpr[int],
+    cols: cutlass.Constexpr[int],
+    col0: cutlass.Constexpr[int] = 0,
+    negate: cutlass.Constexpr = False,
 ):
-    """A [64, 128] float32 row-major chunk, (-) its values, into columns [col0, col0 + 128) of
-    its bf16 image, 16 bytes a thread a pass."""
-    passes = ROWS * HEAD_DIM // (NTHREADS * 4)
+    """A [rows, cols] float32 row-major matrix, (-) its values, into columns [col0, col0 +
+    cols) of its bf16 image, 16 bytes a thread a pass."""
+    passes = rows * cols // (NTHREADS * 4)
     r_x = cute.make_rmem_tensor((passes, 4), Float32)
     for p in cutlass.range_constexpr(passes):
         e = (p * NTHREADS + tid) * 4
-        r_x[p, None].store(vec4(m_x[e // HEAD_DIM, None].iterator + e % HEAD_DIM).load())
+        r_x[p, None].store(vec4(m_x[e // cols, None].iterator + e % cols).load())
     for p in cutlass.range_constexpr(passes):
         e = (p * NTHREADS + tid) * 4
         for x in cutlass.range_constexpr(4):
             value = r_x[p, x]
             if cutlass.const_expr(negate):
                 value = -value
-            image[e // HEAD_DIM, col0 + e % HEAD_DIM + x] = value.to(BFloat16)
+            image[e // cols, col0 + e % cols + x] = value.to(BFloat16)
 
 
 @cute.jit

@@ -40,9 +40,9 @@ from cutlass.memory import SmemAllocator
 from jax_kda.constants import HEAD_DIM, SCAN_CHUNK
 from jax_kda.sm90.kernels.chunk_io import (
     NTHREADS,
-    chunk_image,
     pair_at,
     store_pairs,
+    to_image,
     transposed_pairs_image,
 )
 from jax_kda.sm90.kernels.wgmma import bf16_tiled_mma, image_layout, vec4, view
@@ -162,10 +162,10 @@ class DenseBwdSm90:
         # ---- the operands into their images; d_decay from S and G as they pass
         _square_images(s_s, s_g, mS[slot, h, None, None], mG[slot, h, None, None],
                        mDdecay[slot, h, None], tid)  # fmt: skip
-        chunk_image(s_r, mW[slot, h, None, None], tid, 0)
-        chunk_image(s_r, mU[slot, h, None, None], tid, HEAD_DIM)
-        chunk_image(s_kd, mKd[slot, h, None, None], tid, 0)
-        chunk_image(s_do, mDo[slot, h, None, None], tid, 0)
+        to_image(s_r, mW[slot, h, None, None], tid, ROWS, HEAD_DIM, 0)
+        to_image(s_r, mU[slot, h, None, None], tid, ROWS, HEAD_DIM, HEAD_DIM)
+        to_image(s_kd, mKd[slot, h, None, None], tid, ROWS, HEAD_DIM, 0)
+        to_image(s_do, mDo[slot, h, None, None], tid, ROWS, HEAD_DIM, 0)
         transposed_pairs_image(s_at, mAttn[slot, h, None, None], tid)
         transposed_pairs_image(s_tt, mTinv[slot, h, None, None], tid)
         if tid < ROWS:

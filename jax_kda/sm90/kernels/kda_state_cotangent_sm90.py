@@ -28,8 +28,8 @@ from jax_kda.constants import HEAD_DIM
 from jax_kda.sm90.kernels.chunk_io import (
     NTHREADS,
     ROWS,
-    chunk_image,
     store_pairs,
+    to_image,
     transposed_pairs_image,
 )
 from jax_kda.sm90.kernels.wgmma import bf16_tiled_mma, image_layout, view
@@ -95,9 +95,9 @@ class StateCotangentSm90:
         s_x_n = view(raw, OFF_X, by_channel)
         s_at = view(raw, OFF_AT, image_layout(ROWS, ROWS))  # Aqk^T
 
-        chunk_image(s_qg, mQg[slot, h, None, None], tid, 0)
-        chunk_image(s_w, mW[slot, h, None, None], tid, 0, True)
-        chunk_image(s_do, mDo[slot, h, None, None], tid, 0)
+        to_image(s_qg, mQg[slot, h, None, None], tid, ROWS, HEAD_DIM)
+        to_image(s_w, mW[slot, h, None, None], tid, ROWS, HEAD_DIM, 0, True)
+        to_image(s_do, mDo[slot, h, None, None], tid, ROWS, HEAD_DIM)
         transposed_pairs_image(s_at, mAttn[slot, h, None, None], tid)
         cute.arch.fence_proxy("async.shared", space="cta")
         cute.arch.sync_threads()
