@@ -497,6 +497,50 @@ def test_dense_bwd_kernel_matches_xla(case):
         assert same_ops <= same_bar, (name, same_ops)
 
 
+@pytest.mark.parametrize(
+    "lengths", [[130, 0, 70, 1], [64, 10, 128, 0, 65], [3000, 257], [0, 0]], ids=str
+)
+def test_chunk_outputs_kernel_matches_xla(lengths):
+    """The forward's outputs after the scan (kernels/kda_chunk_outputs_sm90.py) against their
+    XLA statement (sm90.xla_chunk_outputs) at float32 and with the kernel's own rounding (one
+    bf16 pass a product), every token row NaN-poisoned first (a row it does not write stays
+    NaN), ragged, empty and gap slots, no tokens at all."""
+    register()
+    x = production_inputs(lengths, 3, seed=SEED + len(lengths))
+    tokens, heads = x.q.shape[:2]
+    num_slots = xla.chunk_slot_count(tokens, len(lengths))
+    cu = jnp.asarray(x.cu_seqlens)
+    _, rows = xla._token_slots(cu, tokens)
+    rng = np.random.default_rng(SEED + 3 * len(lengths))
+    chunk = (num_slots, heads, 64, 128)
+    w, u, qg = (jnp.asarray(rng.standard_normal(chunk), jnp.float32) for _ in range(3))
+    states = jnp.asarray(rng.standard_normal((num_slots, heads, 128, 128)), jnp.float32)
+    attn = jnp.asarray(np.tril(rng.standard_normal((num_slots, heads, 64, 64))), jnp.float32)
+    result = jax.ShapeDtypeStruct((tokens, heads, 128), jnp.bfloat16)
+
+    @jax.jit
+    def run(*inputs):
+        poison = jnp.full(result.shape, jnp.nan, result.dtype)
+        artifact = sm90.chunk_outputs_artifact()
+        return cute_call(artifact, [*inputs, poison], [result], aliases={6: 0})[0]
+
+    inputs = (states, w, u, qg, attn, cu)
+    ours = run(*inputs) if num_slots and tokens else sm90.chunk_outputs_kernel(*inputs, rows)
+    assert ours.shape == result.shape and ours.dtype == jnp.bfloat16
+    if not tokens:
+        return
+    exact = jax.jit(sm90.xla_chunk_outputs, static_argnums=7)(
+        *inputs, rows, jax.lax.Precision.HIGHEST
+    )
+    rounded = jax.jit(sm90.xla_chunk_outputs, static_argnums=7)(
+        *inputs, rows, jax.lax.DotAlgorithmPreset.BF16_BF16_F32
+    )
+    assert not np.isnan(np.asarray(ours, np.float32)).any()
+    error, same_ops = rms_ratio(ours, exact), rms_ratio(ours, rounded)
+    print(f"chunk outputs {lengths}: {error:.1e} (bar 2e-2); bf16 products {same_ops:.1e}")
+    assert error <= 2e-2 and same_ops <= 5e-3, (error, same_ops)
+
+
 @pytest.mark.parametrize("slots", [1, 7, 131])
 def test_state_cotangent_kernel_matches_xla(slots):
     """The outputs' part of the state cotangent (kernels/kda_state_cotangent_sm90.py) against

@@ -94,14 +94,15 @@ def test_new_tokens_or_sequences_do_not_compile_again():
 def test_auto_picks_sm90_for_bf16_and_xla_for_float32():
     x = production_inputs([20], 2, seed=3)
     assert TARGET in _lower(_prefill(), *x)
-    # Without a gate bound: the exact forward (the chunk-core kernel and the state scan), no
-    # forward kernel.
+    # Without a gate bound: the exact forward (the chunk-core kernel, the state scan and the
+    # outputs after it), no forward kernel.
     for backend in ("auto", "sm90"):
         prefixes = re.findall(
             r'prefix = "(\w+)"', _lower(_prefill(backend=backend, gate_lower_bound=None), *x)
         )
         kinds = {p.rsplit("_", 1)[0] for p in prefixes}
-        assert kinds == {"kda_chunk_operands_sm90_x1", "kda_state_scan_sm90_fwd"}, prefixes
+        expected = {"kda_chunk_operands_sm90_x1", "kda_state_scan_sm90_fwd", "kda_chunk_outputs"}
+        assert kinds == expected, prefixes
     x32 = production_inputs([20], 2, seed=3, dtype=jnp.float32)
     assert TARGET not in _lower(_prefill(), *x32)
     with pytest.raises(jax_kda.BackendUnavailableError, match="take bfloat16 q, k, v; got float32"):
@@ -132,6 +133,7 @@ def test_prepared_inputs_and_grouped_heads_lower_to_the_kernels(lower_bound):
     assert kinds == forward | {
         "kda_chunk_operands_sm90_x1", "kda_decayed_bwd", "kda_state_scan_sm90_fwd",
         "kda_state_scan_sm90_rev", "kda_dense_bwd", "kda_tokens_bwd_sm90", "kda_state_cotangent",
+        "kda_chunk_outputs",
     }, kinds  # fmt: skip
 
 
@@ -225,6 +227,13 @@ def test_tokens_bwd_exports_for_sm90a():
     assert len(artifact.tensors) == 19  # 14 inputs and 5 results
 
 
+def test_chunk_outputs_exports_for_sm90a():
+    """The forward's outputs after the scan compile and export for sm_90a."""
+    artifact = sm90.chunk_outputs_artifact()
+    assert artifact.object_bytes[:4] == b"\x7fELF"
+    assert len(artifact.tensors) == 7  # states, w, u, qg, attn, cu_seqlens and o
+
+
 def test_state_cotangent_exports_for_sm90a():
     """The outputs' part of the state cotangent compiles and exports for sm_90a."""
     artifact = sm90.state_cotangent_artifact()
@@ -254,19 +263,24 @@ def test_training_forward_lowers_to_the_tokens_bwd_kernel_unless_switched_off(to
 
 
 @pytest.mark.parametrize(
-    "dense_precision, ops", [(None, 1), ("bf16", 1), ("bf16x3", 3), ("float32", None)]
+    "dense_precision, ops", [(None, None), ("bf16", None), ("bf16x3", 3), ("float32", None)]
 )
 def test_training_forward_dense_precision_lowers_to_its_bf16_passes(dense_precision, ops):
-    """The dense products lower as one bf16 pass by default (float32 accumulation), three with
-    dense_precision="bf16x3", neither at "float32" (HIGHEST); another value is refused."""
+    """The forward's dense products (the outputs around the scan) run on their kernel at one
+    bf16 pass (the default, "bf16": no XLA product left), as three bf16 passes in XLA with
+    dense_precision="bf16x3", at HIGHEST with "float32"; another value is refused."""
     x = production_inputs([300, 0, 77], 2, seed=8)
     options = {} if dense_precision is None else {"dense_precision": dense_precision}
 
     def forward(q, k, v, g, beta, cu, state):
         return sm90.training_forward(q, k, v, g, beta, cu, state, 0.3, **options)
 
-    found = set(re.findall(r"num_primitive_operations = (\d+)", _lower(forward, *x)))
+    text = _lower(forward, *x)
+    found = set(re.findall(r"num_primitive_operations = (\d+)", text))
     assert found == ({str(ops)} if ops else set())
+    on_kernel = dense_precision in (None, "bf16")
+    assert ('prefix = "kda_chunk_outputs_sm90"' in text) == on_kernel
+    assert ("stablehlo.dot_general" in text) != on_kernel
     with pytest.raises(ValueError, match="dense_precision is one of"):
         sm90.training_forward(*x[:7], 0.3, dense_precision="tf32")
 
@@ -443,7 +457,7 @@ def test_training_lowers_under_scan_over_layers_checkpoint_and_vmap():
         kinds = {p.rsplit("_", 1)[0] for p in prefixes}
         expected = {"kda_fwd_sm90_h2", "kda_chunk_operands_sm90_x1", "kda_decayed_bwd"}
         expected |= {"kda_state_scan_sm90_fwd", "kda_state_scan_sm90_rev", "kda_dense_bwd"}
-        expected |= {"kda_tokens_bwd_sm90", "kda_state_cotangent"}
+        expected |= {"kda_tokens_bwd_sm90", "kda_state_cotangent", "kda_chunk_outputs"}
         assert kinds == expected, (
             name,
             prefixes,
@@ -702,9 +716,9 @@ def test_vmap_runs_the_sm90_path_as_one_call():
         prefixes = re.findall(r'prefix = "(\w+)"', text)
         kinds = sorted(p.rsplit("_", 1)[0] for p in prefixes)
         expected = ["kda_fwd_sm90"] if name == "vmap" else [
-            "kda_chunk_operands_sm90_x1", "kda_decayed_bwd", "kda_dense_bwd", "kda_fwd_sm90",
-            "kda_state_cotangent", "kda_state_scan_sm90_fwd", "kda_state_scan_sm90_rev",
-            "kda_tokens_bwd_sm90",
+            "kda_chunk_operands_sm90_x1", "kda_chunk_outputs", "kda_decayed_bwd", "kda_dense_bwd",
+            "kda_fwd_sm90", "kda_state_cotangent", "kda_state_scan_sm90_fwd",
+            "kda_state_scan_sm90_rev", "kda_tokens_bwd_sm90",
         ]  # fmt: skip
         assert [k.rsplit("_", 1)[0] if k.startswith("kda_fwd") else k for k in kinds] == expected
         assert "stablehlo.while" not in text, name
