@@ -927,12 +927,13 @@ def training_forward(
     other than bf16; the reverse scan's addend likewise on state_cotangent_kernel, and the
     forward's outputs on chunk_outputs_kernel), then the decayed products' backward, then
     (tokens_bwd=True; None: as dense_bwd) the element-wise rest straight into the tokens'
-    rows on tokens_bwd_kernel
-    (False: in XLA, xla_tokens_bwd). H200 profile, recompute + backward, of dense_bwd:
-    2048x12x1 684 against 769 us, 8192x16x1 2985 against 3420.
+    rows on tokens_bwd_kernel (False: in XLA, xla_tokens_bwd). H200 profile, recompute +
+    backward at 2048x12x1 / 8192x16x1: 769 / 3420 us without dense_bwd, 688 / 2989 with it,
+    613 / 2776 with the state-cotangent and tokens kernels, 594.5 / 2606 with the outputs'.
     An earlier variant fused the element-wise rest into the decayed products' kernel instead:
     exact, but slower than XLA (2048x12x1 969 against 944 us): at that kernel's one CTA an SM
-    the memory-bound tail was latency-bound; tokens_bwd_kernel runs it at full occupancy."""
+    the memory-bound tail was latency-bound; tokens_bwd_kernel runs it at two CTAs an SM of
+    16 warps each, with nothing else in shared memory."""
     if decayed_bwd and not chunk_core:
         raise ValueError("decayed_bwd=True needs chunk_core=True (the operands' backward it is in)")
     if tokens_bwd is None:
