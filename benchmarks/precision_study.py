@@ -199,9 +199,10 @@ def _rounded_bf16(x):
 def bf16_intermediates(core_outputs: bool, states: bool, state_cotangents: bool):
     """prefill's signature on the sm90 training path's structure in XLA (differentiable_chunks
     around xla_chunk_core, xla.state_scan and xla_chunk_bwd) with stored arrays rounded to
-    bfloat16: core_outputs, the chunk core's W, U, Qg, Aqk and Kd (the element-wise backward
-    keeps float32 Qg and Kd, recomputed from the tokens and Gamma); states, the chunk states
-    the forward scan writes; state_cotangents, those the reverse scan writes (G)."""
+    bfloat16: core_outputs, the chunk core's W, U, Qg, Aqk and Kd (the element-wise backward,
+    xla._elementwise_bwd, recomputes its float32 Qg and Kd from the tokens and Gamma); states,
+    the chunk states the forward scan writes; state_cotangents, those the reverse scan writes
+    (G)."""
 
     def core(*args):
         out = list(sm90_backend.xla_chunk_core(*args))
@@ -215,15 +216,7 @@ def bf16_intermediates(core_outputs: bool, states: bool, state_cotangents: bool)
             per_slot = _rounded_bf16(per_slot)
         return per_slot, final
 
-    def chunk_bwd(scale, tokens, cu_seqlens, rows, core_out, *rest):
-        gamma = core_out[6]
-        q_c, k_c = (xla._to_chunks(t.astype(jnp.float32), rows, gamma.shape[0]) for t in tokens[:2])
-        qg = scale * q_c * jnp.exp(gamma)
-        kd = k_c * jnp.exp(gamma[:, :, -1:, :] - gamma)
-        core_out = (*core_out[:2], qg, core_out[3], kd, *core_out[5:])
-        return sm90_backend.xla_chunk_bwd(scale, tokens, cu_seqlens, rows, core_out, *rest)
-
-    chunks = sm90_backend.differentiable_chunks(core, scan, chunk_bwd)
+    chunks = sm90_backend.differentiable_chunks(core, scan, sm90_backend.xla_chunk_bwd)
 
     def forward(q, k, v, g, beta, cu_seqlens=None, initial_state=None, scale=None, backend=None):
         del backend
