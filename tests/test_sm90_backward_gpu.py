@@ -452,17 +452,18 @@ def test_dense_bwd_kernel_matches_xla(case):
     core = sm90.xla_chunk_core(*x[:5], cu, num_slots, 0.3)
     w, u, qg, attn, kd, decay, _, kk, tinv = core
     _, rows = xla._token_slots(cu, tokens)
-    beta = xla._to_chunks(jnp.asarray(x.beta, jnp.float32), rows, num_slots)
+    beta = jnp.asarray(x.beta, jnp.float32)
     y0 = jnp.swapaxes(jnp.asarray(x.initial_state, jnp.float32), -1, -2)
     states, _ = jax.jit(lambda *a: xla.state_scan(*a, reverse=False))(w, kd, decay, u, cu, y0)
     rng = np.random.default_rng(SEED + len(case))
-    d_out = jnp.asarray(rng.standard_normal(w.shape), jnp.float32)
+    d_o = jnp.asarray(rng.standard_normal((tokens, 3, 128)), jnp.bfloat16)  # the tokens' rows
+    d_out = xla._to_chunks(d_o.astype(jnp.float32), rows, num_slots)
     d_final = jnp.asarray(rng.standard_normal(y0.shape), jnp.float32)
     d_states = jnp.einsum("shik,shiv->shkv", qg, d_out)
     g_end, _ = jax.jit(lambda *a: xla.state_scan(*a, reverse=True))(
         kd, w, decay, d_states, cu, d_final
     )
-    inputs = (w, u, attn, kd, states, g_end, d_out, tinv, kk, beta)
+    inputs = (w, u, attn, kd, states, g_end, d_o, tinv, kk, beta, cu)
     slots_heads = w.shape[:2]
     shapes = [(*slots_heads, 64, 256), w.shape, attn.shape, w.shape, (*slots_heads, 128),
               attn.shape, (*slots_heads, 64)]  # fmt: skip
@@ -471,16 +472,16 @@ def test_dense_bwd_kernel_matches_xla(case):
     @jax.jit
     def run(*inputs):
         if num_slots == 0:
-            return sm90.dense_bwd_kernel(*inputs)
+            return sm90.dense_bwd_kernel(*inputs, rows)
         poison = [jnp.full(r.shape, jnp.nan, r.dtype) for r in results]
-        aliases = {10 + i: i for i in range(len(results))}
+        aliases = {len(inputs) + i: i for i in range(len(results))}
         return cute_call(sm90.dense_bwd_artifact(), [*inputs, *poison], results, aliases=aliases)
 
     ours = run(*inputs)
-    exact = jax.jit(sm90.xla_dense_bwd)(*inputs)
+    exact = jax.jit(sm90.xla_dense_bwd)(*inputs, rows)
     rounded = jax.jit(
         lambda *a: sm90.xla_dense_bwd(*a, precision=jax.lax.DotAlgorithmPreset.BF16_BF16_F32)
-    )(*inputs)
+    )(*inputs, rows)
     names = ("d_rhs", "d_qg", "d_attn", "d_kd", "d_decay", "d_kk", "d_beta_kk")
     for name, a, b, c in zip(names, ours, exact, rounded, strict=True):
         assert a.shape == b.shape, name
@@ -541,34 +542,39 @@ def test_chunk_outputs_kernel_matches_xla(lengths):
     assert error <= 2e-2 and same_ops <= 5e-3, (error, same_ops)
 
 
-@pytest.mark.parametrize("slots", [1, 7, 131])
-def test_state_cotangent_kernel_matches_xla(slots):
+@pytest.mark.parametrize("lengths", [[130, 0, 70, 1], [64, 10, 128, 0, 65], [3000, 257]], ids=str)
+def test_state_cotangent_kernel_matches_xla(lengths):
     """The outputs' part of the state cotangent (kernels/kda_state_cotangent_sm90.py) against
     its XLA statement (sm90.xla_state_cotangent) at float32 and with the kernel's own rounding
-    (one bf16 pass a product), NaN-poisoned, on random operands with Aqk lower-triangular."""
+    (one bf16 pass a product), NaN-poisoned, on random operands with Aqk lower-triangular and
+    dO in the tokens' rows (ragged, empty and gap slots)."""
     register()
-    rng = np.random.default_rng(SEED + slots)
+    rng = np.random.default_rng(SEED + len(lengths))
     heads = 3
+    cu = jnp.asarray(np.concatenate([[0], np.cumsum(lengths)]), jnp.int32)
+    tokens = int(cu[-1])
+    slots = xla.chunk_slot_count(tokens, len(lengths))
+    _, rows = xla._token_slots(cu, tokens)
     chunk = (slots, heads, 64, 128)
-    qg, w, d_out = (jnp.asarray(rng.standard_normal(chunk), jnp.float32) for _ in range(3))
-    attn = np.tril(rng.standard_normal((slots, heads, 64, 64)))
-    attn = jnp.asarray(attn, jnp.float32)
+    qg, w = (jnp.asarray(rng.standard_normal(chunk), jnp.float32) for _ in range(2))
+    attn = jnp.asarray(np.tril(rng.standard_normal((slots, heads, 64, 64))), jnp.float32)
+    d_o = jnp.asarray(rng.standard_normal((tokens, heads, 128)), jnp.bfloat16)
     result = jax.ShapeDtypeStruct((slots, heads, 128, 128), jnp.float32)
 
     @jax.jit
     def run(*inputs):
         poison = jnp.full(result.shape, jnp.nan, result.dtype)
         artifact = sm90.state_cotangent_artifact()
-        return cute_call(artifact, [*inputs, poison], [result], aliases={4: 0})[0]
+        return cute_call(artifact, [*inputs, poison], [result], aliases={5: 0})[0]
 
-    ours = run(qg, w, attn, d_out)
-    exact = jax.jit(sm90.xla_state_cotangent)(qg, w, attn, d_out)
+    ours = run(qg, w, attn, d_o, cu)
+    exact = jax.jit(sm90.xla_state_cotangent)(qg, w, attn, d_o, cu, rows)
     rounded = jax.jit(
         lambda *a: sm90.xla_state_cotangent(*a, jax.lax.DotAlgorithmPreset.BF16_BF16_F32)
-    )(qg, w, attn, d_out)
+    )(qg, w, attn, d_o, cu, rows)
     assert not np.isnan(np.asarray(ours)).any()
     error, same_ops = rms_ratio(ours, exact), rms_ratio(ours, rounded)
-    print(f"state cotangent {slots} slots: {error:.1e} (bar 2e-2); bf16 products {same_ops:.1e}")
+    print(f"state cotangent {lengths}: {error:.1e} (bar 2e-2); bf16 products {same_ops:.1e}")
     assert error <= 2e-2 and same_ops <= 5e-3, (error, same_ops)
 
 

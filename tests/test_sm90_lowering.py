@@ -238,7 +238,7 @@ def test_state_cotangent_exports_for_sm90a():
     """The outputs' part of the state cotangent compiles and exports for sm_90a."""
     artifact = sm90.state_cotangent_artifact()
     assert artifact.object_bytes[:4] == b"\x7fELF"
-    assert len(artifact.tensors) == 5  # qg, w, attn, d_out and d_states
+    assert len(artifact.tensors) == 6  # qg, w, attn, d_out, cu_seqlens and d_states
 
 
 @pytest.mark.parametrize("tokens_bwd", [True, False])

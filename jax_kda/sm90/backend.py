@@ -415,11 +415,12 @@ def differentiable_chunks(
         tokens, cu_seqlens, rows, core_out, states, like = saved
         w, _, qg, attn, kd, decay = core_out[:6]
         d_o, d_final = cotangents
-        d_out = xla._to_chunks(d_o.astype(jnp.float32), rows, num_slots)
-        d_states = (state_cotangent or xla_state_cotangent)(qg, w, attn, d_out, precision)
+        d_states = (state_cotangent or xla_state_cotangent)(
+            qg, w, attn, d_o, cu_seqlens, rows, precision
+        )
         g_end, d_y0 = scan(kd, w, decay, d_states, cu_seqlens, d_final, reverse=True)
         d_tokens = chunk_bwd(
-            scale, tokens, cu_seqlens, rows, core_out, states, g_end, d_out, precision
+            scale, tokens, cu_seqlens, rows, core_out, states, g_end, d_o, precision
         )
         d_tokens = [d.astype(x.dtype) for d, x in zip(d_tokens, like, strict=True)]
         return (*d_tokens, None, None, d_y0)
@@ -478,10 +479,12 @@ def chunk_outputs_artifact():
     return export(ChunkOutputsSm90(), fakes, prefix="kda_chunk_outputs_sm90", config={})
 
 
-def xla_state_cotangent(qg, w, attn, d_out, precision=jax.lax.Precision.HIGHEST):
+def xla_state_cotangent(qg, w, attn, d_o, cu_seqlens, rows, precision=jax.lax.Precision.HIGHEST):
     """The outputs' part of each chunk's state cotangent, dL/dS = Qg^T dO - W^T (Aqk^T dO)
-    ([slots, H, K, V]; qg, w, d_out [slots, H, 64, 128], attn [slots, H, 64, 64]), products at
-    `precision`: state_cotangent_kernel's statement."""
+    ([slots, H, K, V]; qg, w [slots, H, 64, 128], attn [slots, H, 64, 64], d_o [T, H, V] in
+    the tokens' rows), products at `precision`: state_cotangent_kernel's statement."""
+    del cu_seqlens  # the rows say where each token sits
+    d_out = xla._to_chunks(d_o.astype(jnp.float32), rows, qg.shape[0])
     mm = functools.partial(jnp.einsum, precision=precision)
     return mm("shik,shiv->shkv", qg, d_out) - mm(
         "shik,shiv->shkv", w, mm("shji,shjv->shiv", attn, d_out)
@@ -493,7 +496,7 @@ def state_cotangent_artifact():
     """The exported outputs' part of the state cotangent (kernels/kda_state_cotangent_sm90.py);
     slots and heads symbolic."""
     import cutlass.cute as cute
-    from cutlass import Float32
+    from cutlass import BFloat16, Float32, Int32
 
     from jax_kda.sm90.export import export, row_major_fake
     from jax_kda.sm90.kernels.kda_state_cotangent_sm90 import StateCotangentSm90
@@ -504,48 +507,48 @@ def state_cotangent_artifact():
         "qg": chunk,
         "w": chunk,
         "attn": row_major_fake(Float32, (slots, heads, SCAN_CHUNK, SCAN_CHUNK)),
-        "d_out": chunk,
+        "d_out": row_major_fake(BFloat16, (cute.sym_int32(), heads, HEAD_DIM)),
+        "cu_seqlens": row_major_fake(Int32, (cute.sym_int32(),), align=4),
         "d_states": row_major_fake(Float32, (slots, heads, HEAD_DIM, HEAD_DIM)),
     }
     return export(StateCotangentSm90(), fakes, prefix="kda_state_cotangent_sm90", config={})
 
 
-def state_cotangent_kernel(qg, w, attn, d_out, precision=None):
-    """xla_state_cotangent's contract on the kernel (one bf16 pass a product; `precision` is
-    xla_state_cotangent's and ignored here)."""
+def state_cotangent_kernel(qg, w, attn, d_o, cu_seqlens, rows, precision=None):
+    """xla_state_cotangent's contract on the kernel (one bf16 pass a product, d_o taken as
+    bfloat16; rows and `precision` are xla_state_cotangent's and unused here)."""
     from jax_kda.sm90.ffi_call import cute_call
 
-    del precision
+    del rows, precision
     slots, heads = qg.shape[:2]
     result = jax.ShapeDtypeStruct((slots, heads, HEAD_DIM, HEAD_DIM), jnp.float32)
     if slots == 0:  # no chunk slots: nothing to launch (an empty grid)
         return jnp.zeros(result.shape, result.dtype)
-    inputs = [x.astype(jnp.float32) for x in (qg, w, attn, d_out)]
+    inputs = [x.astype(jnp.float32) for x in (qg, w, attn)]
+    inputs += [d_o.astype(jnp.bfloat16), jnp.asarray(cu_seqlens, jnp.int32)]
     (d_states,) = cute_call(state_cotangent_artifact(), inputs, [result])
     return d_states
 
 
 def xla_chunk_bwd(
-    scale, tokens, cu_seqlens, rows, core_out, states, g_end, d_out, precision,
+    scale, tokens, cu_seqlens, rows, core_out, states, g_end, d_o, precision,
     dense_bwd=None, decayed_bwd=None, tokens_bwd=None,
 ):  # fmt: skip
     """Every chunk's part of the backward, straight to the tokens: tokens = (q, k, v, beta)
     packed; core_out: the chunk core's nine outputs; states: the state entering each slot, g_end
-    the cotangent of the state leaving it (the reverse scan's), d_out the outputs' cotangent
-    [slots, H, 64, V]. Returns (dq, dk, dv, dg, dbeta) in the tokens' rows, float32. Three
-    stages, each by its kernel's contract or (None) its XLA statement: the dense products' and
-    the solve's backward (`dense_bwd`: dense_bwd_kernel; xla_dense_bwd), the decayed products'
-    (`decayed_bwd`: decayed_bwd_kernel; xla._decayed_products_bwd), then the element-wise
-    terms back into the tokens' rows (`tokens_bwd`: tokens_bwd_kernel; xla_tokens_bwd)."""
+    the cotangent of the state leaving it (the reverse scan's), d_o the outputs' cotangent
+    [T, H, V] in the tokens' rows. Returns (dq, dk, dv, dg, dbeta) in the tokens' rows,
+    float32. Three stages, each by its kernel's contract or (None) its XLA statement: the dense
+    products' and the solve's backward (`dense_bwd`: dense_bwd_kernel; xla_dense_bwd), the
+    decayed products' (`decayed_bwd`: decayed_bwd_kernel; xla._decayed_products_bwd), then
+    the element-wise terms back into the tokens' rows (`tokens_bwd`: tokens_bwd_kernel;
+    xla_tokens_bwd)."""
     gamma, kk, t_inverse = core_out[6:]
     w, u, _, attn, kd = core_out[:5]
     num_slots = w.shape[0]
-    f32 = jnp.float32
-    q_c, k_c, beta_c = (
-        xla._to_chunks(x.astype(f32), rows, num_slots) for x in (tokens[0], tokens[1], tokens[3])
-    )
+    q_c, k_c = (xla._to_chunks(x.astype(jnp.float32), rows, num_slots) for x in tokens[:2])
     d_rhs, d_qg, d_attn, d_kd, d_decay, d_kk, d_beta_kk = (dense_bwd or xla_dense_bwd)(
-        w, u, attn, kd, states, g_end, d_out, t_inverse, kk, beta_c, precision
+        w, u, attn, kd, states, g_end, d_o, t_inverse, kk, tokens[3], cu_seqlens, rows, precision
     )
     # both take the cotangents for j <= i only
     decayed = decayed_bwd or xla._decayed_products_bwd
@@ -683,14 +686,14 @@ def decayed_bwd_kernel(residuals, cotangents):
 @functools.cache
 def dense_bwd_artifact():
     """The exported backward of the chunk's dense products and solve
-    (kernels/kda_dense_bwd_sm90.py); slots and heads symbolic."""
+    (kernels/kda_dense_bwd_sm90.py); tokens, slots, heads and sequences symbolic."""
     import cutlass.cute as cute
-    from cutlass import Float32
+    from cutlass import BFloat16, Float32, Int32
 
     from jax_kda.sm90.export import export, row_major_fake
     from jax_kda.sm90.kernels.kda_dense_bwd_sm90 import DenseBwdSm90
 
-    slots, heads = cute.sym_int32(), cute.sym_int32()
+    slots, heads, tokens = cute.sym_int32(), cute.sym_int32(), cute.sym_int32()
     chunk = row_major_fake(Float32, (slots, heads, SCAN_CHUNK, HEAD_DIM))
     pairs = row_major_fake(Float32, (slots, heads, SCAN_CHUNK, SCAN_CHUNK))
     square = row_major_fake(Float32, (slots, heads, HEAD_DIM, HEAD_DIM))
@@ -702,10 +705,11 @@ def dense_bwd_artifact():
         "kd": chunk,
         "states": square,
         "g_end": square,
-        "d_out": chunk,
+        "d_out": row_major_fake(BFloat16, (tokens, heads, HEAD_DIM)),
         "tinv": pairs,
         "kk": pairs,
-        "beta": rows,
+        "beta": row_major_fake(Float32, (tokens, heads), align=4),
+        "cu_seqlens": row_major_fake(Int32, (cute.sym_int32(),), align=4),
         "d_rhs": row_major_fake(Float32, (slots, heads, SCAN_CHUNK, 2 * HEAD_DIM)),
         "d_qg": chunk,
         "d_attn": pairs,
@@ -717,12 +721,14 @@ def dense_bwd_artifact():
     return export(DenseBwdSm90(), fakes, prefix="kda_dense_bwd_sm90", config={})
 
 
-def dense_bwd_kernel(w, u, attn, kd, states, g_end, d_out, t_inverse, kk, beta, precision=None):
-    """xla_dense_bwd's contract on the kernel (one bf16 pass a product; `precision` is
-    xla_dense_bwd's and ignored here)."""
+def dense_bwd_kernel(
+    w, u, attn, kd, states, g_end, d_o, t_inverse, kk, beta, cu_seqlens, rows, precision=None
+):  # fmt: skip
+    """xla_dense_bwd's contract on the kernel (one bf16 pass a product, d_o taken as bfloat16;
+    rows and `precision` are xla_dense_bwd's and unused here)."""
     from jax_kda.sm90.ffi_call import cute_call
 
-    del precision
+    del rows, precision
     f32 = jnp.float32
     slots, heads = w.shape[:2]
     results = [
@@ -736,7 +742,9 @@ def dense_bwd_kernel(w, u, attn, kd, states, g_end, d_out, t_inverse, kk, beta, 
     ]
     if slots == 0:  # no chunk slots: nothing to launch (an empty grid)
         return tuple(jnp.zeros(r.shape, r.dtype) for r in results)
-    inputs = [x.astype(f32) for x in (w, u, attn, kd, states, g_end, d_out, t_inverse, kk, beta)]
+    inputs = [x.astype(f32) for x in (w, u, attn, kd, states, g_end)]
+    inputs += [d_o.astype(jnp.bfloat16), t_inverse.astype(f32), kk.astype(f32)]
+    inputs += [beta.astype(f32), jnp.asarray(cu_seqlens, jnp.int32)]
     return tuple(cute_call(dense_bwd_artifact(), inputs, results))
 
 
@@ -760,12 +768,16 @@ def xla_dense_products_bwd(
 
 
 def xla_dense_bwd(
-    w, u, attn, kd, states, g_end, d_out, t_inverse, kk, beta,
+    w, u, attn, kd, states, g_end, d_o, t_inverse, kk, beta, cu_seqlens, rows,
     precision=jax.lax.Precision.HIGHEST,
 ):  # fmt: skip
     """dense_bwd_kernel's contract in XLA: xla_dense_products_bwd, then the solve's backward
-    (xla._solve_bwd with T^-1 = t_inverse, kk and the chunked beta [slots, H, 64]). Returns
-    (d_rhs [slots, H, 64, 256], d_qg, d_attn, d_kd, d_decay, d_kk, d_beta_kk)."""
+    (xla._solve_bwd with T^-1 = t_inverse, kk and beta), d_o [T, H, V] and beta [T, H] in the
+    tokens' rows. Returns (d_rhs [slots, H, 64, 256], d_qg, d_attn, d_kd, d_decay, d_kk,
+    d_beta_kk)."""
+    del cu_seqlens  # the rows say where each token sits
+    num_slots = w.shape[0]
+    d_out, beta = (xla._to_chunks(x.astype(jnp.float32), rows, num_slots) for x in (d_o, beta))
     d_w, d_u, d_qg, d_attn, d_kd, d_decay = xla_dense_products_bwd(
         w, u, attn, kd, states, g_end, d_out, precision
     )

@@ -8,7 +8,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import BFloat16, Float32
 
-from jax_kda.constants import SCAN_CHUNK
+from jax_kda.constants import HEAD_DIM, SCAN_CHUNK
 from jax_kda.sm90.kernels.wgmma import vec4
 
 ROWS = SCAN_CHUNK
@@ -75,3 +75,25 @@ def transposed_pairs_image(image, m_a: cute.Tensor, tid):
         e = (p * NTHREADS + tid) * 4
         for x in cutlass.range_constexpr(4):
             image[e % ROWS + x, e // ROWS] = r_a[p, x].to(BFloat16)
+
+
+@cute.jit
+def token_rows_image(image, m_x: cute.Tensor, row0, count, tid):
+    """A chunk's rows of a bf16 token array (m_x: [T, 128], one head's view) into its bf16
+    image [64, 128]: row i < count from token row0 + i, the others zero; 16 bytes a thread a
+    pass."""
+    per = 8  # bf16 elements in 16 bytes
+    passes = ROWS * HEAD_DIM // (NTHREADS * per)
+    r_x = cute.make_rmem_tensor((passes, per), BFloat16)
+    for p in cutlass.range_constexpr(passes):
+        e = (p * NTHREADS + tid) * per
+        i = e // HEAD_DIM
+        r_x[p, None].fill(0.0)
+        if i < count:
+            row = m_x[row0 + i, None]
+            piece = cute.make_tensor((row.iterator + e % HEAD_DIM).align(16), cute.make_layout(per))
+            r_x[p, None].store(piece.load())
+    for p in cutlass.range_constexpr(passes):
+        e = (p * NTHREADS + tid) * per
+        for x in cutlass.range_constexpr(per):
+            image[e // HEAD_DIM, e % HEAD_DIM + x] = r_x[p, x]

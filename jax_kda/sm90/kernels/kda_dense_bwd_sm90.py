@@ -22,10 +22,12 @@ dO V_new^T and B N-major of Aqk^T dO; [dW | dV] is B N-major of T^-T [dW | dV]; 
 first 128 columns) and B K-major of d_rhs R^T. V_new, dV, [dW | dV] and d_rhs go back into shared
 memory as bf16 images for the products after them.
 
-One CTA of two warpgroups a (slot, head), 192 KiB of shared memory. Inputs, float32: w, u, kd,
-d_out [slots, H, 64, 128]; attn, tinv, kk [slots, H, 64, 64]; states, g_end [slots, H, 128, 128];
-beta [slots, H, 64]. Outputs, float32: d_rhs [slots, H, 64, 256]; d_qg, d_kd [slots, H, 64, 128];
-d_attn, d_kk [slots, H, 64, 64]; d_decay [slots, H, 128]; d_beta_kk [slots, H, 64].
+One CTA of two warpgroups a (slot, head), 192 KiB of shared memory. Inputs: float32 w, u, kd
+[slots, H, 64, 128]; attn, tinv, kk [slots, H, 64, 64]; states, g_end [slots, H, 128, 128];
+and in the tokens' rows (cu_seqlens [N + 1] int32 says which a slot holds; the others are zero)
+dO [T, H, 128] bfloat16 and beta [T, H] float32. Outputs, float32: d_rhs [slots, H, 64, 256];
+d_qg, d_kd [slots, H, 64, 128]; d_attn, d_kk [slots, H, 64, 64]; d_decay [slots, H, 128];
+d_beta_kk [slots, H, 64].
 """
 
 from __future__ import annotations
@@ -43,8 +45,10 @@ from jax_kda.sm90.kernels.chunk_io import (
     pair_at,
     store_pairs,
     to_image,
+    token_rows_image,
     transposed_pairs_image,
 )
+from jax_kda.sm90.kernels.varlen import slot_rows
 from jax_kda.sm90.kernels.wgmma import bf16_tiled_mma, image_layout, vec4, view
 
 ROWS = SCAN_CHUNK
@@ -85,6 +89,7 @@ class DenseBwdSm90:
         tinv: cute.Tensor,
         kk: cute.Tensor,
         beta: cute.Tensor,
+        cu_seqlens: cute.Tensor,
         d_rhs: cute.Tensor,
         d_qg: cute.Tensor,
         d_attn: cute.Tensor,
@@ -102,8 +107,8 @@ class DenseBwdSm90:
         mma_t = bf16_tiled_mma((ROWS, HALF_T), smem)  # d_attn, d_lower: N = tokens
         mma_r = bf16_tiled_mma((ROWS, HEAD_DIM), smem, b_mn_major=True)  # d_rhs: N = R's columns
         self.kernel(
-            w, u, attn, kd, states, g_end, d_out, tinv, kk, beta, d_rhs, d_qg, d_attn, d_kd,
-            d_decay, d_kk, d_beta_kk, mma_n, mma_k, mma_t, mma_r,
+            w, u, attn, kd, states, g_end, d_out, tinv, kk, beta, cu_seqlens, d_rhs, d_qg, d_attn,
+            d_kd, d_decay, d_kk, d_beta_kk, mma_n, mma_k, mma_t, mma_r,
         ).launch(grid=[n_slots, heads, 1], block=[NTHREADS, 1, 1], stream=stream)  # fmt: skip
 
     @cute.kernel
@@ -119,6 +124,7 @@ class DenseBwdSm90:
         mTinv: cute.Tensor,
         mKK: cute.Tensor,
         mBeta: cute.Tensor,
+        mCu: cute.Tensor,
         mDrhs: cute.Tensor,
         mDqg: cute.Tensor,
         mDattn: cute.Tensor,
@@ -165,11 +171,15 @@ class DenseBwdSm90:
         to_image(s_r, mW[slot, h, None, None], tid, ROWS, HEAD_DIM, 0)
         to_image(s_r, mU[slot, h, None, None], tid, ROWS, HEAD_DIM, HEAD_DIM)
         to_image(s_kd, mKd[slot, h, None, None], tid, ROWS, HEAD_DIM, 0)
-        to_image(s_do, mDo[slot, h, None, None], tid, ROWS, HEAD_DIM, 0)
+        row0, count = slot_rows(mCu, slot, mDo.shape[0], SCAN_CHUNK)
+        token_rows_image(s_do, mDo[None, h, None], row0, count, tid)
         transposed_pairs_image(s_at, mAttn[slot, h, None, None], tid)
         transposed_pairs_image(s_tt, mTinv[slot, h, None, None], tid)
         if tid < ROWS:
-            s_beta[tid] = mBeta[slot, h, tid]
+            b = Float32(0.0)
+            if tid < count:
+                b = mBeta[row0 + tid, h]
+            s_beta[tid] = b
         cute.arch.fence_proxy("async.shared", space="cta")
         cute.arch.sync_threads()
 

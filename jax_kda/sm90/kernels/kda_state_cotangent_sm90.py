@@ -11,8 +11,9 @@ as A operands M-major: their images written by token ([tokens, channels], K-majo
 M-major images of [channels, tokens] (the same bytes), as dO's and X's are the N-major images of
 B = [V, tokens].
 
-One CTA of two warpgroups a (slot, head). Inputs, float32: qg, w, d_out [slots, H, 64, 128],
-attn [slots, H, 64, 64]. Output, float32: d_states [slots, H, 128, 128].
+One CTA of two warpgroups a (slot, head). Inputs: float32 qg, w [slots, H, 64, 128], attn
+[slots, H, 64, 64]; dO [T, H, 128] bfloat16 in the tokens' rows (cu_seqlens [N + 1] int32 says
+which a slot holds; the others are zero). Output, float32: d_states [slots, H, 128, 128].
 """
 
 from __future__ import annotations
@@ -24,14 +25,16 @@ import cutlass.cute.nvgpu.warpgroup as warpgroup
 from cutlass import BFloat16, Float32, Int32
 from cutlass.memory import SmemAllocator
 
-from jax_kda.constants import HEAD_DIM
+from jax_kda.constants import HEAD_DIM, SCAN_CHUNK
 from jax_kda.sm90.kernels.chunk_io import (
     NTHREADS,
     ROWS,
     store_pairs,
     to_image,
+    token_rows_image,
     transposed_pairs_image,
 )
+from jax_kda.sm90.kernels.varlen import slot_rows
 from jax_kda.sm90.kernels.wgmma import bf16_tiled_mma, image_layout, view
 
 WGS = NTHREADS // 128
@@ -55,13 +58,14 @@ class StateCotangentSm90:
         w: cute.Tensor,
         attn: cute.Tensor,
         d_out: cute.Tensor,
+        cu_seqlens: cute.Tensor,
         d_states: cute.Tensor,
         stream: cuda.CUstream,
     ):
         smem = warpgroup.OperandSource.SMEM
         mma_x = bf16_tiled_mma((ROWS, HALF), smem, b_mn_major=True)  # X: N = V
         mma_s = bf16_tiled_mma((HALF, HEAD_DIM), smem, b_mn_major=True, a_mn_major=True)
-        self.kernel(qg, w, attn, d_out, d_states, mma_x, mma_s).launch(
+        self.kernel(qg, w, attn, d_out, cu_seqlens, d_states, mma_x, mma_s).launch(
             grid=[qg.shape[0], qg.shape[1], 1], block=[NTHREADS, 1, 1], stream=stream
         )
 
@@ -72,6 +76,7 @@ class StateCotangentSm90:
         mW: cute.Tensor,
         mAttn: cute.Tensor,
         mDo: cute.Tensor,
+        mCu: cute.Tensor,
         mDs: cute.Tensor,
         mma_x: cute.TiledMma,
         mma_s: cute.TiledMma,
@@ -97,7 +102,8 @@ class StateCotangentSm90:
 
         to_image(s_qg, mQg[slot, h, None, None], tid, ROWS, HEAD_DIM)
         to_image(s_w, mW[slot, h, None, None], tid, ROWS, HEAD_DIM, 0, True)
-        to_image(s_do, mDo[slot, h, None, None], tid, ROWS, HEAD_DIM)
+        row0, count = slot_rows(mCu, slot, mDo.shape[0], SCAN_CHUNK)
+        token_rows_image(s_do, mDo[None, h, None], row0, count, tid)
         transposed_pairs_image(s_at, mAttn[slot, h, None, None], tid)
         cute.arch.fence_proxy("async.shared", space="cta")
         cute.arch.sync_threads()

@@ -71,3 +71,16 @@ def step_slot(slot0, nch, reverse: cutlass.Constexpr[bool], j):
     if cutlass.const_expr(reverse):
         slot = slot0 + nch - 1 - j
     return slot
+
+
+@cute.jit
+def slot_rows(mCu: cute.Tensor, slot, tokens, chunk: cutlass.Constexpr[int]):
+    """The token rows chunk slot `slot` holds: (row0, count), its rows i < count being tokens
+    row0 + i (count 0 for a gap slot). count keeps every such row inside [0, tokens) whatever
+    cu_seqlens holds: bad boundaries give garbage, never an access out of bounds."""
+    active, bos, seqlen, c = slot_owner(mCu, slot, chunk)
+    row0 = bos + c * chunk
+    count = cutlass.min(cutlass.min(seqlen - c * chunk, chunk), tokens - row0)
+    if not active or row0 < 0:
+        count = Int32(0)
+    return row0, cutlass.max(count, Int32(0))
