@@ -382,11 +382,13 @@ def test_chunk_core_kernel_matches_xla(case, passes):
         assert error <= bar, (name, error)
 
 
+@pytest.mark.parametrize("from_tokens", [False, True], ids=["chunks", "tokens"])
 @pytest.mark.parametrize("case", CORE_CASES)
-def test_decayed_bwd_kernel_matches_xla(case):
+def test_decayed_bwd_kernel_matches_xla(case, from_tokens):
     """The decayed products' backward (kernels/kda_decayed_bwd_sm90.py) against
     xla._decayed_products_bwd on the same chunks and random cotangents, NaN-poisoned outputs;
-    the cases are the chunk core's (both anchors, the pairwise diagonal blocks)."""
+    the cases are the chunk core's (both anchors, the pairwise diagonal blocks); q and k
+    chunked or read from the tokens' rows (ragged, empty and gap slots)."""
     register()
     lengths, x = _core_case(case, SEED + 7 * len(case))
     g = x.g
@@ -405,13 +407,16 @@ def test_decayed_bwd_kernel_matches_xla(case):
     shape = jax.ShapeDtypeStruct(q.shape, jnp.float32)
 
     @jax.jit
-    def run(*inputs):
+    def run(q, k, cu, *rest):
         poison = [jnp.full(shape.shape, jnp.nan, jnp.float32) for _ in range(3)]
-        inputs = [inputs[0].astype(jnp.bfloat16), inputs[1].astype(jnp.bfloat16), *inputs[2:]]
-        return cute_call(sm90.decayed_bwd_artifact(), [*inputs, *poison], [shape] * 3,
-                         aliases={5: 0, 6: 1, 7: 2})  # fmt: skip
+        inputs = [q.astype(jnp.bfloat16), k.astype(jnp.bfloat16), cu, *rest]
+        return cute_call(sm90.decayed_bwd_artifact(from_tokens), [*inputs, *poison],
+                         [shape] * 3, aliases={6: 0, 7: 1, 8: 2})  # fmt: skip
 
-    ours = run(q, k, gamma, d_kk, d_qk)
+    if from_tokens:
+        ours = run(x.q, x.k, jnp.asarray(x.cu_seqlens, jnp.int32), gamma, d_kk, d_qk)
+    else:
+        ours = run(q, k, jnp.zeros((1,), jnp.int32), gamma, d_kk, d_qk)
     reference = jax.jit(xla._decayed_products_bwd)((q, k, gamma), (d_kk, d_qk))
     # dgamma = k P(d_kk, k) + q P(d_qk, k) - k back nearly cancels where the gates are harsh
     # (g = -8 everywhere: 6e-5 against terms of 0.3), so its error is measured against the

@@ -540,19 +540,17 @@ def xla_chunk_bwd(
     [T, H, V] in the tokens' rows. Returns (dq, dk, dv, dg, dbeta) in the tokens' rows,
     float32. Three stages, each by its kernel's contract or (None) its XLA statement: the dense
     products' and the solve's backward (`dense_bwd`: dense_bwd_kernel; xla_dense_bwd), the
-    decayed products' (`decayed_bwd`: decayed_bwd_kernel; xla._decayed_products_bwd), then
+    decayed products' (`decayed_bwd`: decayed_bwd_tokens_kernel; xla_decayed_bwd_tokens), then
     the element-wise terms back into the tokens' rows (`tokens_bwd`: tokens_bwd_kernel;
     xla_tokens_bwd)."""
     gamma, kk, t_inverse = core_out[6:]
     w, u, _, attn, kd = core_out[:5]
-    num_slots = w.shape[0]
-    q_c, k_c = (xla._to_chunks(x.astype(jnp.float32), rows, num_slots) for x in tokens[:2])
     d_rhs, d_qg, d_attn, d_kd, d_decay, d_kk, d_beta_kk = (dense_bwd or xla_dense_bwd)(
         w, u, attn, kd, states, g_end, d_o, t_inverse, kk, tokens[3], cu_seqlens, rows, precision
     )
     # both take the cotangents for j <= i only
-    decayed = decayed_bwd or xla._decayed_products_bwd
-    d_decayed = decayed((q_c, k_c, gamma), (d_kk, scale * d_attn))
+    decayed = decayed_bwd or xla_decayed_bwd_tokens
+    d_decayed = decayed(tokens[0], tokens[1], cu_seqlens, rows, gamma, d_kk, scale * d_attn)
     cotangents = (d_rhs, d_beta_kk, d_qg, d_kd, d_decay)
     return (tokens_bwd or xla_tokens_bwd)(
         scale, tokens, cu_seqlens, rows, gamma, d_decayed, cotangents
@@ -642,45 +640,72 @@ def chunk_core_kernel(q, k, v, g, beta, cu_seqlens, num_slots, scale, passes=3):
 
 
 @functools.cache
-def decayed_bwd_artifact():
-    """The exported backward of the in-chunk decayed products (kernels/kda_decayed_bwd_sm90.py);
-    slots and heads symbolic."""
+def decayed_bwd_artifact(from_tokens: bool = False):
+    """The exported backward of the in-chunk decayed products (kernels/kda_decayed_bwd_sm90.py)
+    on chunked q and k or (from_tokens) on the tokens' rows; slots, heads (and tokens and
+    sequences) symbolic."""
     import cutlass.cute as cute
-    from cutlass import BFloat16, Float32
+    from cutlass import BFloat16, Float32, Int32
 
     from jax_kda.sm90.export import export, row_major_fake
-    from jax_kda.sm90.kernels.kda_decayed_bwd_sm90 import DecayedBwdSm90
+    from jax_kda.sm90.kernels.kda_decayed_bwd_sm90 import DecayedBwdConfig, DecayedBwdSm90
 
     slots, heads = cute.sym_int32(), cute.sym_int32()
     chunk = (slots, heads, SCAN_CHUNK, HEAD_DIM)
     pairs = (slots, heads, SCAN_CHUNK, SCAN_CHUNK)
+    rows = (cute.sym_int32(), heads, HEAD_DIM) if from_tokens else chunk
     fakes = {
-        "q": row_major_fake(BFloat16, chunk),
-        "k": row_major_fake(BFloat16, chunk),
+        "q": row_major_fake(BFloat16, rows),
+        "k": row_major_fake(BFloat16, rows),
+        "cu_seqlens": row_major_fake(Int32, (cute.sym_int32(),), align=4),
         "gamma": row_major_fake(Float32, chunk),
         "d_kk": row_major_fake(Float32, pairs),
         "d_qk": row_major_fake(Float32, pairs),
         **{name: row_major_fake(Float32, chunk) for name in ("dq", "dk", "dgamma")},
     }
-    return export(DecayedBwdSm90(), fakes, prefix="kda_decayed_bwd_sm90", config={})
+    prefix = "kda_decayed_bwd_tokens_sm90" if from_tokens else "kda_decayed_bwd_sm90"
+    config = DecayedBwdConfig(from_tokens=from_tokens)
+    return export(DecayedBwdSm90(config), fakes, prefix=prefix, config={"from_tokens": from_tokens})
+
+
+def _decayed_bwd_call(q, k, cu_seqlens, gamma, d_kk, d_qk, from_tokens: bool):
+    from jax_kda.sm90.ffi_call import cute_call
+
+    if gamma.shape[0] == 0:
+        return tuple(jnp.zeros(gamma.shape, jnp.float32) for _ in range(3))
+    inputs = [
+        q.astype(jnp.bfloat16),
+        k.astype(jnp.bfloat16),
+        jnp.asarray(cu_seqlens, jnp.int32),
+        *(x.astype(jnp.float32) for x in (gamma, d_kk, d_qk)),
+    ]
+    results = [jax.ShapeDtypeStruct(gamma.shape, jnp.float32) for _ in range(3)]
+    return tuple(cute_call(decayed_bwd_artifact(from_tokens), inputs, results))
 
 
 def decayed_bwd_kernel(residuals, cotangents):
     """xla._decayed_products_bwd's contract ((q, k, gamma), (d_kk, d_qk) -> dq, dk, dgamma,
     float32 chunks) on the kernel; q and k are taken as bfloat16 (the sm90 path's are)."""
-    from jax_kda.sm90.ffi_call import cute_call
-
     q, k, gamma = residuals
-    d_kk, d_qk = cotangents
-    if q.shape[0] == 0:
-        return tuple(jnp.zeros(q.shape, jnp.float32) for _ in range(3))
-    inputs = [
-        q.astype(jnp.bfloat16),
-        k.astype(jnp.bfloat16),
-        *(x.astype(jnp.float32) for x in (gamma, d_kk, d_qk)),
-    ]
-    results = [jax.ShapeDtypeStruct(q.shape, jnp.float32) for _ in range(3)]
-    return tuple(cute_call(decayed_bwd_artifact(), inputs, results))
+    unread = jnp.zeros((1,), jnp.int32)  # the chunked variant's cu_seqlens
+    return _decayed_bwd_call(q, k, unread, gamma, *cotangents, from_tokens=False)
+
+
+def xla_decayed_bwd_tokens(q, k, cu_seqlens, rows, gamma, d_kk, d_qk):
+    """decayed_bwd_tokens_kernel's contract in XLA: xla._decayed_products_bwd on the chunks of
+    q and k [T, H, 128] (the tokens' rows), gamma and the cotangents d_kk, d_qk [slots, H, 64,
+    64] (j <= i read); returns float32 (dq, dk, dgamma) chunks."""
+    del cu_seqlens  # the rows say where each token sits
+    num_slots = gamma.shape[0]
+    q_c, k_c = (xla._to_chunks(x.astype(jnp.float32), rows, num_slots) for x in (q, k))
+    return xla._decayed_products_bwd((q_c, k_c, gamma), (d_kk, d_qk))
+
+
+def decayed_bwd_tokens_kernel(q, k, cu_seqlens, rows, gamma, d_kk, d_qk):
+    """xla_decayed_bwd_tokens's contract on the kernel (q and k read from the tokens' rows as
+    bfloat16; rows unused)."""
+    del rows
+    return _decayed_bwd_call(q, k, cu_seqlens, gamma, d_kk, d_qk, from_tokens=True)
 
 
 @functools.cache
@@ -969,7 +994,7 @@ def training_forward(
         chunk_bwd = functools.partial(
             xla_chunk_bwd,
             dense_bwd=dense_bwd_kernel if dense_precision == "bf16" else None,
-            decayed_bwd=decayed_bwd_kernel if decayed_bwd else None,
+            decayed_bwd=decayed_bwd_tokens_kernel if decayed_bwd else None,
             tokens_bwd=tokens_bwd_kernel if tokens_bwd else None,
         )
         chunks = differentiable_chunks(

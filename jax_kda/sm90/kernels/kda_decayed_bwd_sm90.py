@@ -18,13 +18,17 @@ Where the chunk's decay forbids middle anchors, the diagonal blocks are taken pa
 (thread d = channel d) onto the outputs the products wrote. Products: bf16 hi/lo splits
 (three bf16 products, about 2^-16 relative, float32 accumulation).
 
-Inputs: q, k [slots, H, 64, 128] bfloat16 (the chunked tokens), gamma [slots, H, 64, 128]
+Inputs: q, k bfloat16, chunked ([slots, H, 64, 128]) or, with DecayedBwdConfig.from_tokens, in
+the tokens' rows ([T, H, 128]; cu_seqlens [N + 1] int32 says which a slot holds, the other rows
+zero; the chunked variant takes a cu_seqlens it does not read), gamma [slots, H, 64, 128]
 float32, d_kk, d_qk [slots, H, 64, 64] float32. Outputs: dq, dk, dgamma [slots, H, 64, 128]
 float32. One CTA of two warpgroups a (slot, head): each issues the products for its half of the
 128 channels (m64n64) and finishes them; the element-wise phases split the rows between them.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import cuda.bindings.driver as cuda
 import cutlass
@@ -33,7 +37,7 @@ import cutlass.cute.nvgpu.warpgroup as warpgroup
 from cutlass import BFloat16, Float32, Int32
 from cutlass.memory import SmemAllocator
 
-from jax_kda.constants import HEAD_DIM
+from jax_kda.constants import HEAD_DIM, SCAN_CHUNK
 from jax_kda.sm90.kernels.chunk64 import (
     BLOCK,
     BLOCKS,
@@ -44,6 +48,7 @@ from jax_kda.sm90.kernels.chunk64 import (
     packed_row,
     put_right_factors,
 )
+from jax_kda.sm90.kernels.varlen import slot_rows
 from jax_kda.sm90.kernels.wgmma import (
     bf16_tiled_mma,
     image_layout,
@@ -65,12 +70,21 @@ REGION_BYTES = RT_BYTES + W_BYTES
 BACK_A_BYTES = ROWS * 2 * SIDE * 2  # [64, 64] bf16: 8 KiB
 
 
+@dataclasses.dataclass(frozen=True)
+class DecayedBwdConfig:
+    from_tokens: bool  # q and k in the tokens' rows, else chunked
+
+
 class DecayedBwdSm90:
+    def __init__(self, config: DecayedBwdConfig):
+        self.from_tokens = config.from_tokens
+
     @cute.jit
     def __call__(
         self,
         q: cute.Tensor,
         k: cute.Tensor,
+        cu_seqlens: cute.Tensor,
         gamma: cute.Tensor,
         d_kk: cute.Tensor,
         d_qk: cute.Tensor,
@@ -79,12 +93,12 @@ class DecayedBwdSm90:
         dgamma: cute.Tensor,
         stream: cuda.CUstream,
     ):
-        n_slots = q.shape[0]
-        heads = q.shape[1]
+        n_slots = gamma.shape[0]
+        heads = gamma.shape[1]
         # B operands (R^T, the back products' [kl | ql]) are written by channel: N-major; each
         # warpgroup takes half of the channels
         mma = bf16_tiled_mma((ROWS, HALF_N), warpgroup.OperandSource.SMEM, b_mn_major=True)
-        self.kernel(q, k, gamma, d_kk, d_qk, dq, dk, dgamma, mma).launch(
+        self.kernel(q, k, cu_seqlens, gamma, d_kk, d_qk, dq, dk, dgamma, mma).launch(
             grid=[n_slots, heads, 1], block=[NTHREADS, 1, 1], stream=stream
         )
 
@@ -93,6 +107,7 @@ class DecayedBwdSm90:
         self,
         mQ: cute.Tensor,
         mK: cute.Tensor,
+        mCu: cute.Tensor,
         mGamma: cute.Tensor,
         mDkk: cute.Tensor,
         mDqk: cute.Tensor,
@@ -111,10 +126,22 @@ class DecayedBwdSm90:
         # ---- the chunk into shared memory; the cotangents for j <= i only
         if tid == 0:
             s_flag[0] = Int32(0)
-        for i in cutlass.range(part, ROWS, WGS, unroll=8):
-            s_q[i, d] = mQ[slot, h, i, d]
-            s_k[i, d] = mK[slot, h, i, d]
-            s_gam[i, d] = mGamma[slot, h, i, d]
+        if cutlass.const_expr(self.from_tokens):
+            row0, count = slot_rows(mCu, slot, mQ.shape[0], SCAN_CHUNK)
+            for i in cutlass.range(part, ROWS, WGS, unroll=8):
+                qv = BFloat16(0.0)
+                kv = BFloat16(0.0)
+                if i < count:
+                    qv = mQ[row0 + i, h, d]
+                    kv = mK[row0 + i, h, d]
+                s_q[i, d] = qv
+                s_k[i, d] = kv
+                s_gam[i, d] = mGamma[slot, h, i, d]
+        else:
+            for i in cutlass.range(part, ROWS, WGS, unroll=8):
+                s_q[i, d] = mQ[slot, h, i, d]
+                s_k[i, d] = mK[slot, h, i, d]
+                s_gam[i, d] = mGamma[slot, h, i, d]
         _load_cotangents(s_dkk, s_dqk, mDkk[slot, h, None, None], mDqk[slot, h, None, None], tid)
         cute.arch.sync_threads()
         self._products(shared, mma, mDq[slot, h, None, None], mDk[slot, h, None, None],
