@@ -406,15 +406,19 @@ def test_decayed_bwd_kernel_matches_xla(case, from_tokens):
     )
     shape = jax.ShapeDtypeStruct(q.shape, jnp.float32)
 
+    qk_scale = 0.3 if from_tokens else 1.0  # the tokens' variant scales d_qk as it loads
+
     @jax.jit
     def run(q, k, cu, *rest):
         poison = [jnp.full(shape.shape, jnp.nan, jnp.float32) for _ in range(3)]
         inputs = [q.astype(jnp.bfloat16), k.astype(jnp.bfloat16), cu, *rest]
-        return cute_call(sm90.decayed_bwd_artifact(from_tokens), [*inputs, *poison],
-                         [shape] * 3, aliases={6: 0, 7: 1, 8: 2})  # fmt: skip
+        artifact = sm90.decayed_bwd_artifact(from_tokens, qk_scale)
+        return cute_call(artifact, [*inputs, *poison], [shape] * 3,
+                         aliases={6: 0, 7: 1, 8: 2})  # fmt: skip
 
     if from_tokens:
-        ours = run(x.q, x.k, jnp.asarray(x.cu_seqlens, jnp.int32), gamma, d_kk, d_qk)
+        cu = jnp.asarray(x.cu_seqlens, jnp.int32)
+        ours = run(x.q, x.k, cu, gamma, d_kk, d_qk / qk_scale)
     else:
         ours = run(q, k, jnp.zeros((1,), jnp.int32), gamma, d_kk, d_qk)
     reference = jax.jit(xla._decayed_products_bwd)((q, k, gamma), (d_kk, d_qk))

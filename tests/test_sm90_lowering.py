@@ -131,7 +131,7 @@ def test_prepared_inputs_and_grouped_heads_lower_to_the_kernels(lower_bound):
     kinds = {p.rsplit("_", 1)[0] for p in re.findall(r'prefix = "(\w+)"', text)}
     forward = {"kda_fwd_sm90_h2"} if lower_bound is not None else set()
     assert kinds == forward | {
-        "kda_chunk_operands_sm90_x1", "kda_decayed_bwd_tokens", "kda_state_scan_sm90_fwd",
+        "kda_chunk_operands_sm90_x1", "kda_decayed_bwd_tokens_sm90", "kda_state_scan_sm90_fwd",
         "kda_state_scan_sm90_rev", "kda_dense_bwd", "kda_tokens_bwd_sm90", "kda_state_cotangent",
         "kda_chunk_outputs",
     }, kinds  # fmt: skip
@@ -257,7 +257,7 @@ def test_training_forward_lowers_to_the_tokens_bwd_kernel_unless_switched_off(to
     text = _lower(step, *x)
     prefixes = {p.rsplit("_", 1)[0] for p in re.findall(r'prefix = "(\w+)"', text)}
     assert ("kda_tokens_bwd_sm90" in prefixes) == tokens_bwd, prefixes
-    assert {"kda_dense_bwd", "kda_decayed_bwd_tokens", "kda_state_cotangent"} <= prefixes
+    assert {"kda_dense_bwd", "kda_decayed_bwd_tokens_sm90", "kda_state_cotangent"} <= prefixes
     with pytest.raises(ValueError, match="needs dense_bwd=True"):
         sm90.training_forward(*x[:7], 0.3, dense_bwd=False, tokens_bwd=True)
 
@@ -412,7 +412,7 @@ def test_training_forward_variants_lower_to_their_kernels():
     prefixes = set(re.findall(r'prefix = "(\w+)"', text))
     assert {p.rsplit("_", 1)[0] for p in prefixes} == {
         "kda_chunk_operands_sm90",
-        "kda_decayed_bwd_tokens",
+        "kda_decayed_bwd_tokens_sm90",
         "kda_state_scan_sm90_fwd",
         "kda_state_scan_sm90_rev",
         "kda_tokens_bwd_sm90",
@@ -455,7 +455,7 @@ def test_training_lowers_under_scan_over_layers_checkpoint_and_vmap():
     for name, (fn, args) in cases.items():
         prefixes = set(re.findall(r'prefix = "(\w+)"', _lower(fn, *args)))
         kinds = {p.rsplit("_", 1)[0] for p in prefixes}
-        expected = {"kda_fwd_sm90_h2", "kda_chunk_operands_sm90_x1", "kda_decayed_bwd_tokens"}
+        expected = {"kda_fwd_sm90_h2", "kda_chunk_operands_sm90_x1", "kda_decayed_bwd_tokens_sm90"}
         expected |= {"kda_state_scan_sm90_fwd", "kda_state_scan_sm90_rev", "kda_dense_bwd"}
         expected |= {"kda_tokens_bwd_sm90", "kda_state_cotangent", "kda_chunk_outputs"}
         assert kinds == expected, (
@@ -643,7 +643,7 @@ def test_grad_under_explicit_sharding_lowers_per_device():
             grad = jax.jit(jax.grad(loss, argnums=range(6)))
             text = grad.trace(*sharded).lower(lowering_platforms=("cuda",)).as_text()
         kinds = {p.rsplit("_", 1)[0] for p in re.findall(r'prefix = "(\\w+)"', text)}
-        assert {"kda_fwd_sm90", "kda_chunk_operands_sm90_x1", "kda_decayed_bwd_tokens"} <= {
+        assert {"kda_fwd_sm90", "kda_chunk_operands_sm90_x1", "kda_decayed_bwd_tokens_sm90"} <= {
             k.rsplit("_", 1)[0] if k.startswith("kda_fwd") else k for k in kinds}, kinds
         assert "manual_computation" in text
         assert "stablehlo.while" not in text
@@ -679,7 +679,8 @@ def test_context_parallel_grad_lowers_per_device():
         text = grad.trace(*x[:5], x.initial_state).lower(lowering_platforms=("cuda",)).as_text()
         kinds = {p.rsplit("_", 1)[0] for p in re.findall(r'prefix = "(\\w+)"', text)}
         # the forward runs both passes as one call on twice the heads (h4)
-        assert {"kda_fwd_sm90_h4", "kda_state_scan_sm90_rev", "kda_decayed_bwd_tokens"} <= kinds
+        expected = {"kda_fwd_sm90_h4", "kda_state_scan_sm90_rev", "kda_decayed_bwd_tokens_sm90"}
+        assert expected <= kinds, kinds
         assert "manual_computation" in text and "stablehlo.all_gather" in text
         assert "stablehlo.all_reduce" in text and "stablehlo.while" not in text
         print("ok")
@@ -716,7 +717,7 @@ def test_vmap_runs_the_sm90_path_as_one_call():
         prefixes = re.findall(r'prefix = "(\w+)"', text)
         kinds = sorted(p.rsplit("_", 1)[0] for p in prefixes)
         expected = ["kda_fwd_sm90"] if name == "vmap" else [
-            "kda_chunk_operands_sm90_x1", "kda_chunk_outputs", "kda_decayed_bwd_tokens",
+            "kda_chunk_operands_sm90_x1", "kda_chunk_outputs", "kda_decayed_bwd_tokens_sm90",
             "kda_dense_bwd",
             "kda_fwd_sm90", "kda_state_cotangent", "kda_state_scan_sm90_fwd",
             "kda_state_scan_sm90_rev", "kda_tokens_bwd_sm90",

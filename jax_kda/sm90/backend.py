@@ -548,9 +548,9 @@ def xla_chunk_bwd(
     d_rhs, d_qg, d_attn, d_kd, d_decay, d_kk, d_beta_kk = (dense_bwd or xla_dense_bwd)(
         w, u, attn, kd, states, g_end, d_o, t_inverse, kk, tokens[3], cu_seqlens, rows, precision
     )
-    # both take the cotangents for j <= i only
+    # both read the cotangents for j <= i only
     decayed = decayed_bwd or xla_decayed_bwd_tokens
-    d_decayed = decayed(tokens[0], tokens[1], cu_seqlens, rows, gamma, d_kk, scale * d_attn)
+    d_decayed = decayed(scale, tokens[0], tokens[1], cu_seqlens, rows, gamma, d_kk, d_attn)
     cotangents = (d_rhs, d_beta_kk, d_qg, d_kd, d_decay)
     return (tokens_bwd or xla_tokens_bwd)(
         scale, tokens, cu_seqlens, rows, gamma, d_decayed, cotangents
@@ -640,10 +640,10 @@ def chunk_core_kernel(q, k, v, g, beta, cu_seqlens, num_slots, scale, passes=3):
 
 
 @functools.cache
-def decayed_bwd_artifact(from_tokens: bool = False):
+def decayed_bwd_artifact(from_tokens: bool = False, qk_scale: float = 1.0):
     """The exported backward of the in-chunk decayed products (kernels/kda_decayed_bwd_sm90.py)
-    on chunked q and k or (from_tokens) on the tokens' rows; slots, heads (and tokens and
-    sequences) symbolic."""
+    on chunked q and k or (from_tokens) on the tokens' rows, d_qk scaled by qk_scale as it
+    loads; slots, heads (and tokens and sequences) symbolic."""
     import cutlass.cute as cute
     from cutlass import BFloat16, Float32, Int32
 
@@ -663,12 +663,16 @@ def decayed_bwd_artifact(from_tokens: bool = False):
         "d_qk": row_major_fake(Float32, pairs),
         **{name: row_major_fake(Float32, chunk) for name in ("dq", "dk", "dgamma")},
     }
-    prefix = "kda_decayed_bwd_tokens_sm90" if from_tokens else "kda_decayed_bwd_sm90"
-    config = DecayedBwdConfig(from_tokens=from_tokens)
-    return export(DecayedBwdSm90(config), fakes, prefix=prefix, config={"from_tokens": from_tokens})
+    prefix = "kda_decayed_bwd_sm90"
+    if from_tokens:  # one export a scale, as the tokens' backward
+        tag = hashlib.sha256(repr(qk_scale).encode()).hexdigest()[:8]
+        prefix = f"kda_decayed_bwd_tokens_sm90_{tag}"
+    config = DecayedBwdConfig(from_tokens=from_tokens, qk_scale=qk_scale)
+    options = {"from_tokens": from_tokens, "qk_scale": repr(qk_scale)}
+    return export(DecayedBwdSm90(config), fakes, prefix=prefix, config=options)
 
 
-def _decayed_bwd_call(q, k, cu_seqlens, gamma, d_kk, d_qk, from_tokens: bool):
+def _decayed_bwd_call(q, k, cu_seqlens, gamma, d_kk, d_qk, from_tokens: bool, qk_scale=1.0):
     from jax_kda.sm90.ffi_call import cute_call
 
     if gamma.shape[0] == 0:
@@ -680,7 +684,7 @@ def _decayed_bwd_call(q, k, cu_seqlens, gamma, d_kk, d_qk, from_tokens: bool):
         *(x.astype(jnp.float32) for x in (gamma, d_kk, d_qk)),
     ]
     results = [jax.ShapeDtypeStruct(gamma.shape, jnp.float32) for _ in range(3)]
-    return tuple(cute_call(decayed_bwd_artifact(from_tokens), inputs, results))
+    return tuple(cute_call(decayed_bwd_artifact(from_tokens, qk_scale), inputs, results))
 
 
 def decayed_bwd_kernel(residuals, cotangents):
@@ -691,21 +695,23 @@ def decayed_bwd_kernel(residuals, cotangents):
     return _decayed_bwd_call(q, k, unread, gamma, *cotangents, from_tokens=False)
 
 
-def xla_decayed_bwd_tokens(q, k, cu_seqlens, rows, gamma, d_kk, d_qk):
+def xla_decayed_bwd_tokens(scale, q, k, cu_seqlens, rows, gamma, d_kk, d_attn):
     """decayed_bwd_tokens_kernel's contract in XLA: xla._decayed_products_bwd on the chunks of
-    q and k [T, H, 128] (the tokens' rows), gamma and the cotangents d_kk, d_qk [slots, H, 64,
-    64] (j <= i read); returns float32 (dq, dk, dgamma) chunks."""
+    q and k [T, H, 128] (the tokens' rows), gamma and the cotangents d_kk and d_qk = scale
+    d_attn [slots, H, 64, 64] (j <= i read); returns float32 (dq, dk, dgamma) chunks."""
     del cu_seqlens  # the rows say where each token sits
     num_slots = gamma.shape[0]
     q_c, k_c = (xla._to_chunks(x.astype(jnp.float32), rows, num_slots) for x in (q, k))
-    return xla._decayed_products_bwd((q_c, k_c, gamma), (d_kk, d_qk))
+    return xla._decayed_products_bwd((q_c, k_c, gamma), (d_kk, scale * d_attn))
 
 
-def decayed_bwd_tokens_kernel(q, k, cu_seqlens, rows, gamma, d_kk, d_qk):
+def decayed_bwd_tokens_kernel(scale, q, k, cu_seqlens, rows, gamma, d_kk, d_attn):
     """xla_decayed_bwd_tokens's contract on the kernel (q and k read from the tokens' rows as
-    bfloat16; rows unused)."""
+    bfloat16, d_attn scaled as it loads; rows unused)."""
     del rows
-    return _decayed_bwd_call(q, k, cu_seqlens, gamma, d_kk, d_qk, from_tokens=True)
+    return _decayed_bwd_call(
+        q, k, cu_seqlens, gamma, d_kk, d_attn, from_tokens=True, qk_scale=float(scale)
+    )
 
 
 @functools.cache

@@ -73,11 +73,13 @@ BACK_A_BYTES = ROWS * 2 * SIDE * 2  # [64, 64] bf16: 8 KiB
 @dataclasses.dataclass(frozen=True)
 class DecayedBwdConfig:
     from_tokens: bool  # q and k in the tokens' rows, else chunked
+    qk_scale: float = 1.0  # d_qk = qk_scale * the given cotangent (the scale of Aqk = scale qk)
 
 
 class DecayedBwdSm90:
     def __init__(self, config: DecayedBwdConfig):
         self.from_tokens = config.from_tokens
+        self.qk_scale = float(config.qk_scale)
 
     @cute.jit
     def __call__(
@@ -142,7 +144,9 @@ class DecayedBwdSm90:
                 s_q[i, d] = mQ[slot, h, i, d]
                 s_k[i, d] = mK[slot, h, i, d]
                 s_gam[i, d] = mGamma[slot, h, i, d]
-        _load_cotangents(s_dkk, s_dqk, mDkk[slot, h, None, None], mDqk[slot, h, None, None], tid)
+        _load_cotangents(
+            s_dkk, s_dqk, mDkk[slot, h, None, None], mDqk[slot, h, None, None], tid, self.qk_scale
+        )
         cute.arch.sync_threads()
         self._products(shared, mma, mDq[slot, h, None, None], mDk[slot, h, None, None],
                        mDgamma[slot, h, None, None], tid)  # fmt: skip
@@ -299,8 +303,8 @@ def _allocate():
 
 
 @cute.jit
-def _load_cotangents(s_dkk, s_dqk, m_kk, m_qk, tid):
-    """d_kk and d_qk [64, 64] of the chunk into shared memory, j <= i only."""
+def _load_cotangents(s_dkk, s_dqk, m_kk, m_qk, tid, qk_scale: cutlass.Constexpr[float]):
+    """d_kk and qk_scale * m_qk ([64, 64]) of the chunk into shared memory, j <= i only."""
     for it in cutlass.range_constexpr(ROWS * ROWS // NTHREADS):
         e = tid + it * NTHREADS
         i = e // ROWS
@@ -310,5 +314,7 @@ def _load_cotangents(s_dkk, s_dqk, m_kk, m_qk, tid):
         if j <= i:
             w_kk = m_kk[i, j]
             w_qk = m_qk[i, j]
+            if cutlass.const_expr(qk_scale != 1.0):
+                w_qk = w_qk * Float32(qk_scale)
         s_dkk[i, j] = w_kk
         s_dqk[i, j] = w_qk
