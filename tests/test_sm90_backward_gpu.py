@@ -639,8 +639,14 @@ def test_tokens_bwd_kernel_matches_xla(case):
     )
     for name, a, b in zip(("dq", "dk", "dv", "dg", "dbeta"), ours, reference, strict=True):
         assert a.shape == b.shape, name
-        assert not np.isnan(np.asarray(a)).any(), name
+        assert not np.isnan(np.asarray(a, np.float32)).any(), name
         if not b.size:
+            continue
+        if a.dtype == jnp.bfloat16:  # dq, dk, dv: float32 sums rounded once to bf16
+            exact = rms_ratio(a, b.astype(jnp.bfloat16))
+            error = rms_ratio(a, b)
+            print(f"tokens bwd {case} {name}: {error:.1e} (bar 4e-3); as bf16 {exact:.1e}")
+            assert error <= 4e-3 and exact <= 1e-3, (name, error, exact)
             continue
         error = rms_ratio(a, b)
         print(f"tokens bwd {case} {name}: {error:.1e} (bar 1e-5)")

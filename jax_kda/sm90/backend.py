@@ -840,7 +840,8 @@ def tokens_bwd_artifact(scale: float):
         **{name: row_major_fake(Float32, chunk) for name in ("d_qg", "d_kd")},
         "d_decay": row_major_fake(Float32, (slots, heads, HEAD_DIM)),
         "d_beta_kk": row_major_fake(Float32, (slots, heads, SCAN_CHUNK)),
-        **{name: row_major_fake(Float32, token_shape) for name in ("dq", "dk", "dv", "dg")},
+        **{name: row_major_fake(BFloat16, token_shape) for name in ("dq", "dk", "dv")},
+        "dg": row_major_fake(Float32, token_shape),
         "dbeta": row_major_fake(Float32, (tokens, heads), align=4),
     }
     scale_tag = hashlib.sha256(repr(scale).encode()).hexdigest()[:8]
@@ -858,8 +859,8 @@ def tokens_bwd_call(scale, tokens, cu_seqlens, gamma, d_decayed, cotangents):
     d_rhs, d_beta_kk, d_qg, d_kd, d_decay = cotangents
     f32 = jnp.float32
     token_shape = (*q.shape[:2], HEAD_DIM)
-    results = [jax.ShapeDtypeStruct(token_shape, f32) for _ in range(4)]
-    results += [jax.ShapeDtypeStruct(q.shape[:2], f32)]
+    results = [jax.ShapeDtypeStruct(token_shape, jnp.bfloat16) for _ in range(3)]
+    results += [jax.ShapeDtypeStruct(token_shape, f32), jax.ShapeDtypeStruct(q.shape[:2], f32)]
     chunked = (gamma, *d_decayed, d_rhs, d_qg, d_kd, d_decay, d_beta_kk)
     inputs = [
         *(x.astype(jnp.bfloat16) for x in (q, k, v)),
@@ -872,14 +873,17 @@ def tokens_bwd_call(scale, tokens, cu_seqlens, gamma, d_decayed, cotangents):
 
 def tokens_bwd_kernel(scale, tokens, cu_seqlens, rows, gamma, d_decayed, cotangents):
     """xla_tokens_bwd's contract on the kernel (rows: unused, the kernel reads cu_seqlens; q, k
-    and v taken as bfloat16, as the sm90 path has them)."""
+    and v taken as bfloat16, as the sm90 path has them), dq, dk, dv returned in bfloat16 (the
+    float32 sums rounded once: what the caller's cast to the tokens' dtype gives)."""
     from jax_kda.sm90.ffi_call import cute_call
 
     del rows
     q = tokens[0]
     if gamma.shape[0] == 0:  # no slots: no tokens either
-        shapes = [(*q.shape[:2], HEAD_DIM)] * 4 + [q.shape[:2]]
-        return tuple(jnp.zeros(shape, jnp.float32) for shape in shapes)
+        token_shape = (*q.shape[:2], HEAD_DIM)
+        dtypes = [jnp.bfloat16] * 3 + [jnp.float32] * 2
+        shapes = [token_shape] * 4 + [q.shape[:2]]
+        return tuple(jnp.zeros(s, t) for s, t in zip(shapes, dtypes, strict=True))
     artifact, inputs, results = tokens_bwd_call(
         scale, tokens, cu_seqlens, gamma, d_decayed, cotangents
     )

@@ -22,8 +22,9 @@ access).
 
 Inputs: q, k, v [T, H, 128] bfloat16 and beta [T, H] float32 (the tokens), cu_seqlens [N + 1]
 int32; float32 per slot and head: gamma, dq_c, dk_c, dgamma_c, d_qg, d_kd [64, 128], d_rhs
-[64, 256], d_decay [128], d_beta_kk [64]. Outputs, float32: dq, dk, dv, dg [T, H, 128], dbeta
-[T, H].
+[64, 256], d_decay [128], d_beta_kk [64]. Outputs: dq, dk, dv [T, H, 128] bfloat16 (the
+tokens' dtype: the float32 sums rounded once, as the caller's cast would), dg [T, H, 128] and
+dbeta [T, H] float32.
 """
 
 from __future__ import annotations
@@ -200,9 +201,9 @@ class TokensBwdSm90:
                     s_rows[i, warp] = term
                 if valid:
                     token = row0 + i
-                    mDq[token, h, d] = r_in[r, 1] + scale * e * d_qg
-                    mDk[token, h, d] = r_in[r, 2] + b * e * d_rw + f * d_kd
-                    mDv[token, h, d] = b * d_ru
+                    mDq[token, h, d] = (r_in[r, 1] + scale * e * d_qg).to(BFloat16)
+                    mDk[token, h, d] = (r_in[r, 2] + b * e * d_rw + f * d_kd).to(BFloat16)
+                    mDv[token, h, d] = (b * d_ru).to(BFloat16)
 
         # dg: the reverse cumsum within the group's rows, then the later groups' sums and the
         # last row's terms (every row's kd dKd and the chunk decay's a dA) onto every row
