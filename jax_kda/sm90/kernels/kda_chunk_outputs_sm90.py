@@ -27,7 +27,7 @@ from cutlass.memory import SmemAllocator
 
 from jax_kda.constants import HEAD_DIM, SCAN_CHUNK
 from jax_kda.sm90.kernels.chunk_io import NTHREADS, ROWS, pair_at, to_image
-from jax_kda.sm90.kernels.varlen import slot_owner
+from jax_kda.sm90.kernels.varlen import slot_rows
 from jax_kda.sm90.kernels.wgmma import bf16_tiled_mma, image_layout, view
 
 WGS = NTHREADS // 128
@@ -127,7 +127,7 @@ class ChunkOutputsSm90:
             pair = pair_at(mU[slot, h, i, None], n0 + n).load()
             r_u[e] = pair[0]
             r_u[e + 1] = pair[1]
-        active, bos, seqlen, c = slot_owner(mCu, slot, SCAN_CHUNK)
+        row0, count = slot_rows(mCu, slot, mO.shape[0], SCAN_CHUNK)
         cute.nvgpu.warpgroup.wait_group(0)
         for e in cutlass.range_constexpr(cute.size(acc_ws)):
             i, n = c_half[e]
@@ -141,15 +141,12 @@ class ChunkOutputsSm90:
             cute.gemm(mma, acc_o, f_at[None, None, kb], f_vn[None, None, kb], acc_o)
         cute.nvgpu.warpgroup.commit_group()
         cute.nvgpu.warpgroup.wait_group(0)
-        last_ok = cutlass.min(bos + seqlen, mO.shape[0]) - 1
-        row0 = bos + c * ROWS
         pair_o = cute.make_rmem_tensor((2,), BFloat16)
         for e in cutlass.range_constexpr(0, cute.size(acc_o), 2):
             i, n = c_half[e]
-            token = row0 + i
-            if active and c * ROWS + i < seqlen and token >= 0 and token <= last_ok:
+            if i < count:
                 pair_o[0] = acc_o[e].to(BFloat16)
                 pair_o[1] = acc_o[e + 1].to(BFloat16)
-                row = mO[token, h, None]
+                row = mO[row0 + i, h, None]
                 out = cute.make_tensor((row.iterator + n0 + n).align(4), cute.make_layout(2))
                 out.store(pair_o.load())

@@ -38,7 +38,7 @@ from cutlass import BFloat16, Float32
 from cutlass.memory import SmemAllocator
 
 from jax_kda.constants import HEAD_DIM, SCAN_CHUNK
-from jax_kda.sm90.kernels.varlen import slot_owner
+from jax_kda.sm90.kernels.varlen import slot_rows
 
 ROWS = SCAN_CHUNK
 GROUPS = 4  # row groups of a CTA, one warpgroup each
@@ -139,10 +139,8 @@ class TokensBwdSm90:
         # all issue before its arithmetic waits on them.
         gam_last = mGamma[slot, h, ROWS - 1, d]
         d_decay = mDdecay[slot, h, d]
-        active, bos, seqlen, c = slot_owner(mCu, slot, SCAN_CHUNK)
         tokens = mQ.shape[0]
-        last_ok = cutlass.min(bos + seqlen, tokens) - 1
-        row0 = bos + c * ROWS
+        row0, count = slot_rows(mCu, slot, tokens, SCAN_CHUNK)
         r_dgam = cute.make_rmem_tensor((GROUP_ROWS,), Float32)
         r_in = cute.make_rmem_tensor((BATCH, LOADS), Float32)
         kd_sum = Float32(0.0)
@@ -162,7 +160,7 @@ class TokensBwdSm90:
                 vv = BFloat16(0.0)
                 bv = Float32(0.0)
                 if tokens > 0:
-                    token = cutlass.max(cutlass.min(row0 + i, last_ok), 0)
+                    token = cutlass.max(cutlass.min(row0 + i, tokens - 1), 0)
                     qv = mQ[token, h, d]
                     kv = mK[token, h, d]
                     vv = mV[token, h, d]
@@ -173,7 +171,7 @@ class TokensBwdSm90:
                 r_in[r, 11] = bv
             for r in cutlass.range_constexpr(BATCH):
                 i = group * GROUP_ROWS + bt * BATCH + r
-                valid = _valid(active, c, i, seqlen, row0, last_ok)
+                valid = i < count
                 gam = r_in[r, 0]
                 d_rw = r_in[r, 4]
                 d_ru = r_in[r, 5]
@@ -221,19 +219,12 @@ class TokensBwdSm90:
                 last = last + s_sums[p, 0, d]
         for r in cutlass.range_constexpr(GROUP_ROWS):
             i = group * GROUP_ROWS + r
-            if _valid(active, c, i, seqlen, row0, last_ok):
+            if i < count:
                 mDg[row0 + i, h, d] = r_dgam[r] + last
         if tid < ROWS:
             i = tid
-            if _valid(active, c, i, seqlen, row0, last_ok):
+            if i < count:
                 total = mDbetaKk[slot, h, i]
                 for w in cutlass.range_constexpr(WARPS):
                     total = total + s_rows[i, w]
                 mDbeta[row0 + i, h] = total
-
-
-@cute.jit
-def _valid(active, c, i, seqlen, row0, last_ok):
-    """Row i of the slot holds a token of its sequence, inside the token rows."""
-    token = row0 + i
-    return active and c * ROWS + i < seqlen and token >= 0 and token <= last_ok
