@@ -44,16 +44,18 @@ from jax_kda.sm90.kernels.chunk64 import (
     PACKED,
     PAIR_ROW,
     ROWS,
+    block_offset,
     choose_anchors,
-    packed_row,
     put_right_factors,
 )
+from jax_kda.sm90.kernels.chunk_io import pair_at
 from jax_kda.sm90.kernels.varlen import slot_rows
 from jax_kda.sm90.kernels.wgmma import (
     bf16_tiled_mma,
     image_layout,
     product_passes,
     put_split,
+    vec4,
     view,
 )
 
@@ -120,33 +122,28 @@ class DecayedBwdSm90:
     ):
         tid, _, _ = cute.arch.thread_idx()
         slot, h, _ = cute.arch.block_idx()
-        d = tid % 128  # channel, in the element-wise phases
-        part = tid // 128  # warpgroup: rows = part mod WGS; in products channels HALF_N part + n
         shared = _allocate()
         _, s_q, s_k, s_gam, s_dkk, s_dqk, s_flag = shared
 
-        # ---- the chunk into shared memory; the cotangents for j <= i only
+        # ---- the chunk into shared memory, 16 bytes a thread a load, every load issued before
+        # the first store; the cotangents for j <= i only; the packed cotangent image zeroed
+        # (only its block-diagonal entries are written below)
         if tid == 0:
             s_flag[0] = Int32(0)
+        row0 = Int32(0)
+        count = Int32(ROWS)
         if cutlass.const_expr(self.from_tokens):
             row0, count = slot_rows(mCu, slot, mQ.shape[0], SCAN_CHUNK)
-            for i in cutlass.range(part, ROWS, WGS, unroll=8):
-                qv = BFloat16(0.0)
-                kv = BFloat16(0.0)
-                if i < count:
-                    qv = mQ[row0 + i, h, d]
-                    kv = mK[row0 + i, h, d]
-                s_q[i, d] = qv
-                s_k[i, d] = kv
-                s_gam[i, d] = mGamma[slot, h, i, d]
+            _load_rows(s_q, s_k, s_gam, mQ[None, h, None], mK[None, h, None],
+                       mGamma[slot, h, None, None], mDkk[slot, h, None, None],
+                       mDqk[slot, h, None, None], s_dkk, s_dqk, row0, count, tid,
+                       self.qk_scale)  # fmt: skip
         else:
-            for i in cutlass.range(part, ROWS, WGS, unroll=8):
-                s_q[i, d] = mQ[slot, h, i, d]
-                s_k[i, d] = mK[slot, h, i, d]
-                s_gam[i, d] = mGamma[slot, h, i, d]
-        _load_cotangents(
-            s_dkk, s_dqk, mDkk[slot, h, None, None], mDqk[slot, h, None, None], tid, self.qk_scale
-        )
+            _load_rows(s_q, s_k, s_gam, mQ[slot, h, None, None], mK[slot, h, None, None],
+                       mGamma[slot, h, None, None], mDkk[slot, h, None, None],
+                       mDqk[slot, h, None, None], s_dkk, s_dqk, row0, count, tid,
+                       self.qk_scale)  # fmt: skip
+        _zero_words(shared[0], RT_BYTES // 4, W_BYTES // 4, tid)
         cute.arch.sync_threads()
         self._products(shared, mma, mDq[slot, h, None, None], mDk[slot, h, None, None],
                        mDgamma[slot, h, None, None], tid)  # fmt: skip
@@ -190,13 +187,15 @@ class DecayedBwdSm90:
         )
         acc_sum.fill(0.0)
         for b in cutlass.range_constexpr(BLOCKS):
-            for it in cutlass.range(ROWS * SIDE // NTHREADS, unroll=4):
+            # rows j < 16 (b + 1) only: the rows past them pair with nothing in block b, and the
+            # epilogue below drops their outputs whatever the image held there
+            for it in cutlass.range_constexpr(BLOCK * (b + 1) * SIDE // NTHREADS):
                 e = tid + it * NTHREADS
                 j = e // SIDE
                 c = e % SIDE
                 i = BLOCK * b + c % BLOCK
                 w = Float32(0.0)
-                if j < BLOCK * b or (j < BLOCK * (b + 1) and pairwise == Int32(0)):
+                if j < BLOCK * b or pairwise == Int32(0):
                     w = s_dkk[i, j]
                     if c >= BLOCK:
                         w = s_dqk[i, j]
@@ -224,30 +223,42 @@ class DecayedBwdSm90:
         # ---- P(d_kk, k) and P(d_qk, k): the cotangent in the packing of R, times R, times r_i
         for which in cutlass.range_constexpr(2):
             s_dw = s_dkk if cutlass.const_expr(which == 0) else s_dqk
-            for it in cutlass.range(ROWS * PACKED // NTHREADS, unroll=4):  # not hoisted
-                e = tid + it * NTHREADS
-                i = e // PACKED
-                p = e % PACKED
-                b, j = packed_row(p)
-                w = Float32(0.0)
-                if i // BLOCK == b and (j < BLOCK * b or pairwise == Int32(0)):
-                    w = s_dw[i, j]
-                put_split(s_w, i, p, PACKED, w)
+            # row i pairs only with its own block's packed rows; the rest of the image stays
+            # zero from the load phase
+            for b in cutlass.range_constexpr(BLOCKS):
+                width = BLOCK * (b + 1)
+                for it in cutlass.range_constexpr(width * BLOCK // NTHREADS):
+                    e = tid + it * NTHREADS
+                    i = BLOCK * b + e // width
+                    j = e % width
+                    w = Float32(0.0)
+                    if j < BLOCK * b or pairwise == Int32(0):
+                        w = s_dw[i, j]
+                    put_split(s_w, i, block_offset(b) + j, PACKED, w)
             cute.arch.fence_proxy("async.shared", space="cta")
             cute.arch.sync_threads()
             product_passes(mma, acc_x, f_w, f_rt, PACKED // 16, False)
-            for e in cutlass.range_constexpr(cute.size(acc_x)):
+            # a thread holds columns ch, ch + 1 at e, e + 1: stored as 8-byte pairs
+            out_a = cute.make_rmem_tensor((2,), Float32)
+            out_b = cute.make_rmem_tensor((2,), Float32)
+            for e in cutlass.range_constexpr(0, cute.size(acc_x), 2):
                 i, ch = c_out[e]
                 ch = ch + n0
                 anchor_row = (i // BLOCK) * BLOCK + shift
-                f = acc_x[e] * cute.math.exp(s_gam[i, ch] - s_gam[anchor_row, ch])
-                if cutlass.const_expr(which == 0):  # acc_sum: back, then k (f - back)
-                    back = acc_sum[e]
-                    mDk[i, ch] = f + back
-                    acc_sum[e] = Float32(s_k[i, ch]) * (f - back)
+                for x in cutlass.range_constexpr(2):
+                    f = acc_x[e + x] * cute.math.exp(s_gam[i, ch + x] - s_gam[anchor_row, ch + x])
+                    if cutlass.const_expr(which == 0):  # acc_sum: back, then k (f - back)
+                        back = acc_sum[e + x]
+                        out_a[x] = f + back
+                        acc_sum[e + x] = Float32(s_k[i, ch + x]) * (f - back)
+                    else:
+                        out_a[x] = f
+                        out_b[x] = acc_sum[e + x] + Float32(s_q[i, ch + x]) * f
+                if cutlass.const_expr(which == 0):
+                    pair_at(mDk[i, None], ch).store(out_a.load())
                 else:
-                    mDq[i, ch] = f
-                    mDgamma[i, ch] = acc_sum[e] + Float32(s_q[i, ch]) * f
+                    pair_at(mDq[i, None], ch).store(out_a.load())
+                    pair_at(mDgamma[i, None], ch).store(out_b.load())
             cute.arch.sync_threads()  # every wgmma read of the images is done
 
         # ---- the diagonal blocks pair by pair where the chunk's decay forbids middle anchors:
@@ -303,18 +314,75 @@ def _allocate():
 
 
 @cute.jit
-def _load_cotangents(s_dkk, s_dqk, m_kk, m_qk, tid, qk_scale: cutlass.Constexpr[float]):
-    """d_kk and qk_scale * m_qk ([64, 64]) of the chunk into shared memory, j <= i only."""
-    for it in cutlass.range_constexpr(ROWS * ROWS // NTHREADS):
-        e = tid + it * NTHREADS
+def _load_rows(s_q, s_k, s_gam, m_q, m_k, m_gam, m_kk, m_qk, s_dkk, s_dqk, row0, count, tid,
+               qk_scale: cutlass.Constexpr[float]):  # fmt: skip
+    """The chunk into shared memory: rows i < count of q and k from rows row0 + i of m_q, m_k
+    ([rows, 128] bf16; the other rows zero), Gamma from m_gam [64, 128], and d_kk and
+    qk_scale * m_qk ([64, 64] float32) for j <= i only (zero above the diagonal). Every thread
+    issues all of its 16-byte loads before its first store."""
+    per_bf = 8  # bf16 elements in 16 bytes
+    per_f = 4  # float32 elements in 16 bytes
+    tok_passes = ROWS * HEAD_DIM // (NTHREADS * per_bf)
+    gam_passes = ROWS * HEAD_DIM // (NTHREADS * per_f)
+    pair_passes = ROWS * ROWS // (NTHREADS * per_f)
+    r_q = cute.make_rmem_tensor((tok_passes, per_bf), BFloat16)
+    r_k = cute.make_rmem_tensor((tok_passes, per_bf), BFloat16)
+    r_gam = cute.make_rmem_tensor((gam_passes, per_f), Float32)
+    r_kk = cute.make_rmem_tensor((pair_passes, per_f), Float32)
+    r_qk = cute.make_rmem_tensor((pair_passes, per_f), Float32)
+    for p in cutlass.range_constexpr(tok_passes):
+        e = (p * NTHREADS + tid) * per_bf
+        i = e // HEAD_DIM
+        c = e % HEAD_DIM
+        r_q[p, None].fill(0.0)
+        r_k[p, None].fill(0.0)
+        if i < count:
+            r_q[p, None].store(_piece(m_q[row0 + i, None], c, per_bf).load())
+            r_k[p, None].store(_piece(m_k[row0 + i, None], c, per_bf).load())
+    for p in cutlass.range_constexpr(gam_passes):
+        e = (p * NTHREADS + tid) * per_f
+        r_gam[p, None].store(vec4(m_gam[e // HEAD_DIM, None].iterator + e % HEAD_DIM).load())
+    for p in cutlass.range_constexpr(pair_passes):
+        e = (p * NTHREADS + tid) * per_f
+        r_kk[p, None].store(vec4(m_kk[e // ROWS, None].iterator + e % ROWS).load())
+        r_qk[p, None].store(vec4(m_qk[e // ROWS, None].iterator + e % ROWS).load())
+    for p in cutlass.range_constexpr(tok_passes):
+        e = (p * NTHREADS + tid) * per_bf
+        i = e // HEAD_DIM
+        c = e % HEAD_DIM
+        _piece(s_q[i, None], c, per_bf).store(r_q[p, None].load())
+        _piece(s_k[i, None], c, per_bf).store(r_k[p, None].load())
+    for p in cutlass.range_constexpr(gam_passes):
+        e = (p * NTHREADS + tid) * per_f
+        vec4(s_gam[e // HEAD_DIM, None].iterator + e % HEAD_DIM).store(r_gam[p, None].load())
+    for p in cutlass.range_constexpr(pair_passes):
+        e = (p * NTHREADS + tid) * per_f
         i = e // ROWS
-        j = e % ROWS
-        w_kk = Float32(0.0)
-        w_qk = Float32(0.0)
-        if j <= i:
-            w_kk = m_kk[i, j]
-            w_qk = m_qk[i, j]
-            if cutlass.const_expr(qk_scale != 1.0):
-                w_qk = w_qk * Float32(qk_scale)
-        s_dkk[i, j] = w_kk
-        s_dqk[i, j] = w_qk
+        for x in cutlass.range_constexpr(per_f):
+            j = e % ROWS + x
+            w_kk = Float32(0.0)
+            w_qk = Float32(0.0)
+            if j <= i:
+                w_kk = r_kk[p, x]
+                w_qk = r_qk[p, x]
+                if cutlass.const_expr(qk_scale != 1.0):
+                    w_qk = w_qk * Float32(qk_scale)
+            s_dkk[i, j] = w_kk
+            s_dqk[i, j] = w_qk
+
+
+def _piece(row: cute.Tensor, c, n: int):
+    """Elements c .. c + n of a row (16 bytes, c a multiple of n) as one vector."""
+    return cute.make_tensor((row.iterator + c).align(16), cute.make_layout(n))
+
+
+@cute.jit
+def _zero_words(s_region: cute.Tensor, first: cutlass.Constexpr[int],
+                words: cutlass.Constexpr[int], tid):  # fmt: skip
+    """Zero Int32 words [first, first + words) of s_region (first a multiple of 4), 16 bytes a
+    thread a store: zero whatever the swizzle of the image that lives there."""
+    zeros = cute.make_rmem_tensor((4,), Int32)
+    zeros.fill(0)
+    for p in cutlass.range_constexpr(words // (NTHREADS * 4)):
+        e = first + (p * NTHREADS + tid) * 4
+        vec4(s_region.iterator + e).store(zeros.load())
