@@ -551,12 +551,14 @@ def test_chunk_outputs_kernel_matches_xla(lengths):
     assert error <= 2e-2 and same_ops <= 5e-3, (error, same_ops)
 
 
+@pytest.mark.parametrize("v_slice", [0, 16])
 @pytest.mark.parametrize("lengths", [[130, 0, 70, 1], [64, 10, 128, 0, 65], [3000, 257]], ids=str)
-def test_state_cotangent_kernel_matches_xla(lengths):
+def test_state_cotangent_kernel_matches_xla(lengths, v_slice):
     """The outputs' part of the state cotangent (kernels/kda_state_cotangent_sm90.py) against
     its XLA statement (sm90.xla_state_cotangent) at float32 and with the kernel's own rounding
     (one bf16 pass a product), NaN-poisoned, on random operands with Aqk lower-triangular and
-    dO in the tokens' rows (ragged, empty and gap slots)."""
+    dO in the tokens' rows (ragged, empty and gap slots); written row-major and in the
+    tensor-core scan's slices (v_slice 16, put back into [K, V] here)."""
     register()
     rng = np.random.default_rng(SEED + len(lengths))
     heads = 3
@@ -573,10 +575,13 @@ def test_state_cotangent_kernel_matches_xla(lengths):
     @jax.jit
     def run(*inputs):
         poison = jnp.full(result.shape, jnp.nan, result.dtype)
-        artifact = sm90.state_cotangent_artifact()
+        artifact = sm90.state_cotangent_artifact(v_slice)
         return cute_call(artifact, [*inputs, poison], [result], aliases={5: 0})[0]
 
     ours = run(qg, w, attn, d_o, cu)
+    if v_slice:  # written in the tensor-core scan's slices: back to [K, V]
+        slices = ours.reshape(slots, heads, 128 // v_slice, 128 * v_slice)
+        ours = sm90.backend._unsliced(sm90.SlicedAddend(slices, v_slice))
     exact = jax.jit(sm90.xla_state_cotangent)(qg, w, attn, d_o, cu, rows)
     rounded = jax.jit(
         lambda *a: sm90.xla_state_cotangent(*a, jax.lax.DotAlgorithmPreset.BF16_BF16_F32)

@@ -226,6 +226,23 @@ def test_tensor_core_scan_operands():
     np.testing.assert_array_equal(slices[1, 0, 2].reshape(128, 32), np.asarray(add)[1, 0, :, 64:96])
 
 
+@pytest.mark.parametrize("v_slice", [16, 32])
+def test_sliced_addend_is_taken_as_it_is_or_put_back(v_slice):
+    """An addend that comes as SlicedAddend (state_cotangent_kernel's, for the reverse scan):
+    the tensor-core scan of its width takes its slices as they are (no copy in XLA), one of the
+    other width gets the same slices it would get from the plain addend, and the SIMT scans'
+    plain [slots, H, rows, V] comes back exactly."""
+    rng = np.random.default_rng(v_slice)
+    a = jnp.asarray(rng.standard_normal((3, 2, 64, 128)), jnp.float32)
+    add = jnp.asarray(rng.standard_normal((3, 2, 128, 128)), jnp.float32)
+    plain = {vs: sm90.state_scan_operands(a, a, add, vs, 1)[2] for vs in (16, 32)}
+    sliced = sm90.SlicedAddend(plain[v_slice], v_slice)
+    assert sm90.state_scan_operands(a, a, sliced, v_slice, 1)[2] is sliced.slices
+    other = 48 - v_slice
+    np.testing.assert_array_equal(sm90.state_scan_operands(a, a, sliced, other, 1)[2], plain[other])
+    np.testing.assert_array_equal(sm90.backend._unsliced(sliced), add)
+
+
 def test_tokens_bwd_kernel_with_no_slots_returns_zeros_without_a_launch():
     """No tokens and no sequences: tokens_bwd_kernel returns zero gradients of the tokens'
     shapes (no kernel call: an empty grid cannot launch)."""

@@ -11,6 +11,7 @@ import functools
 import hashlib
 import math
 import os
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -302,33 +303,64 @@ def state_scan_operands(a_op, b_op, addend, v_slice: int, passes: int = 3):
         b_hi, b_lo = _truncated_split(b_op)
         a_img = _interleaved_image(jnp.concatenate([a_hi, a_lo], axis=-1))
         bt_img = _interleaved_image(jnp.concatenate([b_hi, b_lo], axis=-2))
-    slots, heads, rows, width = addend.shape
-    slices = addend.reshape(slots, heads, rows, width // v_slice, v_slice)
+    if isinstance(addend, SlicedAddend) and addend.v_slice == v_slice:
+        return a_img, bt_img, addend.slices
+    slots, heads, rows, width = _unsliced(addend).shape
+    slices = _unsliced(addend).reshape(slots, heads, rows, width // v_slice, v_slice)
     slices = jnp.transpose(slices, (0, 1, 3, 2, 4)).reshape(slots, heads, -1, rows * v_slice)
     return a_img, bt_img, slices
+
+
+class SlicedAddend(NamedTuple):
+    """A state scan's addend [slots, H, rows, V] already in the tensor-core scan's order
+    (state_scan_operands' slices: [slots, H, V / v_slice, rows * v_slice]), as
+    state_cotangent_kernel writes it for the reverse scan. state_scan_kernel takes it as it is
+    where its variant has this v_slice, and puts it back into [slots, H, rows, V] elsewhere."""
+
+    slices: jax.Array
+    v_slice: int
+
+
+def _unsliced(addend):
+    """[slots, H, rows, V] from an addend as it is or as SlicedAddend."""
+    if not isinstance(addend, SlicedAddend):
+        return addend
+    slots, heads, count, block = addend.slices.shape
+    rows = block // addend.v_slice
+    x = addend.slices.reshape(slots, heads, count, rows, addend.v_slice)
+    return jnp.transpose(x, (0, 1, 3, 2, 4)).reshape(slots, heads, rows, count * addend.v_slice)
+
+
+def scan_variant(num_heads: int, num_sequences: int, v_slice=None, tensor_cores=None):
+    """(v_slice, tensor_cores) of the state scan state_scan_kernel runs for these arguments:
+    None takes the plan's width (plan.scan_v_slice), on tensor cores where that width has a
+    tensor-core kernel (H200, 2048x12x1, both directions: 95 us at t16 against the SIMT
+    kernel's 287 at v16; v_slice=64 is the m64 wgmma one)."""
+    if v_slice is None:
+        v_slice = scan_v_slice(num_heads, num_sequences, device_sm_count())
+    if tensor_cores is None:
+        tensor_cores = v_slice in SCAN_TC_V_SLICES
+    return v_slice, tensor_cores
 
 
 def state_scan_kernel(
     a_op, b_op, decay, addend, cu_seqlens, y0, *, reverse: bool, v_slice=None, tensor_cores=None,
     passes=None,
 ):  # fmt: skip
-    """xla.state_scan's contract, run by an sm90 state-scan kernel (no autodiff rule).
-    v_slice, tensor_cores: the variant (kernels/layout.py SCAN_VARIANTS); None: the plan's
-    width, on tensor cores. passes: bf16 passes a product of the tensor-core kernel (1 or 3);
-    None: one there, and the float32 SIMT kernels' own arithmetic elsewhere."""
+    """xla.state_scan's contract, run by an sm90 state-scan kernel (no autodiff rule); the
+    addend may come as SlicedAddend. v_slice, tensor_cores: the variant (kernels/layout.py
+    SCAN_VARIANTS); None: scan_variant's. passes: bf16 passes a product of the tensor-core
+    kernel (1 or 3); None: one there, and the float32 SIMT kernels' own arithmetic elsewhere."""
     from jax_kda.sm90.ffi_call import cute_call
 
     num_heads, num_sequences = y0.shape[1], y0.shape[0]
-    if v_slice is None:
-        v_slice = scan_v_slice(num_heads, num_sequences, device_sm_count())
-    if tensor_cores is None:
-        # The tensor-core kernel where it has the width (H200, 2048x12x1, both directions:
-        # 95 us at t16 against the SIMT kernel's 287 at v16); v_slice=64 is the m64 wgmma one.
-        tensor_cores = v_slice in SCAN_TC_V_SLICES
+    v_slice, tensor_cores = scan_variant(num_heads, num_sequences, v_slice, tensor_cores)
     if passes is None:
         passes = 1 if tensor_cores else 3
     if tensor_cores:
         a_op, b_op, addend = state_scan_operands(a_op, b_op, addend, v_slice, passes)
+    else:
+        addend = _unsliced(addend)
 
     results = [
         jax.ShapeDtypeStruct((a_op.shape[0], *y0.shape[1:]), jnp.float32),
@@ -492,14 +524,18 @@ def xla_state_cotangent(qg, w, attn, d_o, cu_seqlens, rows, precision=jax.lax.Pr
 
 
 @functools.cache
-def state_cotangent_artifact():
+def state_cotangent_artifact(v_slice: int = 0):
     """The exported outputs' part of the state cotangent (kernels/kda_state_cotangent_sm90.py);
-    slots and heads symbolic."""
+    slots and heads symbolic; v_slice > 0: written in the tensor-core scan's V slices of that
+    width (StateCotangentConfig)."""
     import cutlass.cute as cute
     from cutlass import BFloat16, Float32, Int32
 
     from jax_kda.sm90.export import export, row_major_fake
-    from jax_kda.sm90.kernels.kda_state_cotangent_sm90 import StateCotangentSm90
+    from jax_kda.sm90.kernels.kda_state_cotangent_sm90 import (
+        StateCotangentConfig,
+        StateCotangentSm90,
+    )
 
     slots, heads = cute.sym_int32(), cute.sym_int32()
     chunk = row_major_fake(Float32, (slots, heads, SCAN_CHUNK, HEAD_DIM))
@@ -511,23 +547,38 @@ def state_cotangent_artifact():
         "cu_seqlens": row_major_fake(Int32, (cute.sym_int32(),), align=4),
         "d_states": row_major_fake(Float32, (slots, heads, HEAD_DIM, HEAD_DIM)),
     }
-    return export(StateCotangentSm90(), fakes, prefix="kda_state_cotangent_sm90", config={})
+    config = StateCotangentConfig(v_slice)
+    prefix = "kda_state_cotangent_sm90" + (f"_vs{v_slice}" if v_slice else "")
+    return export(StateCotangentSm90(config), fakes, prefix=prefix, config=vars(config))
 
 
-def state_cotangent_kernel(qg, w, attn, d_o, cu_seqlens, rows, precision=None):
+def state_cotangent_kernel(
+    qg, w, attn, d_o, cu_seqlens, rows, precision=None, *, scan_v_slice=None,
+    scan_tensor_cores=None,
+):  # fmt: skip
     """xla_state_cotangent's contract on the kernel (one bf16 pass a product, d_o taken as
-    bfloat16; rows and `precision` are xla_state_cotangent's and unused here)."""
+    bfloat16; rows and `precision` are xla_state_cotangent's and unused here). Where the
+    reverse scan that takes it (scan_variant of scan_v_slice, scan_tensor_cores and the
+    shapes) runs on tensor cores, the result comes as SlicedAddend in that scan's slices."""
     from jax_kda.sm90.ffi_call import cute_call
 
     del rows, precision
     slots, heads = qg.shape[:2]
+    v_slice, tensor_cores = scan_variant(
+        heads, cu_seqlens.shape[0] - 1, scan_v_slice, scan_tensor_cores
+    )
+    v_slice = v_slice if tensor_cores else 0
     result = jax.ShapeDtypeStruct((slots, heads, HEAD_DIM, HEAD_DIM), jnp.float32)
     if slots == 0:  # no chunk slots: nothing to launch (an empty grid)
-        return jnp.zeros(result.shape, result.dtype)
-    inputs = [x.astype(jnp.float32) for x in (qg, w, attn)]
-    inputs += [d_o.astype(jnp.bfloat16), jnp.asarray(cu_seqlens, jnp.int32)]
-    (d_states,) = cute_call(state_cotangent_artifact(), inputs, [result])
-    return d_states
+        d_states = jnp.zeros(result.shape, result.dtype)
+    else:
+        inputs = [x.astype(jnp.float32) for x in (qg, w, attn)]
+        inputs += [d_o.astype(jnp.bfloat16), jnp.asarray(cu_seqlens, jnp.int32)]
+        (d_states,) = cute_call(state_cotangent_artifact(v_slice), inputs, [result])
+    if not v_slice:
+        return d_states
+    slices = d_states.reshape(slots, heads, HEAD_DIM // v_slice, HEAD_DIM * v_slice)
+    return SlicedAddend(slices, v_slice)
 
 
 def xla_chunk_bwd(
@@ -1011,7 +1062,10 @@ def training_forward(
         )
         chunks = differentiable_chunks(
             core if chunk_core else xla_chunk_core, kernel, chunk_bwd, precision,
-            state_cotangent=state_cotangent_kernel if dense_precision == "bf16" else None,
+            state_cotangent=functools.partial(
+                state_cotangent_kernel, scan_v_slice=scan_v_slice,
+                scan_tensor_cores=scan_tensor_cores,
+            ) if dense_precision == "bf16" else None,
             chunk_outputs=chunk_outputs_kernel if dense_precision == "bf16" else None,
         )  # fmt: skip
         return xla.forward(
