@@ -290,6 +290,7 @@ def test_tokens_bwd_kernel_stays_in_bounds_on_bad_boundaries(bad_cu):
     rng = np.random.default_rng(SEED)
     tokens, heads, slots = 200, 2, 6
     token_inputs = [jnp.asarray(rng.standard_normal((tokens, heads, 128)), jnp.bfloat16)] * 3
+    token_inputs.append(-jnp.asarray(rng.uniform(size=(tokens, heads, 128)), jnp.float32))  # g
     token_inputs.append(jnp.asarray(rng.uniform(size=(tokens, heads)), jnp.float32))
     chunk = jnp.asarray(rng.standard_normal((slots, heads, 64, 128)), jnp.float32)
     gamma = -jnp.cumsum(jnp.abs(chunk), axis=2)
@@ -348,6 +349,7 @@ def test_chunk_core_kernel_matches_xla(case, passes):
     pairs = (num_slots, heads, 64, 64)
     shapes = [chunk, chunk, chunk, pairs, chunk, (num_slots, heads, 128), chunk, pairs, pairs]
     results = [jax.ShapeDtypeStruct(s, jnp.float32) for s in shapes]
+    results += [jax.ShapeDtypeStruct((num_slots, heads, 64 * 128), jnp.bfloat16)] * 2  # images
     artifact = sm90.chunk_operands_artifact(0.3, passes)
 
     @jax.jit
@@ -369,7 +371,11 @@ def test_chunk_core_kernel_matches_xla(case, passes):
     t_inverse = jax.jit(xla._blocked_unit_lower_solve)(lower, identity)
     reference = (*outputs, residuals[4], residuals[5], t_inverse)
     names = ("w", "u", "qg", "attn", "kd", "decay", "gamma", "kk", "tinv")
-    for name, a, b in zip(names, ours, reference, strict=True):
+    # the scan's images: exactly the single-pass scan's own images of the kernel's W and Kd
+    for image, values in ((ours[9], ours[0]), (ours[10], ours[4])):
+        expected = sm90.state_scan_operands(values, values, values, 16, 1)[0]
+        np.testing.assert_array_equal(np.asarray(image, np.float32), np.asarray(expected, float))
+    for name, a, b in zip(names, ours[:9], reference, strict=True):
         assert not np.isnan(np.asarray(a)).any(), name
         error = rms_ratio(a, b)
         # The products are bfloat16 hi/lo splits (about 2^-16 relative each); the cumsum runs
@@ -597,19 +603,23 @@ def test_tokens_bwd_kernel_matches_xla(case):
     """The backward into the tokens' rows (kernels/kda_tokens_bwd_sm90.py) against its XLA
     statement (sm90.xla_tokens_bwd) on the chunk core's own gamma and random cotangents: every
     result in the tokens' rows, NaN-poisoned (a row it does not write stays NaN), both anchors'
-    gates, ragged, empty and gap slots, rows past a sequence's end, no tokens at all."""
+    gates, ragged, empty and gap slots, rows past a sequence's end, no tokens at all; dg through
+    the gate floor (the reset case's -inf gates, and some set to the floor exactly: half)."""
     register()
     if case == "all-empty":
         lengths, x = [0, 0], production_inputs([0, 0], 3, seed=SEED)
     else:
         lengths, x = _core_case(case, SEED + 13 * len(case))
-    g = np.maximum(x.g, -100.0)  # the gate floor, as the training forward applies it
+    g = np.array(x.g)
+    g[::37, :, 5] = -100.0  # exactly at the floor
     tokens = x.q.shape[0]
     num_slots = xla.chunk_slot_count(tokens, len(lengths))
     _, rows = xla._token_slots(jnp.asarray(x.cu_seqlens), tokens)
-    token_inputs = (jnp.asarray(x.q), jnp.asarray(x.k), jnp.asarray(x.v), jnp.asarray(x.beta))
+    token_inputs = (
+        jnp.asarray(x.q), jnp.asarray(x.k), jnp.asarray(x.v), jnp.asarray(g), jnp.asarray(x.beta)
+    )  # fmt: skip
     core = jax.jit(sm90.chunk_core_kernel, static_argnums=(6, 7))(
-        *token_inputs[:3], jnp.asarray(g), token_inputs[3], x.cu_seqlens, num_slots, 0.3
+        *token_inputs, x.cu_seqlens, num_slots, 0.3
     )
     gamma = core[6]
     rng = np.random.default_rng(SEED + 5 * len(case))

@@ -132,8 +132,8 @@ def test_prepared_inputs_and_grouped_heads_lower_to_the_kernels(lower_bound):
     forward = {"kda_fwd_sm90_h2"} if lower_bound is not None else set()
     assert kinds == forward | {
         "kda_chunk_operands_sm90_x1", "kda_decayed_bwd_tokens_sm90", "kda_state_scan_sm90_fwd",
-        "kda_state_scan_sm90_rev", "kda_dense_bwd", "kda_tokens_bwd_sm90", "kda_state_cotangent",
-        "kda_chunk_outputs",
+        "kda_state_scan_sm90_rev", "kda_dense_bwd", "kda_tokens_bwd_sm90",
+        "kda_state_cotangent_sm90", "kda_chunk_outputs",
     }, kinds  # fmt: skip
 
 
@@ -216,7 +216,7 @@ def test_chunk_core_exports_for_sm90a():
     """The tensor-core chunk core compiles and exports for sm_90a (symbolic slots and heads)."""
     artifact = sm90.chunk_operands_artifact(0.3)
     assert artifact.object_bytes[:4] == b"\x7fELF"
-    assert len(artifact.tensors) == 15  # q, k, v, g, beta, cu_seqlens and nine outputs
+    assert len(artifact.tensors) == 17  # q, k, v, g, beta, cu_seqlens, 9 outputs, 2 images
 
 
 def test_tokens_bwd_exports_for_sm90a():
@@ -224,7 +224,7 @@ def test_tokens_bwd_exports_for_sm90a():
     heads, slots and sequences)."""
     artifact = sm90.tokens_bwd_artifact(0.3)
     assert artifact.object_bytes[:4] == b"\x7fELF"
-    assert len(artifact.tensors) == 19  # 14 inputs and 5 results
+    assert len(artifact.tensors) == 20  # 15 inputs and 5 results
 
 
 def test_chunk_outputs_exports_for_sm90a():
@@ -461,7 +461,7 @@ def test_training_lowers_under_scan_over_layers_checkpoint_and_vmap():
         kinds = {p.rsplit("_", 1)[0] for p in prefixes}
         expected = {"kda_fwd_sm90_h2", "kda_chunk_operands_sm90_x1", "kda_decayed_bwd_tokens_sm90"}
         expected |= {"kda_state_scan_sm90_fwd", "kda_state_scan_sm90_rev", "kda_dense_bwd"}
-        expected |= {"kda_tokens_bwd_sm90", "kda_state_cotangent", "kda_chunk_outputs"}
+        expected |= {"kda_tokens_bwd_sm90", "kda_state_cotangent_sm90", "kda_chunk_outputs"}
         assert kinds == expected, (
             name,
             prefixes,
@@ -723,7 +723,7 @@ def test_vmap_runs_the_sm90_path_as_one_call():
         expected = ["kda_fwd_sm90"] if name == "vmap" else [
             "kda_chunk_operands_sm90_x1", "kda_chunk_outputs", "kda_decayed_bwd_tokens_sm90",
             "kda_dense_bwd",
-            "kda_fwd_sm90", "kda_state_cotangent", "kda_state_scan_sm90_fwd",
+            "kda_fwd_sm90", "kda_state_cotangent_sm90", "kda_state_scan_sm90_fwd",
             "kda_state_scan_sm90_rev", "kda_tokens_bwd_sm90",
         ]  # fmt: skip
         assert [k.rsplit("_", 1)[0] if k.startswith("kda_fwd") else k for k in kinds] == expected

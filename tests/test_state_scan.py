@@ -246,7 +246,8 @@ def test_sliced_addend_is_taken_as_it_is_or_put_back(v_slice):
 def test_tokens_bwd_kernel_with_no_slots_returns_zeros_without_a_launch():
     """No tokens and no sequences: tokens_bwd_kernel returns zero gradients of the tokens'
     shapes (no kernel call: an empty grid cannot launch)."""
-    tokens = (*(jnp.zeros((0, 3, 128), jnp.bfloat16) for _ in range(3)), jnp.zeros((0, 3)))
+    tokens = (*(jnp.zeros((0, 3, 128), jnp.bfloat16) for _ in range(3)), jnp.zeros((0, 3, 128)))
+    tokens += (jnp.zeros((0, 3)),)  # q, k, v, g, beta
     chunk = jnp.zeros((0, 3, 64, 128), jnp.float32)
     wide = jnp.zeros((0, 3, 64, 256), jnp.float32)
     cotangents = (wide, jnp.zeros((0, 3, 64)), chunk, chunk, jnp.zeros((0, 3, 128)))
@@ -257,15 +258,36 @@ def test_tokens_bwd_kernel_with_no_slots_returns_zeros_without_a_launch():
     assert [a.dtype for a in out] == [jnp.bfloat16] * 3 + [jnp.float32] * 2
 
 
+def test_gate_floor_grad_is_the_vjp_of_the_floor():
+    """xla.gate_floor_grad (what xla_tokens_bwd and the tokens-backward kernel apply to dg, now
+    that the sm90 training path takes g unfloored) against jax.vjp of jnp.maximum(g, floor):
+    whole above the floor, half at it, none below it or at NaN."""
+    from jax_kda.constants import GATE_FLOOR
+
+    g = jnp.asarray([0.0, -3.0, GATE_FLOOR, -100.5, -300.0, -jnp.inf, jnp.nan, GATE_FLOOR + 1e-5])
+    dg = jnp.arange(1.0, 9.0)
+    expected = jax.vjp(lambda x: jnp.maximum(x, GATE_FLOOR), g)[1](dg)[0]
+    np.testing.assert_array_equal(xla.gate_floor_grad(g, dg), expected)
+    np.testing.assert_array_equal(expected, [1, 2, 1.5, 0, 0, 0, 0, 8])
+
+
+@pytest.mark.parametrize("floor", [False, True], ids=["long-memory", "gate-floor"])
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-def test_chunks_wiring_gives_the_xla_paths_gradients(dtype):
+def test_chunks_wiring_gives_the_xla_paths_gradients(dtype, floor):
     """sm90.differentiable_chunks (the chunk core, the state scan and the outputs around them as
     one custom VJP: the reverse scan, then every chunk's backward) around XLA stand-ins for the
     kernels (xla_chunk_core, xla.state_scan, xla_chunk_bwd): the XLA path's gradients, in the
     inputs' dtypes, on long-memory data, where the states carried between chunks and the
     initial state matter. A backward that dropped the outputs' part of dU, or of the state's
-    cotangent, fails here."""
+    cotangent, fails here. With gate-floor, some gates are -inf, -300 or exactly the floor
+    (-100): differentiable_chunks applies the floor itself (xla.forward leaves g to it; without
+    it the -inf gates give inf). The floor's rule for dg is invisible here (the decay there is
+    e^-100): test_gate_floor_grad_is_the_vjp_of_the_floor checks it."""
     x = long_memory_inputs([130, 0, 70, 1], 2, seed=31, dtype=dtype)
+    if floor:
+        g = np.array(x.g)
+        g[::5, :, ::3], g[1::7, :, 1::4], g[2::9, :, 2::5] = -np.inf, -300.0, -100.0
+        x = x._replace(g=g)
     args = (*x[:5], x.initial_state)
     w_o = np.random.default_rng(6).standard_normal(x.q.shape).astype(np.float32)
     w_f = np.random.default_rng(7).standard_normal(x.initial_state.shape).astype(np.float32)
@@ -285,7 +307,7 @@ def test_chunks_wiring_gives_the_xla_paths_gradients(dtype):
 
     chunks = sm90.differentiable_chunks(sm90.xla_chunk_core, xla.state_scan, chunk_bwd)
     wired = grads(chunks=chunks)
-    assert calls == [[x.q.shape, x.k.shape, x.v.shape, x.beta.shape]], calls
+    assert calls == [[x.q.shape, x.k.shape, x.v.shape, x.g.shape, x.beta.shape]], calls
     # bfloat16 gradients round at 2^-9: a changed summation order flips a few roundings
     bar = 1e-5 if dtype == jnp.float32 else 1e-4
     for name, a, b, arg in zip("q k v g beta state".split(), wired, grads(), args, strict=True):
