@@ -372,9 +372,12 @@ def test_chunk_core_kernel_matches_xla(case, passes):
     reference = (*outputs, residuals[4], residuals[5], t_inverse)
     names = ("w", "u", "qg", "attn", "kd", "decay", "gamma", "kk", "tinv")
     # the scan's images: exactly the single-pass scan's own images of the kernel's W and Kd
+    # (but for subnormals, which XLA's convert may flush: the -inf gates' decays reach them)
+    tiny = np.finfo(np.float32).tiny
     for image, values in ((ours[9], ours[0]), (ours[10], ours[4])):
         expected = sm90.state_scan_operands(values, values, values, 16, 1)[0]
-        np.testing.assert_array_equal(np.asarray(image, np.float32), np.asarray(expected, float))
+        a, b = (np.asarray(x, np.float32) for x in (image, expected))
+        np.testing.assert_array_equal(np.where(abs(a) < tiny, 0, a), np.where(abs(b) < tiny, 0, b))
     for name, a, b in zip(names, ours[:9], reference, strict=True):
         assert not np.isnan(np.asarray(a)).any(), name
         error = rms_ratio(a, b)
