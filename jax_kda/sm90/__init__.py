@@ -9,6 +9,14 @@ through one XLA FFI target.
     kernels/      the CuTe DSL kernels, one a file, and layout.py, their layout facts
 """
 
+import os
+
+# The DSL reads its target architecture once, when cutlass is first imported: set Hopper's here,
+# before any kernel module can import it (without a GPU the DSL would take its own default, and
+# every kernel would refuse to build). An architecture the caller set is kept.
+if not os.environ.get("CUTE_DSL_ARCH"):
+    os.environ["CUTE_DSL_ARCH"] = "sm_90a"
+
 from jax_kda.sm90 import backend
 from jax_kda.sm90.backend import (
     ASSUME_SM90_ENV,
