@@ -258,6 +258,20 @@ def test_tokens_bwd_kernel_with_no_slots_returns_zeros_without_a_launch():
     assert [a.dtype for a in out] == [jnp.bfloat16] * 3 + [jnp.float32] * 2
 
 
+def test_chunk_core_scan_image_offsets_are_the_scans_image_order():
+    """kda_chunk_operands_sm90.scan_image_offset (where the chunk core writes W and Kd's bf16
+    scan images) against state_scan_operands' single-pass image of the same [64, 128] array:
+    every element at its offset, once."""
+    from jax_kda.sm90.kernels.kda_chunk_operands_sm90 import scan_image_offset
+
+    x = np.arange(64 * 128, dtype=np.float32).reshape(1, 1, 64, 128)  # element ids
+    ids = jnp.asarray(x)
+    image = np.asarray(sm90.backend._interleaved_image(ids))[0, 0]
+    offsets = np.array([[scan_image_offset(i, c) for c in range(128)] for i in range(64)])
+    assert sorted(offsets.ravel().tolist()) == list(range(64 * 128))
+    np.testing.assert_array_equal(image[offsets], x[0, 0])
+
+
 def test_gate_floor_grad_is_the_vjp_of_the_floor():
     """xla.gate_floor_grad (what xla_tokens_bwd and the tokens-backward kernel apply to dg, now
     that the sm90 training path takes g unfloored) against jax.vjp of jnp.maximum(g, floor):
