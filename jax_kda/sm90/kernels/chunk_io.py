@@ -9,7 +9,7 @@ import cutlass.cute as cute
 from cutlass import BFloat16, Float32
 
 from jax_kda.constants import HEAD_DIM, SCAN_CHUNK
-from jax_kda.sm90.kernels.wgmma import vec4
+from jax_kda.sm90.kernels.wgmma import row_piece, vec4
 
 ROWS = SCAN_CHUNK
 NTHREADS = 256  # two warpgroups
@@ -90,9 +90,7 @@ def token_rows_image(image, m_x: cute.Tensor, row0, count, tid):
         i = e // HEAD_DIM
         r_x[p, None].fill(0.0)
         if i < count:
-            row = m_x[row0 + i, None]
-            piece = cute.make_tensor((row.iterator + e % HEAD_DIM).align(16), cute.make_layout(per))
-            r_x[p, None].store(piece.load())
+            r_x[p, None].store(row_piece(m_x[row0 + i, None], e % HEAD_DIM, per).load())
     for p in cutlass.range_constexpr(passes):
         e = (p * NTHREADS + tid) * per
         for x in cutlass.range_constexpr(per):

@@ -55,6 +55,7 @@ from jax_kda.sm90.kernels.wgmma import (
     image_layout,
     product_passes,
     put_split,
+    row_piece,
     vec4,
     view,
 )
@@ -134,15 +135,12 @@ class DecayedBwdSm90:
         count = Int32(ROWS)
         if cutlass.const_expr(self.from_tokens):
             row0, count = slot_rows(mCu, slot, mQ.shape[0], SCAN_CHUNK)
-            _load_rows(s_q, s_k, s_gam, mQ[None, h, None], mK[None, h, None],
-                       mGamma[slot, h, None, None], mDkk[slot, h, None, None],
-                       mDqk[slot, h, None, None], s_dkk, s_dqk, row0, count, tid,
-                       self.qk_scale)  # fmt: skip
+            m_q, m_k = mQ[None, h, None], mK[None, h, None]
         else:
-            _load_rows(s_q, s_k, s_gam, mQ[slot, h, None, None], mK[slot, h, None, None],
-                       mGamma[slot, h, None, None], mDkk[slot, h, None, None],
-                       mDqk[slot, h, None, None], s_dkk, s_dqk, row0, count, tid,
-                       self.qk_scale)  # fmt: skip
+            m_q, m_k = mQ[slot, h, None, None], mK[slot, h, None, None]
+        _load_rows(s_q, s_k, s_gam, m_q, m_k, mGamma[slot, h, None, None],
+                   mDkk[slot, h, None, None], mDqk[slot, h, None, None], s_dkk, s_dqk, row0,
+                   count, tid, self.qk_scale)  # fmt: skip
         _zero_words(shared[0], RT_BYTES // 4, W_BYTES // 4, tid)
         cute.arch.sync_threads()
         self._products(shared, mma, mDq[slot, h, None, None], mDk[slot, h, None, None],
@@ -337,8 +335,8 @@ def _load_rows(s_q, s_k, s_gam, m_q, m_k, m_gam, m_kk, m_qk, s_dkk, s_dqk, row0,
         r_q[p, None].fill(0.0)
         r_k[p, None].fill(0.0)
         if i < count:
-            r_q[p, None].store(_piece(m_q[row0 + i, None], c, per_bf).load())
-            r_k[p, None].store(_piece(m_k[row0 + i, None], c, per_bf).load())
+            r_q[p, None].store(row_piece(m_q[row0 + i, None], c, per_bf).load())
+            r_k[p, None].store(row_piece(m_k[row0 + i, None], c, per_bf).load())
     for p in cutlass.range_constexpr(gam_passes):
         e = (p * NTHREADS + tid) * per_f
         r_gam[p, None].store(vec4(m_gam[e // HEAD_DIM, None].iterator + e % HEAD_DIM).load())
@@ -350,8 +348,8 @@ def _load_rows(s_q, s_k, s_gam, m_q, m_k, m_gam, m_kk, m_qk, s_dkk, s_dqk, row0,
         e = (p * NTHREADS + tid) * per_bf
         i = e // HEAD_DIM
         c = e % HEAD_DIM
-        _piece(s_q[i, None], c, per_bf).store(r_q[p, None].load())
-        _piece(s_k[i, None], c, per_bf).store(r_k[p, None].load())
+        row_piece(s_q[i, None], c, per_bf).store(r_q[p, None].load())
+        row_piece(s_k[i, None], c, per_bf).store(r_k[p, None].load())
     for p in cutlass.range_constexpr(gam_passes):
         e = (p * NTHREADS + tid) * per_f
         vec4(s_gam[e // HEAD_DIM, None].iterator + e % HEAD_DIM).store(r_gam[p, None].load())
@@ -369,11 +367,6 @@ def _load_rows(s_q, s_k, s_gam, m_q, m_k, m_gam, m_kk, m_qk, s_dkk, s_dqk, row0,
                     w_qk = w_qk * Float32(qk_scale)
             s_dkk[i, j] = w_kk
             s_dqk[i, j] = w_qk
-
-
-def _piece(row: cute.Tensor, c, n: int):
-    """Elements c .. c + n of a row (16 bytes, c a multiple of n) as one vector."""
-    return cute.make_tensor((row.iterator + c).align(16), cute.make_layout(n))
 
 
 @cute.jit

@@ -72,9 +72,18 @@ def view(raw_i32_ptr, byte_off: int, comp_layout, nstages: int = 0, stage_bytes:
 
 
 def vec4(ptr):
-    """Four 4-byte elements at ptr as one 16-byte vector, its alignment made known to the
-    compiler (dynamic indices hide it)."""
+    """Four 4-byte elements at ptr as one 16-byte vector. Pointer.align(16) rounds the address
+    up to 16 bytes (a no-op for the 16-byte-aligned addresses every caller passes) and returns
+    a pointer of that known alignment, so the access is one vector; it also drops a shared
+    memory pointer's swizzle, so it serves plain arrays, not swizzled operand images."""
     return cute.make_tensor(ptr.align(16), cute.make_layout(4))
+
+
+def row_piece(row: cute.Tensor, c, n: int):
+    """Elements c .. c + n of a contiguous row (global memory, or a plain row-major array in
+    shared memory) as one 16-byte vector: c a multiple of n, the row 16-byte aligned (as for
+    vec4: align rounds up, a no-op there)."""
+    return cute.make_tensor((row.iterator + c).align(16), cute.make_layout(n))
 
 
 def acc_to_a_operand(mma: cute.TiledMma, acc: cute.Tensor, m: int, kdim: int) -> cute.Tensor:
