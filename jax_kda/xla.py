@@ -452,6 +452,12 @@ def chunk_operands(q, k, v, g, beta, cu_seqlens, rows, num_slots: int, scale: fl
     return _chunk_operands(*as_chunks, scale)
 
 
+def gate_floor_grad(g: jax.Array, dg: jax.Array) -> jax.Array:
+    """The cotangent of g from that of max(g, GATE_FLOOR): dg where g is above the floor, half
+    of it at the floor (jnp.maximum's rule at a tie), zero below it and where g is NaN."""
+    return jnp.where(g > GATE_FLOOR, dg, jnp.where(g == GATE_FLOOR, 0.5 * dg, 0.0))
+
+
 def from_chunks(x: jax.Array, rows: jax.Array) -> jax.Array:
     """[slots, H, 64, ...] -> [T, H, ...]: each token's row (the inverse of _to_chunks)."""
     grid = jnp.moveaxis(x, 2, 1)
@@ -479,7 +485,9 @@ def forward(
       chunks: instead of `operands`, `scan` and the products around them, one function of (q, k,
         v, g, beta, cu_seqlens, rows, state [N, H, K, V], num_slots, scale) returning (o
         [T, H, V] in the tokens' rows, any float dtype, final [N, H, K, V]): the sm90 training
-        path's, one custom VJP (sm90.backend.differentiable_chunks).
+        path's, one custom VJP (sm90.backend.differentiable_chunks). It takes g as given and
+        applies the gate floor itself, forward and backward (gate_floor_grad), so that no
+        XLA pass over g stands before or after it.
     Returns:
       o: [T, H, 128] in q's dtype; final_state: [N, H, 128(V), 128(K)] float32.
     """
@@ -488,11 +496,11 @@ def forward(
     num_slots = chunk_slot_count(total_tokens, num_sequences)
     cu_seqlens = jnp.asarray(cu_seqlens, jnp.int32)
     _, rows = _token_slots(cu_seqlens, total_tokens)
-    g = jnp.maximum(g, GATE_FLOOR)  # NaN stays NaN
     state_kv = jnp.swapaxes(initial_state.astype(jnp.float32), -1, -2)
     if chunks is not None:
         o, finals = chunks(q, k, v, g, beta, cu_seqlens, rows, state_kv, num_slots, scale)
         return o.astype(q.dtype), jnp.swapaxes(finals, -1, -2)
+    g = jnp.maximum(g, GATE_FLOOR)  # NaN stays NaN
     w, u, qg, attn, kd, decay_chunk = operands(q, k, v, g, beta, cu_seqlens, rows, num_slots, scale)
     operands = (w, kd, decay_chunk, u, cu_seqlens, state_kv)
     if scan is None:

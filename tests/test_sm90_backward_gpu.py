@@ -290,6 +290,7 @@ def test_tokens_bwd_kernel_stays_in_bounds_on_bad_boundaries(bad_cu):
     rng = np.random.default_rng(SEED)
     tokens, heads, slots = 200, 2, 6
     token_inputs = [jnp.asarray(rng.standard_normal((tokens, heads, 128)), jnp.bfloat16)] * 3
+    token_inputs.append(-jnp.asarray(rng.uniform(size=(tokens, heads, 128)), jnp.float32))  # g
     token_inputs.append(jnp.asarray(rng.uniform(size=(tokens, heads)), jnp.float32))
     chunk = jnp.asarray(rng.standard_normal((slots, heads, 64, 128)), jnp.float32)
     gamma = -jnp.cumsum(jnp.abs(chunk), axis=2)
@@ -348,6 +349,7 @@ def test_chunk_core_kernel_matches_xla(case, passes):
     pairs = (num_slots, heads, 64, 64)
     shapes = [chunk, chunk, chunk, pairs, chunk, (num_slots, heads, 128), chunk, pairs, pairs]
     results = [jax.ShapeDtypeStruct(s, jnp.float32) for s in shapes]
+    results += [jax.ShapeDtypeStruct((num_slots, heads, 64 * 128), jnp.bfloat16)] * 2  # images
     artifact = sm90.chunk_operands_artifact(0.3, passes)
 
     @jax.jit
@@ -369,7 +371,14 @@ def test_chunk_core_kernel_matches_xla(case, passes):
     t_inverse = jax.jit(xla._blocked_unit_lower_solve)(lower, identity)
     reference = (*outputs, residuals[4], residuals[5], t_inverse)
     names = ("w", "u", "qg", "attn", "kd", "decay", "gamma", "kk", "tinv")
-    for name, a, b in zip(names, ours, reference, strict=True):
+    # the scan's images: exactly the single-pass scan's own images of the kernel's W and Kd
+    # (but for subnormals, which XLA's convert may flush: the -inf gates' decays reach them)
+    tiny = np.finfo(np.float32).tiny
+    for image, values in ((ours[9], ours[0]), (ours[10], ours[4])):
+        expected = sm90.state_scan_operands(values, values, values, 16, 1)[0]
+        a, b = (np.asarray(x, np.float32) for x in (image, expected))
+        np.testing.assert_array_equal(np.where(abs(a) < tiny, 0, a), np.where(abs(b) < tiny, 0, b))
+    for name, a, b in zip(names, ours[:9], reference, strict=True):
         assert not np.isnan(np.asarray(a)).any(), name
         error = rms_ratio(a, b)
         # The products are bfloat16 hi/lo splits (about 2^-16 relative each); the cumsum runs
@@ -551,12 +560,14 @@ def test_chunk_outputs_kernel_matches_xla(lengths):
     assert error <= 2e-2 and same_ops <= 5e-3, (error, same_ops)
 
 
+@pytest.mark.parametrize("v_slice", [0, 16])
 @pytest.mark.parametrize("lengths", [[130, 0, 70, 1], [64, 10, 128, 0, 65], [3000, 257]], ids=str)
-def test_state_cotangent_kernel_matches_xla(lengths):
+def test_state_cotangent_kernel_matches_xla(lengths, v_slice):
     """The outputs' part of the state cotangent (kernels/kda_state_cotangent_sm90.py) against
     its XLA statement (sm90.xla_state_cotangent) at float32 and with the kernel's own rounding
     (one bf16 pass a product), NaN-poisoned, on random operands with Aqk lower-triangular and
-    dO in the tokens' rows (ragged, empty and gap slots)."""
+    dO in the tokens' rows (ragged, empty and gap slots); written row-major and in the
+    tensor-core scan's slices (v_slice 16, put back into [K, V] here)."""
     register()
     rng = np.random.default_rng(SEED + len(lengths))
     heads = 3
@@ -573,10 +584,13 @@ def test_state_cotangent_kernel_matches_xla(lengths):
     @jax.jit
     def run(*inputs):
         poison = jnp.full(result.shape, jnp.nan, result.dtype)
-        artifact = sm90.state_cotangent_artifact()
+        artifact = sm90.state_cotangent_artifact(v_slice)
         return cute_call(artifact, [*inputs, poison], [result], aliases={5: 0})[0]
 
     ours = run(qg, w, attn, d_o, cu)
+    if v_slice:  # written in the tensor-core scan's slices: back to [K, V]
+        slices = ours.reshape(slots, heads, 128 // v_slice, 128 * v_slice)
+        ours = sm90.backend._unsliced(sm90.SlicedAddend(slices, v_slice))
     exact = jax.jit(sm90.xla_state_cotangent)(qg, w, attn, d_o, cu, rows)
     rounded = jax.jit(
         lambda *a: sm90.xla_state_cotangent(*a, jax.lax.DotAlgorithmPreset.BF16_BF16_F32)
@@ -592,19 +606,23 @@ def test_tokens_bwd_kernel_matches_xla(case):
     """The backward into the tokens' rows (kernels/kda_tokens_bwd_sm90.py) against its XLA
     statement (sm90.xla_tokens_bwd) on the chunk core's own gamma and random cotangents: every
     result in the tokens' rows, NaN-poisoned (a row it does not write stays NaN), both anchors'
-    gates, ragged, empty and gap slots, rows past a sequence's end, no tokens at all."""
+    gates, ragged, empty and gap slots, rows past a sequence's end, no tokens at all; dg through
+    the gate floor (the reset case's -inf gates, and some set to the floor exactly: half)."""
     register()
     if case == "all-empty":
         lengths, x = [0, 0], production_inputs([0, 0], 3, seed=SEED)
     else:
         lengths, x = _core_case(case, SEED + 13 * len(case))
-    g = np.maximum(x.g, -100.0)  # the gate floor, as the training forward applies it
+    g = np.array(x.g)
+    g[::37, :, 5] = -100.0  # exactly at the floor
     tokens = x.q.shape[0]
     num_slots = xla.chunk_slot_count(tokens, len(lengths))
     _, rows = xla._token_slots(jnp.asarray(x.cu_seqlens), tokens)
-    token_inputs = (jnp.asarray(x.q), jnp.asarray(x.k), jnp.asarray(x.v), jnp.asarray(x.beta))
+    token_inputs = (
+        jnp.asarray(x.q), jnp.asarray(x.k), jnp.asarray(x.v), jnp.asarray(g), jnp.asarray(x.beta)
+    )  # fmt: skip
     core = jax.jit(sm90.chunk_core_kernel, static_argnums=(6, 7))(
-        *token_inputs[:3], jnp.asarray(g), token_inputs[3], x.cu_seqlens, num_slots, 0.3
+        *token_inputs, x.cu_seqlens, num_slots, 0.3
     )
     gamma = core[6]
     rng = np.random.default_rng(SEED + 5 * len(case))

@@ -19,7 +19,7 @@ from jax_kda import sm90
 from jax_kda.oracle import production_inputs
 from jax_kda.sm90 import export as cute_export
 from jax_kda.sm90.ffi_call import TARGET
-from jax_kda.sm90.kernels.layout import SCAN_VARIANTS
+from jax_kda.sm90.kernels.layout import SCAN_TC_V_SLICES, SCAN_VARIANTS
 from jax_kda.sm90.plan import plan_prefill
 
 # Heads from SPEC's shapes and the small/many-sequence cases; every one is a separate variant.
@@ -132,8 +132,8 @@ def test_prepared_inputs_and_grouped_heads_lower_to_the_kernels(lower_bound):
     forward = {"kda_fwd_sm90_h2"} if lower_bound is not None else set()
     assert kinds == forward | {
         "kda_chunk_operands_sm90_x1", "kda_decayed_bwd_tokens_sm90", "kda_state_scan_sm90_fwd",
-        "kda_state_scan_sm90_rev", "kda_dense_bwd", "kda_tokens_bwd_sm90", "kda_state_cotangent",
-        "kda_chunk_outputs",
+        "kda_state_scan_sm90_rev", "kda_dense_bwd", "kda_tokens_bwd_sm90",
+        "kda_state_cotangent_sm90", "kda_chunk_outputs",
     }, kinds  # fmt: skip
 
 
@@ -216,7 +216,7 @@ def test_chunk_core_exports_for_sm90a():
     """The tensor-core chunk core compiles and exports for sm_90a (symbolic slots and heads)."""
     artifact = sm90.chunk_operands_artifact(0.3)
     assert artifact.object_bytes[:4] == b"\x7fELF"
-    assert len(artifact.tensors) == 15  # q, k, v, g, beta, cu_seqlens and nine outputs
+    assert len(artifact.tensors) == 17  # q, k, v, g, beta, cu_seqlens, 9 outputs, 2 images
 
 
 def test_tokens_bwd_exports_for_sm90a():
@@ -224,7 +224,7 @@ def test_tokens_bwd_exports_for_sm90a():
     heads, slots and sequences)."""
     artifact = sm90.tokens_bwd_artifact(0.3)
     assert artifact.object_bytes[:4] == b"\x7fELF"
-    assert len(artifact.tensors) == 19  # 14 inputs and 5 results
+    assert len(artifact.tensors) == 20  # 15 inputs and 5 results
 
 
 def test_chunk_outputs_exports_for_sm90a():
@@ -234,9 +234,11 @@ def test_chunk_outputs_exports_for_sm90a():
     assert len(artifact.tensors) == 7  # states, w, u, qg, attn, cu_seqlens and o
 
 
-def test_state_cotangent_exports_for_sm90a():
-    """The outputs' part of the state cotangent compiles and exports for sm_90a."""
-    artifact = sm90.state_cotangent_artifact()
+@pytest.mark.parametrize("v_slice", [0, *SCAN_TC_V_SLICES])
+def test_state_cotangent_exports_for_sm90a(v_slice):
+    """The outputs' part of the state cotangent compiles and exports for sm_90a, row-major and
+    in each tensor-core scan's slices."""
+    artifact = sm90.state_cotangent_artifact(v_slice)
     assert artifact.object_bytes[:4] == b"\x7fELF"
     assert len(artifact.tensors) == 6  # qg, w, attn, d_out, cu_seqlens and d_states
 
@@ -257,7 +259,9 @@ def test_training_forward_lowers_to_the_tokens_bwd_kernel_unless_switched_off(to
     text = _lower(step, *x)
     prefixes = {p.rsplit("_", 1)[0] for p in re.findall(r'prefix = "(\w+)"', text)}
     assert ("kda_tokens_bwd_sm90" in prefixes) == tokens_bwd, prefixes
-    assert {"kda_dense_bwd", "kda_decayed_bwd_tokens_sm90", "kda_state_cotangent"} <= prefixes
+    assert {"kda_dense_bwd", "kda_decayed_bwd_tokens_sm90"} <= prefixes
+    # the reverse scan's addend straight in the tensor-core scan's slices (t16 at 2 x 3 heads)
+    assert "kda_state_cotangent_sm90_vs16" in set(re.findall(r'prefix = "(\w+)"', text))
     with pytest.raises(ValueError, match="needs dense_bwd=True"):
         sm90.training_forward(*x[:7], 0.3, dense_bwd=False, tokens_bwd=True)
 
@@ -457,7 +461,7 @@ def test_training_lowers_under_scan_over_layers_checkpoint_and_vmap():
         kinds = {p.rsplit("_", 1)[0] for p in prefixes}
         expected = {"kda_fwd_sm90_h2", "kda_chunk_operands_sm90_x1", "kda_decayed_bwd_tokens_sm90"}
         expected |= {"kda_state_scan_sm90_fwd", "kda_state_scan_sm90_rev", "kda_dense_bwd"}
-        expected |= {"kda_tokens_bwd_sm90", "kda_state_cotangent", "kda_chunk_outputs"}
+        expected |= {"kda_tokens_bwd_sm90", "kda_state_cotangent_sm90", "kda_chunk_outputs"}
         assert kinds == expected, (
             name,
             prefixes,
@@ -719,7 +723,7 @@ def test_vmap_runs_the_sm90_path_as_one_call():
         expected = ["kda_fwd_sm90"] if name == "vmap" else [
             "kda_chunk_operands_sm90_x1", "kda_chunk_outputs", "kda_decayed_bwd_tokens_sm90",
             "kda_dense_bwd",
-            "kda_fwd_sm90", "kda_state_cotangent", "kda_state_scan_sm90_fwd",
+            "kda_fwd_sm90", "kda_state_cotangent_sm90", "kda_state_scan_sm90_fwd",
             "kda_state_scan_sm90_rev", "kda_tokens_bwd_sm90",
         ]  # fmt: skip
         assert [k.rsplit("_", 1)[0] if k.startswith("kda_fwd") else k for k in kinds] == expected

@@ -226,10 +226,28 @@ def test_tensor_core_scan_operands():
     np.testing.assert_array_equal(slices[1, 0, 2].reshape(128, 32), np.asarray(add)[1, 0, :, 64:96])
 
 
+@pytest.mark.parametrize("v_slice", [16, 32])
+def test_sliced_addend_is_taken_as_it_is_or_put_back(v_slice):
+    """An addend that comes as SlicedAddend (state_cotangent_kernel's, for the reverse scan):
+    the tensor-core scan of its width takes its slices as they are (no copy in XLA), one of the
+    other width gets the same slices it would get from the plain addend, and the SIMT scans'
+    plain [slots, H, rows, V] comes back exactly."""
+    rng = np.random.default_rng(v_slice)
+    a = jnp.asarray(rng.standard_normal((3, 2, 64, 128)), jnp.float32)
+    add = jnp.asarray(rng.standard_normal((3, 2, 128, 128)), jnp.float32)
+    plain = {vs: sm90.state_scan_operands(a, a, add, vs, 1)[2] for vs in (16, 32)}
+    sliced = sm90.SlicedAddend(plain[v_slice], v_slice)
+    assert sm90.state_scan_operands(a, a, sliced, v_slice, 1)[2] is sliced.slices
+    other = 48 - v_slice
+    np.testing.assert_array_equal(sm90.state_scan_operands(a, a, sliced, other, 1)[2], plain[other])
+    np.testing.assert_array_equal(sm90.backend._unsliced(sliced), add)
+
+
 def test_tokens_bwd_kernel_with_no_slots_returns_zeros_without_a_launch():
     """No tokens and no sequences: tokens_bwd_kernel returns zero gradients of the tokens'
     shapes (no kernel call: an empty grid cannot launch)."""
-    tokens = (*(jnp.zeros((0, 3, 128), jnp.bfloat16) for _ in range(3)), jnp.zeros((0, 3)))
+    tokens = (*(jnp.zeros((0, 3, 128), jnp.bfloat16) for _ in range(3)), jnp.zeros((0, 3, 128)))
+    tokens += (jnp.zeros((0, 3)),)  # q, k, v, g, beta
     chunk = jnp.zeros((0, 3, 64, 128), jnp.float32)
     wide = jnp.zeros((0, 3, 64, 256), jnp.float32)
     cotangents = (wide, jnp.zeros((0, 3, 64)), chunk, chunk, jnp.zeros((0, 3, 128)))
@@ -240,15 +258,50 @@ def test_tokens_bwd_kernel_with_no_slots_returns_zeros_without_a_launch():
     assert [a.dtype for a in out] == [jnp.bfloat16] * 3 + [jnp.float32] * 2
 
 
+def test_chunk_core_scan_image_offsets_are_the_scans_image_order():
+    """kda_chunk_operands_sm90.scan_image_offset (where the chunk core writes W and Kd's bf16
+    scan images) against state_scan_operands' single-pass image of the same [64, 128] array:
+    every element at its offset, once."""
+    from jax_kda.sm90.kernels.kda_chunk_operands_sm90 import scan_image_offset
+
+    x = np.arange(64 * 128, dtype=np.float32).reshape(1, 1, 64, 128)  # element ids
+    ids = jnp.asarray(x)
+    image = np.asarray(sm90.backend._interleaved_image(ids))[0, 0]
+    offsets = np.array([[scan_image_offset(i, c) for c in range(128)] for i in range(64)])
+    assert sorted(offsets.ravel().tolist()) == list(range(64 * 128))
+    np.testing.assert_array_equal(image[offsets], x[0, 0])
+
+
+def test_gate_floor_grad_is_the_vjp_of_the_floor():
+    """xla.gate_floor_grad (what xla_tokens_bwd and the tokens-backward kernel apply to dg, now
+    that the sm90 training path takes g unfloored) against jax.vjp of jnp.maximum(g, floor):
+    whole above the floor, half at it, none below it or at NaN."""
+    from jax_kda.constants import GATE_FLOOR
+
+    g = jnp.asarray([0.0, -3.0, GATE_FLOOR, -100.5, -300.0, -jnp.inf, jnp.nan, GATE_FLOOR + 1e-5])
+    dg = jnp.arange(1.0, 9.0)
+    expected = jax.vjp(lambda x: jnp.maximum(x, GATE_FLOOR), g)[1](dg)[0]
+    np.testing.assert_array_equal(xla.gate_floor_grad(g, dg), expected)
+    np.testing.assert_array_equal(expected, [1, 2, 1.5, 0, 0, 0, 0, 8])
+
+
+@pytest.mark.parametrize("floor", [False, True], ids=["long-memory", "gate-floor"])
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-def test_chunks_wiring_gives_the_xla_paths_gradients(dtype):
+def test_chunks_wiring_gives_the_xla_paths_gradients(dtype, floor):
     """sm90.differentiable_chunks (the chunk core, the state scan and the outputs around them as
     one custom VJP: the reverse scan, then every chunk's backward) around XLA stand-ins for the
     kernels (xla_chunk_core, xla.state_scan, xla_chunk_bwd): the XLA path's gradients, in the
     inputs' dtypes, on long-memory data, where the states carried between chunks and the
     initial state matter. A backward that dropped the outputs' part of dU, or of the state's
-    cotangent, fails here."""
+    cotangent, fails here. With gate-floor, some gates are -inf, -300 or exactly the floor
+    (-100): differentiable_chunks applies the floor itself (xla.forward leaves g to it; without
+    it the -inf gates give inf). The floor's rule for dg is invisible here (the decay there is
+    e^-100): test_gate_floor_grad_is_the_vjp_of_the_floor checks it."""
     x = long_memory_inputs([130, 0, 70, 1], 2, seed=31, dtype=dtype)
+    if floor:
+        g = np.array(x.g)
+        g[::5, :, ::3], g[1::7, :, 1::4], g[2::9, :, 2::5] = -np.inf, -300.0, -100.0
+        x = x._replace(g=g)
     args = (*x[:5], x.initial_state)
     w_o = np.random.default_rng(6).standard_normal(x.q.shape).astype(np.float32)
     w_f = np.random.default_rng(7).standard_normal(x.initial_state.shape).astype(np.float32)
@@ -268,7 +321,7 @@ def test_chunks_wiring_gives_the_xla_paths_gradients(dtype):
 
     chunks = sm90.differentiable_chunks(sm90.xla_chunk_core, xla.state_scan, chunk_bwd)
     wired = grads(chunks=chunks)
-    assert calls == [[x.q.shape, x.k.shape, x.v.shape, x.beta.shape]], calls
+    assert calls == [[x.q.shape, x.k.shape, x.v.shape, x.g.shape, x.beta.shape]], calls
     # bfloat16 gradients round at 2^-9: a changed summation order flips a few roundings
     bar = 1e-5 if dtype == jnp.float32 else 1e-4
     for name, a, b, arg in zip("q k v g beta state".split(), wired, grads(), args, strict=True):

@@ -11,13 +11,14 @@ import functools
 import hashlib
 import math
 import os
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from jax_kda import xla
-from jax_kda.constants import HEAD_DIM, SCAN_CHUNK
+from jax_kda.constants import GATE_FLOOR, HEAD_DIM, SCAN_CHUNK
 from jax_kda.sm90.kernels.layout import SCAN_TC_V_SLICES
 from jax_kda.sm90.plan import GRID_YZ_LIMIT, plan_prefill, scan_v_slice
 
@@ -295,40 +296,88 @@ def state_scan_operands(a_op, b_op, addend, v_slice: int, passes: int = 3):
     V slices [slots, H, V / v_slice, rows * v_slice]. passes=1: the images hold the bf16
     values alone ([64 tokens, channels] and [channels, tokens])."""
     if passes == 1:
-        a_img = _interleaved_image(a_op.astype(jnp.bfloat16))
-        bt_img = _interleaved_image(b_op.astype(jnp.bfloat16))
+        a_img, bt_img = (
+            op.image if isinstance(op, ImagedOperand)
+            else _interleaved_image(op.astype(jnp.bfloat16))
+            for op in (a_op, b_op)
+        )  # fmt: skip
     else:
+        a_op, b_op = _values(a_op), _values(b_op)
         a_hi, a_lo = _truncated_split(a_op)
         b_hi, b_lo = _truncated_split(b_op)
         a_img = _interleaved_image(jnp.concatenate([a_hi, a_lo], axis=-1))
         bt_img = _interleaved_image(jnp.concatenate([b_hi, b_lo], axis=-2))
-    slots, heads, rows, width = addend.shape
-    slices = addend.reshape(slots, heads, rows, width // v_slice, v_slice)
+    if isinstance(addend, SlicedAddend) and addend.v_slice == v_slice:
+        return a_img, bt_img, addend.slices
+    slots, heads, rows, width = _unsliced(addend).shape
+    slices = _unsliced(addend).reshape(slots, heads, rows, width // v_slice, v_slice)
     slices = jnp.transpose(slices, (0, 1, 3, 2, 4)).reshape(slots, heads, -1, rows * v_slice)
     return a_img, bt_img, slices
+
+
+class ImagedOperand(NamedTuple):
+    """A state scan's a_op or b_op ([slots, H, 64, 128] float32) with its single-pass
+    tensor-core image beside it (chunk_core_kernel's w_img / kd_img): state_scan_operands takes
+    the image as it is at one pass, the values elsewhere."""
+
+    values: jax.Array
+    image: jax.Array
+
+
+def _values(op):
+    return op.values if isinstance(op, ImagedOperand) else op
+
+
+class SlicedAddend(NamedTuple):
+    """A state scan's addend [slots, H, rows, V] already in the tensor-core scan's order
+    (state_scan_operands' slices: [slots, H, V / v_slice, rows * v_slice]), as
+    state_cotangent_kernel writes it for the reverse scan. state_scan_kernel takes it as it is
+    where its variant has this v_slice, and puts it back into [slots, H, rows, V] elsewhere."""
+
+    slices: jax.Array
+    v_slice: int
+
+
+def _unsliced(addend):
+    """[slots, H, rows, V] from an addend as it is or as SlicedAddend."""
+    if not isinstance(addend, SlicedAddend):
+        return addend
+    slots, heads, count, block = addend.slices.shape
+    rows = block // addend.v_slice
+    x = addend.slices.reshape(slots, heads, count, rows, addend.v_slice)
+    return jnp.transpose(x, (0, 1, 3, 2, 4)).reshape(slots, heads, rows, count * addend.v_slice)
+
+
+def scan_variant(num_heads: int, num_sequences: int, v_slice=None, tensor_cores=None):
+    """(v_slice, tensor_cores) of the state scan state_scan_kernel runs for these arguments:
+    None takes the plan's width (plan.scan_v_slice), on tensor cores where that width has a
+    tensor-core kernel (H200, 2048x12x1, both directions: 95 us at t16 against the SIMT
+    kernel's 287 at v16; v_slice=64 is the m64 wgmma one)."""
+    if v_slice is None:
+        v_slice = scan_v_slice(num_heads, num_sequences, device_sm_count())
+    if tensor_cores is None:
+        tensor_cores = v_slice in SCAN_TC_V_SLICES
+    return v_slice, tensor_cores
 
 
 def state_scan_kernel(
     a_op, b_op, decay, addend, cu_seqlens, y0, *, reverse: bool, v_slice=None, tensor_cores=None,
     passes=None,
 ):  # fmt: skip
-    """xla.state_scan's contract, run by an sm90 state-scan kernel (no autodiff rule).
-    v_slice, tensor_cores: the variant (kernels/layout.py SCAN_VARIANTS); None: the plan's
-    width, on tensor cores. passes: bf16 passes a product of the tensor-core kernel (1 or 3);
-    None: one there, and the float32 SIMT kernels' own arithmetic elsewhere."""
+    """xla.state_scan's contract, run by an sm90 state-scan kernel (no autodiff rule); the
+    addend may come as SlicedAddend. v_slice, tensor_cores: the variant (kernels/layout.py
+    SCAN_VARIANTS); None: scan_variant's. passes: bf16 passes a product of the tensor-core
+    kernel (1 or 3); None: one there, and the float32 SIMT kernels' own arithmetic elsewhere."""
     from jax_kda.sm90.ffi_call import cute_call
 
     num_heads, num_sequences = y0.shape[1], y0.shape[0]
-    if v_slice is None:
-        v_slice = scan_v_slice(num_heads, num_sequences, device_sm_count())
-    if tensor_cores is None:
-        # The tensor-core kernel where it has the width (H200, 2048x12x1, both directions:
-        # 95 us at t16 against the SIMT kernel's 287 at v16); v_slice=64 is the m64 wgmma one.
-        tensor_cores = v_slice in SCAN_TC_V_SLICES
+    v_slice, tensor_cores = scan_variant(num_heads, num_sequences, v_slice, tensor_cores)
     if passes is None:
         passes = 1 if tensor_cores else 3
     if tensor_cores:
         a_op, b_op, addend = state_scan_operands(a_op, b_op, addend, v_slice, passes)
+    else:
+        a_op, b_op, addend = _values(a_op), _values(b_op), _unsliced(addend)
 
     results = [
         jax.ShapeDtypeStruct((a_op.shape[0], *y0.shape[1:]), jnp.float32),
@@ -385,7 +434,9 @@ def differentiable_chunks(
     through the chunk core (`core`: chunk_core_kernel's contract), the forward state scan
     (`scan`: state_scan_kernel's, or xla.state_scan) and the outputs after it, O = Qg S + Aqk
     (U - W S) (`chunk_outputs`: chunk_outputs_kernel's contract; None: xla_chunk_outputs), as
-    one custom VJP. Its backward: the reverse scan, then `chunk_bwd` (xla_chunk_bwd's
+    one custom VJP (where `core` gives the scan images too, the scan takes W and Kd as
+    ImagedOperand: `scan` is then state_scan_kernel). Its backward: the reverse scan, then
+    `chunk_bwd` (xla_chunk_bwd's
     contract: every chunk's part, parallel over chunks, straight to the tokens' gradients); the
     reverse scan's addend, the outputs' part of each chunk's state cotangent, by
     `state_cotangent` (state_cotangent_kernel's contract; None: xla_state_cotangent).
@@ -393,10 +444,18 @@ def differentiable_chunks(
     kernels at `precision`."""
     outputs = chunk_outputs or xla_chunk_outputs
 
+    def scan_operands(core_out):
+        # W and Kd, with their scan images where the core gives them (chunk_core_kernel)
+        w, kd = core_out[0], core_out[4]
+        if len(core_out) > 9:
+            return ImagedOperand(w, core_out[9]), ImagedOperand(kd, core_out[10])
+        return w, kd
+
     def forward(q, k, v, g, beta, cu_seqlens, rows, y0, num_slots, scale):
         core_out = core(q, k, v, g, beta, cu_seqlens, num_slots, scale)
-        w, u, qg, attn, kd, decay = core_out[:6]
-        states, final = scan(w, kd, decay, u, cu_seqlens, y0, reverse=False)
+        w, u, qg, attn, _, decay = core_out[:6]
+        w_op, kd_op = scan_operands(core_out)
+        states, final = scan(w_op, kd_op, decay, u, cu_seqlens, y0, reverse=False)
         o = outputs(states, w, u, qg, attn, cu_seqlens, rows, precision)
         return (o, final), core_out, states
 
@@ -407,18 +466,19 @@ def differentiable_chunks(
     def chunks_fwd(q, k, v, g, beta, cu_seqlens, rows, y0, num_slots, scale):
         primal, core_out, states = forward(q, k, v, g, beta, cu_seqlens, rows, y0, num_slots, scale)
         like = tuple(jnp.zeros((0,), x.dtype) for x in (q, k, v, g, beta))  # the dtypes
-        return primal, ((q, k, v, beta), cu_seqlens, rows, core_out, states, like)
+        return primal, ((q, k, v, g, beta), cu_seqlens, rows, core_out, states, like)
 
     def chunks_bwd(num_slots, scale, saved, cotangents):
         # S' = Diag(a) S + Kd^T V_new; dL/dS from the outputs is Qg^T dO - W^T Aqk^T dO, the
         # reverse scan's addend; it returns G = dL/dS' at every chunk's end.
         tokens, cu_seqlens, rows, core_out, states, like = saved
-        w, _, qg, attn, kd, decay = core_out[:6]
+        w, _, qg, attn, _, decay = core_out[:6]
         d_o, d_final = cotangents
         d_states = (state_cotangent or xla_state_cotangent)(
             qg, w, attn, d_o, cu_seqlens, rows, precision
         )
-        g_end, d_y0 = scan(kd, w, decay, d_states, cu_seqlens, d_final, reverse=True)
+        w_op, kd_op = scan_operands(core_out)
+        g_end, d_y0 = scan(kd_op, w_op, decay, d_states, cu_seqlens, d_final, reverse=True)
         d_tokens = chunk_bwd(
             scale, tokens, cu_seqlens, rows, core_out, states, g_end, d_o, precision
         )
@@ -492,14 +552,18 @@ def xla_state_cotangent(qg, w, attn, d_o, cu_seqlens, rows, precision=jax.lax.Pr
 
 
 @functools.cache
-def state_cotangent_artifact():
+def state_cotangent_artifact(v_slice: int = 0):
     """The exported outputs' part of the state cotangent (kernels/kda_state_cotangent_sm90.py);
-    slots and heads symbolic."""
+    slots and heads symbolic; v_slice > 0: written in the tensor-core scan's V slices of that
+    width (StateCotangentConfig)."""
     import cutlass.cute as cute
     from cutlass import BFloat16, Float32, Int32
 
     from jax_kda.sm90.export import export, row_major_fake
-    from jax_kda.sm90.kernels.kda_state_cotangent_sm90 import StateCotangentSm90
+    from jax_kda.sm90.kernels.kda_state_cotangent_sm90 import (
+        StateCotangentConfig,
+        StateCotangentSm90,
+    )
 
     slots, heads = cute.sym_int32(), cute.sym_int32()
     chunk = row_major_fake(Float32, (slots, heads, SCAN_CHUNK, HEAD_DIM))
@@ -511,42 +575,58 @@ def state_cotangent_artifact():
         "cu_seqlens": row_major_fake(Int32, (cute.sym_int32(),), align=4),
         "d_states": row_major_fake(Float32, (slots, heads, HEAD_DIM, HEAD_DIM)),
     }
-    return export(StateCotangentSm90(), fakes, prefix="kda_state_cotangent_sm90", config={})
+    config = StateCotangentConfig(v_slice)
+    prefix = "kda_state_cotangent_sm90" + (f"_vs{v_slice}" if v_slice else "")
+    return export(StateCotangentSm90(config), fakes, prefix=prefix, config=vars(config))
 
 
-def state_cotangent_kernel(qg, w, attn, d_o, cu_seqlens, rows, precision=None):
+def state_cotangent_kernel(
+    qg, w, attn, d_o, cu_seqlens, rows, precision=None, *, scan_v_slice=None,
+    scan_tensor_cores=None,
+):  # fmt: skip
     """xla_state_cotangent's contract on the kernel (one bf16 pass a product, d_o taken as
-    bfloat16; rows and `precision` are xla_state_cotangent's and unused here)."""
+    bfloat16; rows and `precision` are xla_state_cotangent's and unused here). Where the
+    reverse scan that takes it (scan_variant of scan_v_slice, scan_tensor_cores and the
+    shapes) runs on tensor cores, the result comes as SlicedAddend in that scan's slices."""
     from jax_kda.sm90.ffi_call import cute_call
 
     del rows, precision
     slots, heads = qg.shape[:2]
+    v_slice, tensor_cores = scan_variant(
+        heads, cu_seqlens.shape[0] - 1, scan_v_slice, scan_tensor_cores
+    )
+    v_slice = v_slice if tensor_cores else 0
     result = jax.ShapeDtypeStruct((slots, heads, HEAD_DIM, HEAD_DIM), jnp.float32)
     if slots == 0:  # no chunk slots: nothing to launch (an empty grid)
-        return jnp.zeros(result.shape, result.dtype)
-    inputs = [x.astype(jnp.float32) for x in (qg, w, attn)]
-    inputs += [d_o.astype(jnp.bfloat16), jnp.asarray(cu_seqlens, jnp.int32)]
-    (d_states,) = cute_call(state_cotangent_artifact(), inputs, [result])
-    return d_states
+        d_states = jnp.zeros(result.shape, result.dtype)
+    else:
+        inputs = [x.astype(jnp.float32) for x in (qg, w, attn)]
+        inputs += [d_o.astype(jnp.bfloat16), jnp.asarray(cu_seqlens, jnp.int32)]
+        (d_states,) = cute_call(state_cotangent_artifact(v_slice), inputs, [result])
+    if not v_slice:
+        return d_states
+    slices = d_states.reshape(slots, heads, HEAD_DIM // v_slice, HEAD_DIM * v_slice)
+    return SlicedAddend(slices, v_slice)
 
 
 def xla_chunk_bwd(
     scale, tokens, cu_seqlens, rows, core_out, states, g_end, d_o, precision,
     dense_bwd=None, decayed_bwd=None, tokens_bwd=None,
 ):  # fmt: skip
-    """Every chunk's part of the backward, straight to the tokens: tokens = (q, k, v, beta)
-    packed; core_out: the chunk core's nine outputs; states: the state entering each slot, g_end
-    the cotangent of the state leaving it (the reverse scan's), d_o the outputs' cotangent
-    [T, H, V] in the tokens' rows. Returns (dq, dk, dv, dg, dbeta) in the tokens' rows,
+    """Every chunk's part of the backward, straight to the tokens: tokens = (q, k, v, g, beta)
+    packed (g as given: dg goes through the gate floor here); core_out: the chunk core's
+    outputs (nine, or eleven with the scan images); states: the state entering each slot,
+    g_end the cotangent of the state leaving it (the reverse scan's), d_o the outputs'
+    cotangent [T, H, V] in the tokens' rows. Returns (dq, dk, dv, dg, dbeta) in the tokens' rows,
     float32. Three stages, each by its kernel's contract or (None) its XLA statement: the dense
     products' and the solve's backward (`dense_bwd`: dense_bwd_kernel; xla_dense_bwd), the
     decayed products' (`decayed_bwd`: decayed_bwd_tokens_kernel; xla_decayed_bwd_tokens), then
     the element-wise terms back into the tokens' rows (`tokens_bwd`: tokens_bwd_kernel;
     xla_tokens_bwd)."""
-    gamma, kk, t_inverse = core_out[6:]
+    gamma, kk, t_inverse = core_out[6:9]
     w, u, _, attn, kd = core_out[:5]
     d_rhs, d_qg, d_attn, d_kd, d_decay, d_kk, d_beta_kk = (dense_bwd or xla_dense_bwd)(
-        w, u, attn, kd, states, g_end, d_o, t_inverse, kk, tokens[3], cu_seqlens, rows, precision
+        w, u, attn, kd, states, g_end, d_o, t_inverse, kk, tokens[4], cu_seqlens, rows, precision
     )
     # both read the cotangents for j <= i only
     decayed = decayed_bwd or xla_decayed_bwd_tokens
@@ -559,14 +639,17 @@ def xla_chunk_bwd(
 
 def xla_tokens_bwd(scale, tokens, cu_seqlens, rows, gamma, d_decayed, cotangents):
     """tokens_bwd_kernel's contract in XLA: xla._elementwise_bwd on the chunked tokens (q, k,
-    v, beta), gamma [slots, H, 64, 128] and the decayed products' backward (dq_c, dk_c,
-    dgamma_c), cotangents (d_rhs, d_beta_kk, d_qg, d_kd, d_decay) as dense_bwd_kernel gives
-    them; returns (dq, dk, dv, dg, dbeta) float32 in the tokens' rows."""
+    v, beta of tokens = (q, k, v, g, beta)), gamma [slots, H, 64, 128] and the decayed
+    products' backward (dq_c, dk_c, dgamma_c), cotangents (d_rhs, d_beta_kk, d_qg, d_kd,
+    d_decay) as dense_bwd_kernel gives them; dg through the gate floor (xla.gate_floor_grad of
+    the tokens' g); returns (dq, dk, dv, dg, dbeta) float32 in the tokens' rows."""
     del cu_seqlens  # the rows say where each token sits
     num_slots = gamma.shape[0]
-    chunked = [xla._to_chunks(x.astype(jnp.float32), rows, num_slots) for x in tokens]
+    q, k, v, g, beta = tokens
+    chunked = [xla._to_chunks(x.astype(jnp.float32), rows, num_slots) for x in (q, k, v, beta)]
     d_chunked = xla._elementwise_bwd(scale, (*chunked, gamma), d_decayed, cotangents)
-    return tuple(xla.from_chunks(d, rows) for d in d_chunked)
+    dq, dk, dv, dg, dbeta = (xla.from_chunks(d, rows) for d in d_chunked)
+    return dq, dk, dv, xla.gate_floor_grad(g, dg), dbeta
 
 
 @functools.cache
@@ -601,6 +684,8 @@ def chunk_operands_artifact(scale: float, passes: int = 3):
         "gamma": row_major_fake(Float32, chunk),
         "kk": row_major_fake(Float32, pairs),
         "tinv": row_major_fake(Float32, pairs),
+        "w_img": row_major_fake(BFloat16, (slots, heads, SCAN_CHUNK * HEAD_DIM)),
+        "kd_img": row_major_fake(BFloat16, (slots, heads, SCAN_CHUNK * HEAD_DIM)),
     }
     scale_tag = hashlib.sha256(repr(scale).encode()).hexdigest()[:8]
     suffix = "" if passes == 3 else f"_x{passes}"
@@ -614,8 +699,10 @@ def chunk_operands_artifact(scale: float, passes: int = 3):
 
 
 def chunk_core_kernel(q, k, v, g, beta, cu_seqlens, num_slots, scale, passes=3):
-    """The chunk-core kernel: (w, u, qg, attn, kd, decay, gamma, kk, tinv) from the packed
-    tokens; tinv = T^-1, T = I + strictLower(beta kk)."""
+    """The chunk-core kernel: (w, u, qg, attn, kd, decay, gamma, kk, tinv, w_img, kd_img) from
+    the packed tokens; tinv = T^-1, T = I + strictLower(beta kk); w_img, kd_img: W and Kd as the
+    single-pass tensor-core scan's bf16 images (state_scan_operands' a_img / bt_img of them),
+    for ImagedOperand. xla_chunk_core, its stand-in, gives the first nine."""
     from jax_kda.sm90.ffi_call import cute_call
 
     heads = q.shape[1]
@@ -630,6 +717,7 @@ def chunk_core_kernel(q, k, v, g, beta, cu_seqlens, num_slots, scale, passes=3):
         jax.ShapeDtypeStruct(chunk, f32),  # gamma
         jax.ShapeDtypeStruct(pairs, f32),  # kk
         jax.ShapeDtypeStruct(pairs, f32),  # tinv: T^-1
+        *(jax.ShapeDtypeStruct((num_slots, heads, SCAN_CHUNK * HEAD_DIM), jnp.bfloat16),) * 2,
     ]
     if any(x.dtype != jnp.bfloat16 for x in (q, k, v)):
         raise TypeError(f"the chunk-core kernel takes bfloat16 q, k, v; got {q.dtype}")
@@ -833,6 +921,7 @@ def tokens_bwd_artifact(scale: float):
     chunk = (slots, heads, SCAN_CHUNK, HEAD_DIM)
     fakes = {
         **{name: row_major_fake(BFloat16, token_shape) for name in ("q", "k", "v")},
+        "g": row_major_fake(Float32, token_shape),
         "beta": row_major_fake(Float32, (tokens, heads), align=4),
         "cu_seqlens": row_major_fake(Int32, (cute.sym_int32(),), align=4),
         **{name: row_major_fake(Float32, chunk) for name in ("gamma", "dq_c", "dk_c", "dgamma_c")},
@@ -854,8 +943,9 @@ def tokens_bwd_artifact(scale: float):
 
 
 def tokens_bwd_call(scale, tokens, cu_seqlens, gamma, d_decayed, cotangents):
-    """tokens_bwd_kernel's kernel call, unlaunched: (artifact, inputs, results)."""
-    q, k, v, beta = tokens
+    """tokens_bwd_kernel's kernel call, unlaunched: (artifact, inputs, results); tokens = (q,
+    k, v, g, beta)."""
+    q, k, v, g, beta = tokens
     d_rhs, d_beta_kk, d_qg, d_kd, d_decay = cotangents
     f32 = jnp.float32
     token_shape = (*q.shape[:2], HEAD_DIM)
@@ -864,6 +954,7 @@ def tokens_bwd_call(scale, tokens, cu_seqlens, gamma, d_decayed, cotangents):
     chunked = (gamma, *d_decayed, d_rhs, d_qg, d_kd, d_decay, d_beta_kk)
     inputs = [
         *(x.astype(jnp.bfloat16) for x in (q, k, v)),
+        g.astype(f32),
         beta.astype(f32),
         jnp.asarray(cu_seqlens, jnp.int32),
         *(x.astype(f32) for x in chunked),
@@ -891,9 +982,11 @@ def tokens_bwd_kernel(scale, tokens, cu_seqlens, rows, gamma, d_decayed, cotange
 
 
 def xla_chunk_core(q, k, v, g, beta, cu_seqlens, num_slots, scale):
-    """chunk_core_kernel's contract in XLA (the XLA path's operands and T^-1): the stand-in of
-    CPU tests and of benchmarks.precision_study."""
+    """chunk_core_kernel's contract in XLA (the XLA path's operands and T^-1; gates below
+    constants.GATE_FLOOR taken as it, as the kernel does): the stand-in of CPU tests and of
+    benchmarks.precision_study."""
     _, rows = xla._token_slots(cu_seqlens, q.shape[0])
+    g = jnp.maximum(g, GATE_FLOOR)
     chunks = [xla._to_chunks(x.astype(jnp.float32), rows, num_slots) for x in (q, k, v, g, beta)]
     outputs, residuals = xla._chunk_operands_with_residuals(*chunks, scale)
     gamma, kk, lower = residuals[4], residuals[5], residuals[6]
@@ -913,7 +1006,7 @@ def differentiable_chunk_operands(run, decayed_bwd=None, precision=jax.lax.Preci
 
     def operands_fwd(q, k, v, g, beta, cu_seqlens, rows, num_slots, scale):
         outputs = run(q, k, v, g, beta, cu_seqlens, num_slots, scale)
-        w, u, _, _, _, _, gamma, kk, t_inverse = outputs
+        w, u, _, _, _, _, gamma, kk, t_inverse = outputs[:9]
         like = tuple(jnp.zeros((0,), x.dtype) for x in (q, k, v, g, beta))  # the dtypes
         # What xla._chunk_operands_bwd needs: the chunked inputs and the kernel's intermediates.
         f32 = jnp.float32
@@ -1011,7 +1104,10 @@ def training_forward(
         )
         chunks = differentiable_chunks(
             core if chunk_core else xla_chunk_core, kernel, chunk_bwd, precision,
-            state_cotangent=state_cotangent_kernel if dense_precision == "bf16" else None,
+            state_cotangent=functools.partial(
+                state_cotangent_kernel, scan_v_slice=scan_v_slice,
+                scan_tensor_cores=scan_tensor_cores,
+            ) if dense_precision == "bf16" else None,
             chunk_outputs=chunk_outputs_kernel if dense_precision == "bf16" else None,
         )  # fmt: skip
         return xla.forward(

@@ -33,7 +33,9 @@ q from global memory at the operand's coordinates instead of keeping it in share
 the products from 4.5 to 15 us a CTA.
 Outputs, float32: w, u, qg, kd, gamma [slots, H, 64, 128]; attn, kk [slots, H, 64, 64] (zero
 above the diagonal); decay [slots, H, 128]; tinv = T^-1 [slots, H, 64, 64] (the backward's
-solve T^-T d[W | U] is then one product).
+solve T^-T d[W | U] is then one product); and bf16 w_img, kd_img [slots, H, 64 * 128]: W and
+Kd rounded to bf16 in the single-pass tensor-core state scan's image order (scan_image_offset),
+which both scan directions bring into shared memory as they are (no XLA transpose between).
 """
 
 from __future__ import annotations
@@ -99,6 +101,13 @@ def shared_bytes(passes: int) -> int:
     return region_bytes(passes)[2] + ROWS * PADDED_ROW * (2 + 2 + 4) + ROWS * 4 + 16
 
 
+def scan_image_offset(i, c):
+    """Offset of element (row i, column c) of a [64, 128] chunk array in the single-pass
+    tensor-core scan's operand image (backend.state_scan_operands: 8 x 8 core matrices, rows
+    within them, then down the rows, then across): ((c // 8) 8 + i // 8) 64 + (i % 8) 8 + c % 8."""
+    return ((c // 8) * (ROWS // 8) + i // 8) * 64 + (i % 8) * 8 + c % 8
+
+
 @dataclasses.dataclass(frozen=True)
 class ChunkOperandsConfig:
     scale: float
@@ -129,6 +138,8 @@ class ChunkOperandsSm90:
         gamma: cute.Tensor,
         kk: cute.Tensor,
         tinv: cute.Tensor,
+        w_img: cute.Tensor,
+        kd_img: cute.Tensor,
         stream: cuda.CUstream,
     ):
         n_slots = w.shape[0]
@@ -140,8 +151,8 @@ class ChunkOperandsSm90:
         # take twice the registers and shared memory, one CTA an SM.
         per_sm = 2 if cutlass.const_expr(self.passes == 1) else 1
         self.kernel(
-            q, k, v, g, beta, cu_seqlens, w, u, qg, attn, kd, decay, gamma, kk, tinv, mma_pairs,
-            mma_solve,
+            q, k, v, g, beta, cu_seqlens, w, u, qg, attn, kd, decay, gamma, kk, tinv, w_img,
+            kd_img, mma_pairs, mma_solve,
         ).launch(
             grid=[n_slots, heads, 1], block=[NTHREADS, 1, 1], stream=stream,
             min_blocks_per_mp=per_sm, preferred_smem_carveout=100,
@@ -165,6 +176,8 @@ class ChunkOperandsSm90:
         mGamma: cute.Tensor,
         mKK: cute.Tensor,
         mTinv: cute.Tensor,
+        mWImg: cute.Tensor,
+        mKdImg: cute.Tensor,
         mma_pairs: cute.TiledMma,
         mma_solve: cute.TiledMma,
     ):
@@ -442,7 +455,8 @@ class ChunkOperandsSm90:
                 product_passes(mma_solve, acc_s, t_op, f_rt_w, ROWS // 16, False, 1)
             else:
                 product_passes(mma_solve, acc_s, t_op, f_rt_u, ROWS // 16, False, 1)
-        # out as 8-byte pairs: a thread's accumulator holds columns n, n + 1 (n even) at e, e + 1
+        # out as 8-byte pairs: a thread's accumulator holds columns n, n + 1 (n even) at e, e + 1;
+        # W also as bf16 pairs into the scan's image
         pair = cute.make_rmem_tensor((2,), Float32)
         for e in cutlass.range_constexpr(0, cute.size(acc_s), 2):
             i, n = c_solve[e]
@@ -451,6 +465,8 @@ class ChunkOperandsSm90:
             if part == 0:
                 row = mW[slot, h, i, None].iterator + n
                 cute.make_tensor(row.align(8), cute.make_layout(2)).store(pair.load())
+                at = mWImg[slot, h, None].iterator + scan_image_offset(i, n)
+                cute.make_tensor(at.align(4), cute.make_layout(2)).store(pair.load().to(BFloat16))
             else:
                 row = mU[slot, h, i, None].iterator + n
                 cute.make_tensor(row.align(8), cute.make_layout(2)).store(pair.load())
@@ -461,7 +477,9 @@ class ChunkOperandsSm90:
             i = part * HALF + r
             gam_i = s_gam[i, d]
             mQg[slot, h, i, d] = scale * Float32(s_q[i, d]) * cute.math.exp(gam_i)
-            mKd[slot, h, i, d] = Float32(s_k[i, d]) * cute.math.exp(gam_last - gam_i)
+            kd_i = Float32(s_k[i, d]) * cute.math.exp(gam_last - gam_i)
+            mKd[slot, h, i, d] = kd_i
+            mKdImg[slot, h, scan_image_offset(i, d)] = kd_i.to(BFloat16)
             mGamma[slot, h, i, d] = gam_i
         if part == 0:
             mDecay[slot, h, d] = cute.math.exp(gam_last)

@@ -13,10 +13,15 @@ B = [V, tokens].
 
 One CTA of two warpgroups a (slot, head). Inputs: float32 qg, w [slots, H, 64, 128], attn
 [slots, H, 64, 64]; dO [T, H, 128] bfloat16 in the tokens' rows (cu_seqlens [N + 1] int32 says
-which a slot holds; the others are zero). Output, float32: d_states [slots, H, 128, 128].
+which a slot holds; the others are zero). Output, float32: d_states [slots, H, 128, 128], each
+slot's [K, V] row-major, or (StateCotangentConfig.v_slice = VS) in the order the tensor-core
+scan's bulk copies take its addend (kda_state_scan_tc_sm90.py): V slice by V slice, each
+[K, VS] row-major, so that no transpose stands between this kernel and the reverse scan.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import cuda.bindings.driver as cuda
 import cutlass
@@ -29,6 +34,7 @@ from jax_kda.constants import HEAD_DIM, SCAN_CHUNK
 from jax_kda.sm90.kernels.chunk_io import (
     NTHREADS,
     ROWS,
+    pair_at,
     store_pairs,
     to_image,
     token_rows_image,
@@ -50,7 +56,17 @@ OFF_AT = OFF_X + CHUNK_BYTES
 SHARED_BYTES = OFF_AT + ROWS * ROWS * 2
 
 
+@dataclasses.dataclass(frozen=True)
+class StateCotangentConfig:
+    v_slice: int = 0  # 0: [K, V] row-major; else the tensor-core scan's V slices of this width
+
+
 class StateCotangentSm90:
+    def __init__(self, config: StateCotangentConfig = StateCotangentConfig()):
+        if config.v_slice and (config.v_slice % 2 or HEAD_DIM % config.v_slice):
+            raise ValueError(f"v_slice divides {HEAD_DIM} and is even, not {config.v_slice}")
+        self.v_slice = config.v_slice
+
     @cute.jit
     def __call__(
         self,
@@ -151,5 +167,19 @@ class StateCotangentSm90:
         cute.nvgpu.warpgroup.commit_group()
         cute.nvgpu.warpgroup.wait_group(0)
         c_s = thr_s.partition_C(cute.make_identity_tensor((HALF, HEAD_DIM)))
-        out = cute.local_tile(mDs[slot, h, None, None], (HALF, HEAD_DIM), (part, 0))
-        store_pairs(acc, c_s, out, 0, False)
+        if cutlass.const_expr(self.v_slice == 0):
+            out = cute.local_tile(mDs[slot, h, None, None], (HALF, HEAD_DIM), (part, 0))
+            store_pairs(acc, c_s, out, 0, False)
+        else:
+            # (k, v) at flat offset (v // VS) K VS + k VS + v % VS of the slot's [K x V] block;
+            # a thread's pair v, v + 1 (v even, VS even) stays adjacent
+            out = mDs[slot, h, None, None]
+            vs = self.v_slice
+            pair = cute.make_rmem_tensor((2,), Float32)
+            for e in cutlass.range_constexpr(0, cute.size(acc), 2):
+                k, v = c_s[e]
+                k = k + part * HALF
+                flat = (v // vs) * (HEAD_DIM * vs) + k * vs + v % vs
+                pair[0] = acc[e]
+                pair[1] = acc[e + 1]
+                pair_at(out[flat // HEAD_DIM, None], flat % HEAD_DIM).store(pair.load())

@@ -20,7 +20,8 @@ rows at a time (each row's loads coalesced, 512 bytes a warpgroup). Writes stay 
 token rows whatever cu_seqlens holds (bad boundaries give garbage, never an out-of-bounds
 access).
 
-Inputs: q, k, v [T, H, 128] bfloat16 and beta [T, H] float32 (the tokens), cu_seqlens [N + 1]
+Inputs: q, k, v [T, H, 128] bfloat16, g [T, H, 128] and beta [T, H] float32 (the tokens; g
+only for dg's gate-floor rule, xla.gate_floor_grad), cu_seqlens [N + 1]
 int32; float32 per slot and head: gamma, dq_c, dk_c, dgamma_c, d_qg, d_kd [64, 128], d_rhs
 [64, 256], d_decay [128], d_beta_kk [64]. Outputs: dq, dk, dv [T, H, 128] bfloat16 (the
 tokens' dtype: the float32 sums rounded once, as the caller's cast would), dg [T, H, 128] and
@@ -37,7 +38,7 @@ import cutlass.cute as cute
 from cutlass import BFloat16, Float32
 from cutlass.memory import SmemAllocator
 
-from jax_kda.constants import HEAD_DIM, SCAN_CHUNK
+from jax_kda.constants import GATE_FLOOR, HEAD_DIM, SCAN_CHUNK
 from jax_kda.sm90.kernels.varlen import slot_rows
 
 ROWS = SCAN_CHUNK
@@ -65,6 +66,7 @@ class TokensBwdSm90:
         q: cute.Tensor,
         k: cute.Tensor,
         v: cute.Tensor,
+        g: cute.Tensor,
         beta: cute.Tensor,
         cu_seqlens: cute.Tensor,
         gamma: cute.Tensor,
@@ -84,7 +86,7 @@ class TokensBwdSm90:
         stream: cuda.CUstream,
     ):
         self.kernel(
-            q, k, v, beta, cu_seqlens, gamma, dq_c, dk_c, dgamma_c, d_rhs, d_qg, d_kd, d_decay,
+            q, k, v, g, beta, cu_seqlens, gamma, dq_c, dk_c, dgamma_c, d_rhs, d_qg, d_kd, d_decay,
             d_beta_kk, dq, dk, dv, dg, dbeta,
         ).launch(
             grid=[gamma.shape[0], gamma.shape[1], 1], block=[NTHREADS, 1, 1], stream=stream,
@@ -97,6 +99,7 @@ class TokensBwdSm90:
         mQ: cute.Tensor,
         mK: cute.Tensor,
         mV: cute.Tensor,
+        mG: cute.Tensor,
         mBeta: cute.Tensor,
         mCu: cute.Tensor,
         mGamma: cute.Tensor,
@@ -203,8 +206,16 @@ class TokensBwdSm90:
                     mDk[token, h, d] = (r_in[r, 2] + b * e * d_rw + f * d_kd).to(BFloat16)
                     mDv[token, h, d] = (b * d_ru).to(BFloat16)
 
+        # the gates of the group's rows, for the floor's rule on dg below (loads issued together)
+        r_g = cute.make_rmem_tensor((GROUP_ROWS,), Float32)
+        for r in cutlass.range_constexpr(GROUP_ROWS):
+            r_g[r] = Float32(0.0)
+            if group * GROUP_ROWS + r < count:
+                r_g[r] = mG[row0 + group * GROUP_ROWS + r, h, d]
+
         # dg: the reverse cumsum within the group's rows, then the later groups' sums and the
-        # last row's terms (every row's kd dKd and the chunk decay's a dA) onto every row
+        # last row's terms (every row's kd dKd and the chunk decay's a dA) onto every row; then
+        # through the gate floor max(g, GATE_FLOOR): whole above it, half at it, none below
         run = Float32(0.0)
         for r in cutlass.range_constexpr(GROUP_ROWS):
             run = run + r_dgam[GROUP_ROWS - 1 - r]
@@ -220,7 +231,13 @@ class TokensBwdSm90:
         for r in cutlass.range_constexpr(GROUP_ROWS):
             i = group * GROUP_ROWS + r
             if i < count:
-                mDg[row0 + i, h, d] = r_dgam[r] + last
+                total_dg = r_dgam[r] + last
+                floored = Float32(0.0)
+                if r_g[r] == Float32(GATE_FLOOR):
+                    floored = Float32(0.5) * total_dg
+                if r_g[r] > Float32(GATE_FLOOR):
+                    floored = total_dg
+                mDg[row0 + i, h, d] = floored
         if tid < ROWS:
             i = tid
             if i < count:
