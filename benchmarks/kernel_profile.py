@@ -11,8 +11,8 @@ into each given segment count, or (--train) for a training step: forward and bac
 diagnostic for kernel work and for plan.py's cost model; the results tables come from
 ``benchmarks.run``). ``--train-variants base,core+dbwd+x3,core+dbwd+x3+v64`` profiles the
 backward's recompute and backward with the named kernels switched in and the rest off (with
-``--forward-only``, their forward alone: the no-bound forward); core1+dbwd+x1+s1+dense+tok is
-the default.
+``--forward-only``, their forward alone: the no-bound forward); core1+dbwd+x1+s1+dense+tok+bs
+is the default.
 """
 
 from __future__ import annotations
@@ -150,7 +150,8 @@ def _main():
         "'v16'/'v32'/'v64' (the float32 state-scan variants) or 't16'/'t32' (the tensor-core "
         "scan with the V-slice as wgmma N), 'dense' (the scan and the outputs around it as one "
         "VJP, its backward's products on their kernel), 'tok' (with dense: the element-wise rest "
-        "on its kernel, into the tokens' rows), joined by '+' (e.g. base,core+dbwd+v64+x3)",
+        "on its kernel, into the tokens' rows), 'bs' (with dense: both state scans in the "
+        "backward, in one launch), joined by '+' (e.g. base,core+dbwd+v64+x3)",
     )
     parser.add_argument(
         "--forward-only",
@@ -222,6 +223,7 @@ def _variants(text: str) -> list[tuple[str, dict]]:
             "scan_passes": 3,
             "dense_bwd": False,
             "tokens_bwd": False,
+            "both_scans": False,
         }
         for part in name.split("+"):
             if part == "core":
@@ -241,6 +243,8 @@ def _variants(text: str) -> list[tuple[str, dict]]:
                 options["dense_bwd"] = True
             elif part == "tok":  # with dense: the element-wise rest on its kernel, to tokens
                 options["tokens_bwd"] = True
+            elif part == "bs":  # with dense: both state scans in the backward, one launch
+                options["both_scans"] = True
             elif part in SCAN_VARIANTS:
                 options["scan_v_slice"], options["scan_tensor_cores"] = SCAN_VARIANTS[part]
             elif part != "base":
@@ -275,8 +279,10 @@ def _profile_variants(variants, shapes, forward_only=False):
 
                 if forward_only:
                     return forward(q, k, v, g, beta, state)
-                out, pullback = jax.vjp(forward, q, k, v, g, beta, state)
-                return out, pullback((d_o, d_final))
+                # the gradients alone, as in a training step whose outputs come from the
+                # forward kernels: the recompute's own outputs are dead code there
+                _, pullback = jax.vjp(forward, q, k, v, g, beta, state)
+                return pullback((d_o, d_final))
 
             times = kernel_times(step, *x)
             what = "forward" if forward_only else "recompute + backward"

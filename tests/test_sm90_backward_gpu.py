@@ -110,6 +110,51 @@ def test_single_pass_scan_kernel_matches_xla_scan(name, reverse, v_slice):
     assert err_states <= 2e-2 and err_final <= 2e-2
 
 
+@pytest.mark.parametrize("v_slice", [16, 32])
+@pytest.mark.parametrize("name", ["ragged", "long", "gaps", "all-empty", "one-chunk"])
+def test_both_state_scans_kernel_matches_two_xla_scans(name, v_slice):
+    """The backward's two scans in one launch (state_scans_artifact) against xla.state_scan in
+    each direction: the single-pass images (bf16-rounded operands, about 3e-3; a wrong step or
+    a swapped role is off by O(1)), outputs poisoned with NaN, empty sequences pass y0 and
+    d_final through exactly, gap slots zero."""
+    register()
+    lengths = SCAN_LENGTHS[name]
+    w, kd, decay, u, cu, y0 = scan_operands(lengths, 3, SEED + 7 * len(name))
+    _, _, _, d_states, _, d_final = scan_operands(lengths, 3, SEED + 1, reverse=True)
+    w_img, kd_img, u_slices = sm90.state_scan_operands(w, kd, u, v_slice, 1)
+    _, _, ds_slices = sm90.state_scan_operands(w, kd, d_states, v_slice, 1)
+    square = jax.ShapeDtypeStruct((w.shape[0], *y0.shape[1:]), jnp.float32)
+    final = jax.ShapeDtypeStruct(y0.shape, jnp.float32)
+    results = [square, final, square, final]
+    artifact = sm90.state_scans_artifact(v_slice)
+
+    @jax.jit
+    def run(*inputs):
+        poison = [jnp.full(r.shape, jnp.nan, r.dtype) for r in results]
+        aliases = {8: 0, 9: 1, 10: 2, 11: 3}
+        return cute_call(artifact, [*inputs, *poison], results, aliases=aliases)
+
+    got = run(w_img, kd_img, decay, u_slices, ds_slices, cu, y0, d_final)
+    ref = (
+        *jax.jit(lambda *a: xla.state_scan(*a, reverse=False))(w, kd, decay, u, cu, y0),
+        *jax.jit(lambda *a: xla.state_scan(*a, reverse=True))(kd, w, decay, d_states, cu, d_final),
+    )
+    for what, a, b in zip(("states", "final", "g_end", "d_y0"), got, ref, strict=True):
+        assert not np.isnan(np.asarray(a)).any(), what
+        error = rms_ratio(a, b) if b.size and np.any(np.asarray(b)) else 0.0
+        print(f"both scans {name} t{v_slice} {what}: {error:.1e}")
+        assert error <= 2e-2, (what, error)
+        if what in ("states", "g_end"):  # slots no sequence reaches are zero in both
+            axes = tuple(range(1, a.ndim))
+            np.testing.assert_array_equal(
+                np.all(np.asarray(a) == 0, axis=axes), np.all(np.asarray(b) == 0, axis=axes)
+            )
+    for s, n in enumerate(lengths):
+        if n == 0:
+            np.testing.assert_array_equal(np.asarray(got[1][s]), np.asarray(y0[s]))
+            np.testing.assert_array_equal(np.asarray(got[3][s]), np.asarray(d_final[s]))
+
+
 def _check_grads(case, x, forward, scale=None, *, dg_scale_of_terms=False):
     """jax.grad of sum(o * w_o) + sum(final * w_f) through `forward` (q, k, v, g, beta, cu,
     state) -> (o, final) against the float64 oracle's.

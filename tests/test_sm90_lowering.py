@@ -132,7 +132,7 @@ def test_prepared_inputs_and_grouped_heads_lower_to_the_kernels(lower_bound):
     forward = {"kda_fwd_sm90_h2"} if lower_bound is not None else set()
     assert kinds == forward | {
         "kda_chunk_operands_sm90_x1", "kda_decayed_bwd_tokens_sm90", "kda_state_scan_sm90_fwd",
-        "kda_state_scan_sm90_rev", "kda_dense_bwd", "kda_tokens_bwd_sm90",
+        "kda_state_scans_sm90", "kda_dense_bwd", "kda_tokens_bwd_sm90",
         "kda_state_cotangent_sm90", "kda_chunk_outputs",
     }, kinds  # fmt: skip
 
@@ -377,9 +377,21 @@ def test_state_scan_single_pass_variants_export_for_sm90a(reverse):
         sm90.state_scan_artifact(reverse, 16, False, 1)
 
 
+@pytest.mark.parametrize("v_slice", [16, 32])
+def test_both_state_scans_export_for_sm90a(v_slice):
+    """The backward's two scans in one launch (single-pass tensor-core scans)."""
+    artifact = sm90.state_scans_artifact(v_slice)
+    assert artifact.object_bytes[:4] == b"\x7fELF"
+    assert len(artifact.tensors) == 12  # 8 inputs (both directions), 4 results
+    with pytest.raises(ValueError, match="tensor cores"):
+        sm90.state_scans_artifact(64)
+
+
 def test_grad_lowers_to_the_backward_kernels_and_no_loop():
-    """jax.grad on the sm90 path: the forward kernel, the state scan forward (recompute) and
-    reverse, and no XLA while loop (the serial passes are all in kernels)."""
+    """jax.grad on the sm90 path: the forward kernel, both state scans in one launch (the
+    recompute's forward and the reverse), and no XLA while loop (the serial passes are all in
+    kernels). The recompute's outputs (its forward scan and outputs kernel) are in the lowered
+    program as dead code that XLA drops when it compiles."""
     x = production_inputs([300, 0, 77], 2, seed=5)
 
     def loss(q, k, v, g, beta, cu, state):
@@ -390,8 +402,8 @@ def test_grad_lowers_to_the_backward_kernels_and_no_loop():
     prefixes = re.findall(r'prefix = "(\w+)"', text)
     assert any(p.startswith("kda_fwd_sm90_") for p in prefixes), prefixes
     # the tensor-core scan at one bf16 pass a product, the backward's default
-    assert "kda_state_scan_sm90_fwd_t16x1" in prefixes
-    assert "kda_state_scan_sm90_rev_t16x1" in prefixes
+    assert "kda_state_scans_sm90_t16x1" in prefixes
+    assert not any(p.startswith("kda_state_scan_sm90_rev") for p in prefixes), prefixes
     assert "kda_dense_bwd_sm90" in prefixes  # the products around the scan, backward
     assert "stablehlo.while" not in text
 
@@ -460,7 +472,7 @@ def test_training_lowers_under_scan_over_layers_checkpoint_and_vmap():
         prefixes = set(re.findall(r'prefix = "(\w+)"', _lower(fn, *args)))
         kinds = {p.rsplit("_", 1)[0] for p in prefixes}
         expected = {"kda_fwd_sm90_h2", "kda_chunk_operands_sm90_x1", "kda_decayed_bwd_tokens_sm90"}
-        expected |= {"kda_state_scan_sm90_fwd", "kda_state_scan_sm90_rev", "kda_dense_bwd"}
+        expected |= {"kda_state_scan_sm90_fwd", "kda_state_scans_sm90", "kda_dense_bwd"}
         expected |= {"kda_tokens_bwd_sm90", "kda_state_cotangent_sm90", "kda_chunk_outputs"}
         assert kinds == expected, (
             name,
@@ -595,7 +607,7 @@ def test_grad_under_shard_map_with_check_vma_lowers():
 
         grad = jax.jit(jax.grad(loss, argnums=range(6)))
         text = grad.trace(*x[:5], x.initial_state).lower(lowering_platforms=("cuda",)).as_text()
-        assert "kda_state_scan_sm90_rev" in text and "kda_fwd_sm90" in text
+        assert "kda_state_scans_sm90" in text and "kda_fwd_sm90" in text
 
         # sequences: the batched [B, T, H, 128] form, rows sharded over the devices
         rows = production_inputs([48] * 4, 2, seed=4)
@@ -614,7 +626,7 @@ def test_grad_under_shard_map_with_check_vma_lowers():
 
         grad = jax.jit(jax.grad(row_loss, argnums=range(6)))
         text = grad.trace(*batched, rows.initial_state).lower(lowering_platforms=("cuda",))
-        assert "kda_state_scan_sm90_rev" in text.as_text()
+        assert "kda_state_scans_sm90" in text.as_text()
         print("ok")
         """
     )
@@ -683,7 +695,7 @@ def test_context_parallel_grad_lowers_per_device():
         text = grad.trace(*x[:5], x.initial_state).lower(lowering_platforms=("cuda",)).as_text()
         kinds = {p.rsplit("_", 1)[0] for p in re.findall(r'prefix = "(\\w+)"', text)}
         # the forward runs both passes as one call on twice the heads (h4)
-        expected = {"kda_fwd_sm90_h4", "kda_state_scan_sm90_rev", "kda_decayed_bwd_tokens_sm90"}
+        expected = {"kda_fwd_sm90_h4", "kda_state_scans_sm90", "kda_decayed_bwd_tokens_sm90"}
         assert expected <= kinds, kinds
         assert "manual_computation" in text and "stablehlo.all_gather" in text
         assert "stablehlo.all_reduce" in text and "stablehlo.while" not in text
@@ -724,7 +736,7 @@ def test_vmap_runs_the_sm90_path_as_one_call():
             "kda_chunk_operands_sm90_x1", "kda_chunk_outputs", "kda_decayed_bwd_tokens_sm90",
             "kda_dense_bwd",
             "kda_fwd_sm90", "kda_state_cotangent_sm90", "kda_state_scan_sm90_fwd",
-            "kda_state_scan_sm90_rev", "kda_tokens_bwd_sm90",
+            "kda_state_scans_sm90", "kda_tokens_bwd_sm90",
         ]  # fmt: skip
         assert [k.rsplit("_", 1)[0] if k.startswith("kda_fwd") else k for k in kinds] == expected
         assert "stablehlo.while" not in text, name

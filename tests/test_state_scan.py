@@ -285,9 +285,17 @@ def test_gate_floor_grad_is_the_vjp_of_the_floor():
     np.testing.assert_array_equal(expected, [1, 2, 1.5, 0, 0, 0, 0, 8])
 
 
+def _xla_both_scans(w, kd, decay, u, d_states, cu_seqlens, y0, d_final):
+    """sm90.state_scans_kernel's contract in XLA: the forward scan and the reverse one."""
+    states, final = xla.state_scan(w, kd, decay, u, cu_seqlens, y0, reverse=False)
+    g_end, d_y0 = xla.state_scan(kd, w, decay, d_states, cu_seqlens, d_final, reverse=True)
+    return states, final, g_end, d_y0
+
+
+@pytest.mark.parametrize("both_scans", [False, True], ids=["states-saved", "both-scans"])
 @pytest.mark.parametrize("floor", [False, True], ids=["long-memory", "gate-floor"])
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-def test_chunks_wiring_gives_the_xla_paths_gradients(dtype, floor):
+def test_chunks_wiring_gives_the_xla_paths_gradients(dtype, floor, both_scans):
     """sm90.differentiable_chunks (the chunk core, the state scan and the outputs around them as
     one custom VJP: the reverse scan, then every chunk's backward) around XLA stand-ins for the
     kernels (xla_chunk_core, xla.state_scan, xla_chunk_bwd): the XLA path's gradients, in the
@@ -296,7 +304,8 @@ def test_chunks_wiring_gives_the_xla_paths_gradients(dtype, floor):
     cotangent, fails here. With gate-floor, some gates are -inf, -300 or exactly the floor
     (-100): differentiable_chunks applies the floor itself (xla.forward leaves g to it; without
     it the -inf gates give inf). The floor's rule for dg is invisible here (the decay there is
-    e^-100): test_gate_floor_grad_is_the_vjp_of_the_floor checks it."""
+    e^-100): test_gate_floor_grad_is_the_vjp_of_the_floor checks it. both-scans: the backward
+    scans the chunk states again beside the reverse scan (the states are no residual)."""
     x = long_memory_inputs([130, 0, 70, 1], 2, seed=31, dtype=dtype)
     if floor:
         g = np.array(x.g)
@@ -319,7 +328,10 @@ def test_chunks_wiring_gives_the_xla_paths_gradients(dtype, floor):
         calls.append([t.shape for t in tokens])  # what the forward saved: the tokens themselves
         return sm90.xla_chunk_bwd(scale, tokens, *rest)
 
-    chunks = sm90.differentiable_chunks(sm90.xla_chunk_core, xla.state_scan, chunk_bwd)
+    chunks = sm90.differentiable_chunks(
+        sm90.xla_chunk_core, xla.state_scan, chunk_bwd,
+        both_scans=_xla_both_scans if both_scans else None,
+    )  # fmt: skip
     wired = grads(chunks=chunks)
     assert calls == [[x.q.shape, x.k.shape, x.v.shape, x.g.shape, x.beta.shape]], calls
     # bfloat16 gradients round at 2^-9: a changed summation order flips a few roundings

@@ -268,6 +268,84 @@ def state_scan_artifact(reverse: bool, v_slice: int, tensor_cores: bool = False,
     )  # fmt: skip
 
 
+@functools.cache
+def state_scans_artifact(v_slice: int):
+    """The exported kernel that runs both state scans of the training backward in one launch
+    (kernels/kda_state_scans_sm90.py: the single-pass tensor-core scan, forward and reverse
+    side by side; at one pass an operand's image is the same in both roles). Slots, heads and
+    sequences are symbolic: one compile serves every call."""
+    import cutlass.cute as cute
+    from cutlass import BFloat16, Float32, Int32
+
+    from jax_kda.sm90.export import export, row_major_fake
+    from jax_kda.sm90.kernels.kda_state_scan_tc_sm90 import image_elems
+    from jax_kda.sm90.kernels.kda_state_scans_sm90 import BothStateScansSm90
+
+    if v_slice not in SCAN_TC_V_SLICES:
+        raise ValueError(f"both scans run on tensor cores: v_slice in {SCAN_TC_V_SLICES}")
+    slots, heads, seqs = cute.sym_int32(), cute.sym_int32(), cute.sym_int32()
+    image = (slots, heads, image_elems(1))
+    square = (HEAD_DIM, HEAD_DIM)
+    slices = HEAD_DIM // v_slice
+    fakes = {
+        "w_img": row_major_fake(BFloat16, image),
+        "kd_img": row_major_fake(BFloat16, image),
+        "decay": row_major_fake(Float32, (slots, heads, HEAD_DIM)),
+        "u": row_major_fake(Float32, (slots, heads, slices, SCAN_CHUNK * v_slice)),
+        "d_states": row_major_fake(Float32, (slots, heads, slices, HEAD_DIM * v_slice)),
+        "cu_seqlens": row_major_fake(Int32, (cute.sym_int32(),), align=4),
+        "y0": row_major_fake(Float32, (seqs, heads, *square)),
+        "d_final": row_major_fake(Float32, (seqs, heads, *square)),
+        "states": row_major_fake(Float32, (slots, heads, *square)),
+        "final": row_major_fake(Float32, (seqs, heads, *square)),
+        "g_end": row_major_fake(Float32, (slots, heads, *square)),
+        "d_y0": row_major_fake(Float32, (seqs, heads, *square)),
+    }
+    return export(
+        BothStateScansSm90(v_slice, 1), fakes, prefix=f"kda_state_scans_sm90_t{v_slice}x1",
+        config={"v_slice": v_slice, "passes": 1},
+    )  # fmt: skip
+
+
+def state_scans_kernel(
+    w_op, kd_op, decay, u, d_states, cu_seqlens, y0, d_final, *, v_slice=None,
+    tensor_cores=None, passes=None,
+):  # fmt: skip
+    """Both scans of the training backward: (states, final) = xla.state_scan(w, kd, decay, u,
+    cu_seqlens, y0) and (g_end, d_y0) = xla.state_scan(kd, w, decay, d_states, cu_seqlens,
+    d_final, reverse=True), in one launch where the variant (scan_variant's) runs on tensor
+    cores at one pass (state_scans_artifact), else as two state_scan_kernel calls. The
+    operands as state_scan_kernel takes them (ImagedOperand, SlicedAddend)."""
+    from jax_kda.sm90.ffi_call import cute_call
+
+    num_heads, num_sequences = y0.shape[1], y0.shape[0]
+    v_slice, tensor_cores = scan_variant(num_heads, num_sequences, v_slice, tensor_cores)
+    if passes is None:
+        passes = 1 if tensor_cores else 3
+    if not tensor_cores or passes != 1:
+        run = functools.partial(
+            state_scan_kernel, v_slice=v_slice, tensor_cores=tensor_cores, passes=passes
+        )
+        states, final = run(w_op, kd_op, decay, u, cu_seqlens, y0, reverse=False)
+        g_end, d_y0 = run(kd_op, w_op, decay, d_states, cu_seqlens, d_final, reverse=True)
+        return states, final, g_end, d_y0
+    w_img, kd_img, u_slices = state_scan_operands(w_op, kd_op, u, v_slice, 1)
+    _, _, ds_slices = state_scan_operands(w_op, kd_op, d_states, v_slice, 1)
+    slots = w_img.shape[0]
+    results = [
+        jax.ShapeDtypeStruct((slots, *y0.shape[1:]), jnp.float32),
+        jax.ShapeDtypeStruct(y0.shape, jnp.float32),
+        jax.ShapeDtypeStruct((slots, *y0.shape[1:]), jnp.float32),
+        jax.ShapeDtypeStruct(y0.shape, jnp.float32),
+    ]
+    inputs = [
+        w_img, kd_img, decay, u_slices, ds_slices, jnp.asarray(cu_seqlens, jnp.int32), y0,
+        d_final,
+    ]  # fmt: skip
+    states, final, g_end, d_y0 = cute_call(state_scans_artifact(v_slice), inputs, results)
+    return states, final, g_end, d_y0
+
+
 def _truncated_split(x):
     """x (float32) = hi + lo with hi = x's top 16 bits (exactly a bfloat16) and lo = x - hi
     rounded to bfloat16: |x - hi - lo| <= 2^-16 |x|. Bit masking, not a rounding convert: XLA
@@ -428,7 +506,7 @@ def differentiable_state_scan(run, precision=jax.lax.Precision.HIGHEST):
 
 def differentiable_chunks(
     core, scan, chunk_bwd, precision=jax.lax.Precision.HIGHEST, state_cotangent=None,
-    chunk_outputs=None,
+    chunk_outputs=None, both_scans=None,
 ):  # fmt: skip
     """xla.forward's `chunks`: the packed tokens to (o [T, H, V] in the tokens' rows, final)
     through the chunk core (`core`: chunk_core_kernel's contract), the forward state scan
@@ -441,7 +519,12 @@ def differentiable_chunks(
     reverse scan's addend, the outputs' part of each chunk's state cotangent, by
     `state_cotangent` (state_cotangent_kernel's contract; None: xla_state_cotangent).
     Residuals: the tokens, the core's outputs and the chunk states. Products outside the
-    kernels at `precision`."""
+    kernels at `precision`.
+
+    both_scans (state_scans_kernel's contract): the backward runs the forward scan again beside
+    the reverse one, in one launch, and the chunk states are no residual: in a training step
+    whose primal outputs come from elsewhere (the forward kernels), the recompute's forward
+    scan and outputs are then dead code that XLA drops, and the two serial chains overlap."""
     outputs = chunk_outputs or xla_chunk_outputs
 
     def scan_operands(core_out):
@@ -466,19 +549,26 @@ def differentiable_chunks(
     def chunks_fwd(q, k, v, g, beta, cu_seqlens, rows, y0, num_slots, scale):
         primal, core_out, states = forward(q, k, v, g, beta, cu_seqlens, rows, y0, num_slots, scale)
         like = tuple(jnp.zeros((0,), x.dtype) for x in (q, k, v, g, beta))  # the dtypes
+        if both_scans is not None:
+            states = y0  # the backward's scans start from it
         return primal, ((q, k, v, g, beta), cu_seqlens, rows, core_out, states, like)
 
     def chunks_bwd(num_slots, scale, saved, cotangents):
         # S' = Diag(a) S + Kd^T V_new; dL/dS from the outputs is Qg^T dO - W^T Aqk^T dO, the
         # reverse scan's addend; it returns G = dL/dS' at every chunk's end.
         tokens, cu_seqlens, rows, core_out, states, like = saved
-        w, _, qg, attn, _, decay = core_out[:6]
+        w, u, qg, attn, _, decay = core_out[:6]
         d_o, d_final = cotangents
         d_states = (state_cotangent or xla_state_cotangent)(
             qg, w, attn, d_o, cu_seqlens, rows, precision
         )
         w_op, kd_op = scan_operands(core_out)
-        g_end, d_y0 = scan(kd_op, w_op, decay, d_states, cu_seqlens, d_final, reverse=True)
+        if both_scans is not None:
+            states, _, g_end, d_y0 = both_scans(
+                w_op, kd_op, decay, u, d_states, cu_seqlens, states, d_final
+            )
+        else:
+            g_end, d_y0 = scan(kd_op, w_op, decay, d_states, cu_seqlens, d_final, reverse=True)
         d_tokens = chunk_bwd(
             scale, tokens, cu_seqlens, rows, core_out, states, g_end, d_o, precision
         )
@@ -1037,7 +1127,7 @@ def differentiable_chunk_operands(run, decayed_bwd=None, precision=jax.lax.Preci
 def training_forward(
     q, k, v, g, beta, cu_seqlens, initial_state, scale, *, chunk_core=True, decayed_bwd=True,
     scan_v_slice=None, scan_tensor_cores=None, dense_precision="bf16", chunk_core_passes=1,
-    scan_passes=None, dense_bwd=True, tokens_bwd=None,
+    scan_passes=None, dense_bwd=True, tokens_bwd=None, both_scans=True,
 ):  # fmt: skip
     """The forward the sm90 backward differentiates (and the no-bound forward), exact for any
     g <= 0: the chunk-core kernel's per-chunk operands (their backward written out,
@@ -1067,12 +1157,14 @@ def training_forward(
     other than bf16; the reverse scan's addend likewise on state_cotangent_kernel, and the
     forward's outputs on chunk_outputs_kernel), then the decayed products' backward, then
     (tokens_bwd=True; None: as dense_bwd) the element-wise rest straight into the tokens'
-    rows on tokens_bwd_kernel (False: in XLA, xla_tokens_bwd). H200 profile, recompute +
-    backward at 2048x12x1 / 8192x16x1: 769 / 3420 us without dense_bwd, 688 / 2989 with it,
-    613 / 2776 with the state-cotangent and tokens kernels, 594.5 / 2606 with the outputs',
-    493.9 / 2144.0 with the kernels reading the tokens' rows and the decayed kernel's vector
-    loads and trimmed image builds, 466.7 / 1984.9 with the scan's operands written in its
-    layouts by the kernels and the gate floor applied in them.
+    rows on tokens_bwd_kernel (False: in XLA, xla_tokens_bwd). both_scans=True (with
+    dense_bwd): the backward runs the chunk states' scan again beside the reverse scan, in one
+    launch (state_scans_kernel), instead of saving the states from the forward's scan.
+    H200 profile, recompute + backward at 2048x12x1 / 8192x16x1: 769 / 3420 us without
+    dense_bwd, 688 / 2989 with it, 613 / 2776 with the state-cotangent and tokens kernels,
+    594.5 / 2606 with the outputs', 493.9 / 2144.0 with the kernels reading the tokens' rows
+    and the decayed kernel's vector loads and trimmed image builds, 466.7 / 1984.9 with the
+    scan's operands written in its layouts by the kernels and the gate floor applied in them.
     An earlier variant fused the element-wise rest into the decayed products' kernel instead:
     exact, but slower than XLA (2048x12x1 969 against 944 us): at that kernel's one CTA an SM
     the memory-bound tail was latency-bound; tokens_bwd_kernel runs it at two CTAs an SM of
@@ -1110,6 +1202,10 @@ def training_forward(
                 scan_tensor_cores=scan_tensor_cores,
             ) if dense_precision == "bf16" else None,
             chunk_outputs=chunk_outputs_kernel if dense_precision == "bf16" else None,
+            both_scans=functools.partial(
+                state_scans_kernel, v_slice=scan_v_slice, tensor_cores=scan_tensor_cores,
+                passes=scan_passes,
+            ) if both_scans else None,
         )  # fmt: skip
         return xla.forward(
             q, k, v, g, beta, cu_seqlens, initial_state, scale, precision=precision,

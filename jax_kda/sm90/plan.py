@@ -174,9 +174,10 @@ def plan_prefill(
         num_sequences=num_sequences,
         segment_count=segments,
         launches=4 if segments > 1 else 2,
-        # EXPAND: z = N * segments + 1; BUILD: z = 2 N (segments - 1); state scan: z = N; y = H
+        # EXPAND: z = N * segments + 1; BUILD: z = 2 N (segments - 1); the backward's two
+        # state scans in one launch: z = 2 N; y = H
         largest_grid_yz=max(
-            num_heads, num_sequences * segments + 1, 2 * num_sequences * (segments - 1)
+            num_heads, num_sequences * segments + 1, 2 * num_sequences * max(segments - 1, 1)
         ),
         workspace=(
             WorkspaceBuffer("chunk_records", records, "int32"),

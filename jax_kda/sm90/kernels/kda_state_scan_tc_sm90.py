@@ -51,6 +51,14 @@ def image_elems(passes: int = 3) -> int:
 HALF = HEAD_DIM // 2  # product 2 is two m64 products: channels [0, 64) and [64, 128)
 
 
+def accumulate_always(*mmas):
+    """Every product of the scan accumulates (onto -P or zero, or the decayed state): set once,
+    at the kernel's top level, outside every loop and branch (the field is staged state of the
+    TiledMma object: set inside a branch, its value would not reach the other)."""
+    for mma in mmas:
+        mma.set(warpgroup.Field.ACCUMULATE, True)
+
+
 class ChunkStateScanTcSm90:
     def __init__(self, config: ScanConfig, passes: int = 3):
         if config.v_slice not in SCAN_TC_V_SLICES:
@@ -101,32 +109,47 @@ class ChunkStateScanTcSm90:
         mma_x: cute.TiledMma,
         mma_y: cute.TiledMma,
     ):
-        VS = self.vs
-        tid, _, _ = cute.arch.thread_idx()
         vsl, h, n = cute.arch.block_idx()
-        vbase = vsl * VS
-        n_slots = mStates.shape[0]
+        accumulate_always(mma_x, mma_y)
+        buffers = self.allocate(self.addend_rows)
+        self.scan(mA, mBt, mDecay, mAdd, mCu, mY0, mStates, mFinal, mma_x, mma_y, buffers,
+                  vsl, h, n)  # fmt: skip
 
+    def allocate(self, addend_rows: int):
+        """The kernel's shared memory (addend stages of addend_rows x VS float32: a kernel that
+        runs both directions allocates the larger, the reverse's)."""
         smem = SmemAllocator()
-        lay_a = inter_image_layout(SCAN_CHUNK, self.a_k)
-        lay_bt = inter_image_layout(HEAD_DIM, self.bt_k, mn_major=True)
-        lay_y = inter_image_layout(VS, self.a_k, mn_major=True)  # B of product 1
-        lay_x = inter_image_layout(VS, self.bt_k, mn_major=True)  # B of product 2
         flat = cute.make_layout(self.image_elems)
         raw_a = [smem.allocate_tensor(BFloat16, flat, 1024) for _ in range(STAGES)]
         raw_bt = [smem.allocate_tensor(BFloat16, flat, 1024) for _ in range(STAGES)]
-        s_a = [cute.make_tensor(r.iterator, lay_a) for r in raw_a]
-        s_bt = [cute.make_tensor(r.iterator, lay_bt) for r in raw_bt]
+        lay_y = inter_image_layout(self.vs, self.a_k, mn_major=True)  # B of product 1
+        lay_x = inter_image_layout(self.vs, self.bt_k, mn_major=True)  # B of product 2
         s_y = smem.allocate_tensor(BFloat16, lay_y.outer, 1024, swizzle=lay_y.inner)
         s_x = smem.allocate_tensor(BFloat16, lay_x.outer, 1024, swizzle=lay_x.inner)
-        add_elems = self.addend_rows * VS
+        add_elems = addend_rows * self.vs
         raw_add = [smem.allocate_tensor(Float32, cute.make_layout(add_elems), 128)
                    for _ in range(STAGES)]  # fmt: skip
-        add_layout = cute.make_layout((self.addend_rows, VS), stride=(VS, 1))
-        s_add = [cute.make_tensor(r.iterator, add_layout) for r in raw_add]
         s_decay = [smem.allocate_tensor(Float32, cute.make_layout(HEAD_DIM), 128)
                    for _ in range(STAGES)]  # fmt: skip
         s_mbar = smem.allocate_tensor(cutlass.Int64, cute.make_layout(STAGES), 8)
+        return raw_a, raw_bt, s_y, s_x, raw_add, s_decay, s_mbar
+
+    @cute.jit
+    def scan(self, mA, mBt, mDecay, mAdd, mCu, mY0, mStates, mFinal, mma_x, mma_y, buffers,
+             vsl, h, n):  # fmt: skip
+        """This direction's scan of (state columns vsl, head h, sequence n) in `buffers`
+        (allocate's)."""
+        VS = self.vs
+        tid, _, _ = cute.arch.thread_idx()
+        vbase = vsl * VS
+        n_slots = mStates.shape[0]
+        raw_a, raw_bt, s_y, s_x, raw_add, s_decay, s_mbar = buffers
+        lay_a = inter_image_layout(SCAN_CHUNK, self.a_k)
+        lay_bt = inter_image_layout(HEAD_DIM, self.bt_k, mn_major=True)
+        s_a = [cute.make_tensor(r.iterator, lay_a) for r in raw_a]
+        s_bt = [cute.make_tensor(r.iterator, lay_bt) for r in raw_bt]
+        add_layout = cute.make_layout((self.addend_rows, VS), stride=(VS, 1))
+        s_add = [cute.make_tensor(r.iterator, add_layout) for r in raw_add]
         if tid == 0:
             for s in cutlass.range_constexpr(STAGES):
                 cute.arch.mbarrier_init(s_mbar.iterator + s, 1)
@@ -147,10 +170,6 @@ class ChunkStateScanTcSm90:
         acc_x = cute.make_rmem_tensor(mma_x.partition_shape_C((SCAN_CHUNK, VS)), Float32)
         acc_y = [cute.make_rmem_tensor(mma_y.partition_shape_C((HALF, VS)), Float32)
                  for _ in range(2)]  # fmt: skip
-        # Every product accumulates (onto -P or zero, or the decayed state): set once, outside
-        # the loop's branches (the field is staged state of the TiledMma object).
-        mma_x.set(warpgroup.Field.ACCUMULATE, True)
-        mma_y.set(warpgroup.Field.ACCUMULATE, True)
 
         slot0, nch, gap_end = scan_slots(mCu, n, n_slots, SCAN_CHUNK)
         for m in cutlass.range_constexpr(2):
@@ -257,7 +276,8 @@ class ChunkStateScanTcSm90:
             (mAdd[slot, h, vsl, None], raw_add[stage], Float32, add_elems),
             (mDecay[slot, h, None], s_decay[stage], Float32, HEAD_DIM),
         )
-        for src, dst, dtype, elems in pieces:
+        for src, buf, dtype, elems in pieces:
+            dst = cute.make_tensor(buf.iterator, cute.make_layout(elems))  # buf may be larger
             atom = cute.make_copy_atom(
                 cpasync.CopyBulkG2SOp(), dtype, num_bits_per_copy=elems * dtype.width
             )

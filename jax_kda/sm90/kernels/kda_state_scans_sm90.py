@@ -1,0 +1,96 @@
+"""Both state scans of the training backward in one launch, sm_90a CuTe DSL: the forward scan
+(the chunk states) and the reverse one (the states' cotangents), each the tensor-core scan of
+kda_state_scan_tc_sm90.py (read its docstring), side by side.
+
+The two are independent (the reverse scan's addend comes from the outputs' cotangent, not from
+the states), and each is a serial chain that leaves most of an SM idle: in one launch, the
+reverse scan's CTAs run beside the forward's instead of after them. Grid (128 / VS, H, 2 N):
+sequence blocks [0, N) run the forward direction, [N, 2 N) the reverse one. Each CTA allocates
+the reverse direction's shared memory (its addend stages are [128, VS], the forward's [64, VS]).
+
+Inputs: the forward scan's (A = W image, B^T = Kd image, decay, the addend U in V slices,
+cu_seqlens, y0) and the reverse scan's (A = Kd image, B^T = W image, the same decay, the addend
+dL/dS in V slices, d_final); outputs: the states entering each chunk and the final states, then
+the cotangents at each chunk's end and of the initial states. The images are the same two
+arrays, in swapped roles: the caller passes them once each.
+"""
+
+from __future__ import annotations
+
+import cuda.bindings.driver as cuda
+import cutlass.cute as cute
+import cutlass.cute.nvgpu.warpgroup as warpgroup
+
+from jax_kda.constants import HEAD_DIM, SCAN_CHUNK
+from jax_kda.sm90.kernels.kda_state_scan_sm90 import ScanConfig
+from jax_kda.sm90.kernels.kda_state_scan_tc_sm90 import (
+    HALF,
+    NTHREADS,
+    ChunkStateScanTcSm90,
+    accumulate_always,
+)
+from jax_kda.sm90.kernels.wgmma import bf16_tiled_mma
+
+
+class BothStateScansSm90:
+    def __init__(self, v_slice: int, passes: int = 1):
+        self.vs = v_slice
+        self.forward = ChunkStateScanTcSm90(ScanConfig(reverse=False, v_slice=v_slice), passes)
+        self.reverse = ChunkStateScanTcSm90(ScanConfig(reverse=True, v_slice=v_slice), passes)
+
+    @cute.jit
+    def __call__(
+        self,
+        w_img: cute.Tensor,
+        kd_img: cute.Tensor,
+        decay: cute.Tensor,
+        u: cute.Tensor,
+        d_states: cute.Tensor,
+        cu_seqlens: cute.Tensor,
+        y0: cute.Tensor,
+        d_final: cute.Tensor,
+        states: cute.Tensor,
+        final: cute.Tensor,
+        g_end: cute.Tensor,
+        d_y0: cute.Tensor,
+        stream: cuda.CUstream,
+    ):
+        n_seq = cu_seqlens.shape[0] - 1
+        heads = y0.shape[1]
+        smem = warpgroup.OperandSource.SMEM
+        mma_x = bf16_tiled_mma((SCAN_CHUNK, self.vs), smem, b_mn_major=True)
+        mma_y = bf16_tiled_mma((HALF, self.vs), smem, b_mn_major=True, a_mn_major=True)
+        args = (w_img, kd_img, decay, u, d_states, cu_seqlens, y0, d_final)
+        grid = [HEAD_DIM // self.vs, heads, 2 * n_seq]
+        self.kernel(*args, states, final, g_end, d_y0, mma_x, mma_y).launch(
+            grid=grid, block=[NTHREADS, 1, 1], stream=stream
+        )
+
+    @cute.kernel
+    def kernel(
+        self,
+        mW: cute.Tensor,
+        mKd: cute.Tensor,
+        mDecay: cute.Tensor,
+        mU: cute.Tensor,
+        mDs: cute.Tensor,
+        mCu: cute.Tensor,
+        mY0: cute.Tensor,
+        mDfinal: cute.Tensor,
+        mStates: cute.Tensor,
+        mFinal: cute.Tensor,
+        mGend: cute.Tensor,
+        mDy0: cute.Tensor,
+        mma_x: cute.TiledMma,
+        mma_y: cute.TiledMma,
+    ):
+        vsl, h, nn = cute.arch.block_idx()
+        n_seq = mY0.shape[0]
+        accumulate_always(mma_x, mma_y)
+        buffers = self.reverse.allocate(self.reverse.addend_rows)  # the larger addend stages
+        if nn < n_seq:
+            self.forward.scan(mW, mKd, mDecay, mU, mCu, mY0, mStates, mFinal, mma_x, mma_y,
+                              buffers, vsl, h, nn)  # fmt: skip
+        else:
+            self.reverse.scan(mKd, mW, mDecay, mDs, mCu, mDfinal, mGend, mDy0, mma_x, mma_y,
+                              buffers, vsl, h, nn - n_seq)  # fmt: skip
