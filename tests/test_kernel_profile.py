@@ -66,7 +66,11 @@ def test_train_variants_parse_into_training_forward_options():
         "scan_passes": 3,
         "dense_bwd": False,
         "tokens_bwd": False,
+        "both_scans": False,
     }
+    assert _variants("x1+dense+bs")[0][1] == {
+        **off, "dense_precision": "bf16", "dense_bwd": True, "both_scans": True,
+    }  # fmt: skip
     assert _variants("base,core,v64,core+dbwd+v64+x3") == [
         ("base", off),
         ("core", {**off, "chunk_core": True}),

@@ -144,6 +144,17 @@ def test_scan_v_slice_fills_the_sms(heads, sequences, expected):
     assert scan_v_slice(heads, sequences, None) == 32
 
 
+@pytest.mark.parametrize(
+    "heads, sequences, expected",
+    [(12, 1, 32), (16, 1, 32), (4, 1, 16), (8, 1, 16), (9, 1, 32), (1, 9, 32), (2, 3, 16)],
+)
+def test_both_scans_v_slice_takes_32_once_its_ctas_cover_half_the_sms(heads, sequences, expected):
+    """The backward's two scans in one launch: 2 x 4 CTAs per (head, sequence) at 32 columns;
+    32 from 66 of 132 SMs on."""
+    assert scan_v_slice(heads, sequences, 132, both_directions=True) == expected
+    assert scan_v_slice(heads, sequences, None, both_directions=True) == 32
+
+
 def test_largest_grid_extent_counts_heads_sequences_and_segments():
     assert plan_prefill(2048, 12, 1, sm_count=132, segments=1).largest_grid_yz == 12
     assert plan_prefill(2048, 2, 100, segments=1).largest_grid_yz == 101

@@ -21,6 +21,7 @@ from jax_kda import xla
 from jax_kda.constants import GATE_FLOOR, HEAD_DIM, SCAN_CHUNK
 from jax_kda.sm90.kernels.layout import SCAN_TC_V_SLICES
 from jax_kda.sm90.plan import GRID_YZ_LIMIT, plan_prefill, scan_v_slice
+from jax_kda.sm90.plan import scan_v_slice as plan_scan_v_slice
 
 SM_COUNT_ENV = "JAX_KDA_SM_COUNT"
 """Without a GPU present, the SM count to plan segments for (e.g. 132 for an H100 SXM or H200)."""
@@ -1189,6 +1190,13 @@ def training_forward(
     )  # fmt: skip
     core = functools.partial(chunk_core_kernel, passes=chunk_core_passes)
     if dense_bwd:
+        bwd_v_slice = scan_v_slice
+        if both_scans and scan_v_slice is None and scan_tensor_cores is not False:
+            # the backward's scans (and the addend the state cotangent writes for them) take
+            # the width that suits both directions in one launch
+            bwd_v_slice = plan_scan_v_slice(
+                q.shape[1], cu_seqlens.shape[0] - 1, device_sm_count(), both_directions=True
+            )
         chunk_bwd = functools.partial(
             xla_chunk_bwd,
             dense_bwd=dense_bwd_kernel if dense_precision == "bf16" else None,
@@ -1198,12 +1206,12 @@ def training_forward(
         chunks = differentiable_chunks(
             core if chunk_core else xla_chunk_core, kernel, chunk_bwd, precision,
             state_cotangent=functools.partial(
-                state_cotangent_kernel, scan_v_slice=scan_v_slice,
+                state_cotangent_kernel, scan_v_slice=bwd_v_slice,
                 scan_tensor_cores=scan_tensor_cores,
             ) if dense_precision == "bf16" else None,
             chunk_outputs=chunk_outputs_kernel if dense_precision == "bf16" else None,
             both_scans=functools.partial(
-                state_scans_kernel, v_slice=scan_v_slice, tensor_cores=scan_tensor_cores,
+                state_scans_kernel, v_slice=bwd_v_slice, tensor_cores=scan_tensor_cores,
                 passes=scan_passes,
             ) if both_scans else None,
         )  # fmt: skip

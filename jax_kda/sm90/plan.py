@@ -174,10 +174,9 @@ def plan_prefill(
         num_sequences=num_sequences,
         segment_count=segments,
         launches=4 if segments > 1 else 2,
-        # EXPAND: z = N * segments + 1; BUILD: z = 2 N (segments - 1); the backward's two
-        # state scans in one launch: z = 2 N; y = H
+        # EXPAND: z = N * segments + 1; BUILD: z = 2 N (segments - 1); state scan: z = N; y = H
         largest_grid_yz=max(
-            num_heads, num_sequences * segments + 1, 2 * num_sequences * max(segments - 1, 1)
+            num_heads, num_sequences * segments + 1, 2 * num_sequences * (segments - 1)
         ),
         workspace=(
             WorkspaceBuffer("chunk_records", records, "int32"),
@@ -198,11 +197,23 @@ def plan_prefill(
     )
 
 
-def scan_v_slice(num_heads: int, num_sequences: int, sm_count: int | None) -> int:
+def scan_v_slice(
+    num_heads: int, num_sequences: int, sm_count: int | None, both_directions: bool = False
+) -> int:
     """Columns of the state per state-scan CTA: 32 when (128 / 32) CTAs per (sequence, head)
     already fill the SMs, else 16 (twice the CTAs, each re-reading the chunk's operands from L2;
-    H200, tensor-core scan, both directions: 2048x12x1 95 us at 16 against 162 at 32)."""
+    H200, tensor-core scan, both directions: 2048x12x1 95 us at 16 against 162 at 32).
+
+    both_directions: for the backward's launch of both scans side by side (twice the CTAs),
+    32 once its CTAs cover half the SMs: there the narrow slices' L2 re-reads, not idle SMs,
+    bound the pair (H200, one launch: 2048x12x1, 96 CTAs at 32, 55.8 us against 59.5 at 16;
+    8192x16x1 203.2 against 221.6; 1024x4x1, 32 CTAs at 32, 30.4 against 17.4)."""
     wide = max(SCAN_TC_V_SLICES)
-    if sm_count is None or (HEAD_DIM // wide) * num_heads * num_sequences >= sm_count:
+    ctas = (HEAD_DIM // wide) * num_heads * num_sequences
+    if both_directions:
+        if sm_count is None or 2 * ctas >= sm_count / 2:
+            return wide
+        return min(SCAN_TC_V_SLICES)
+    if sm_count is None or ctas >= sm_count:
         return wide
     return min(SCAN_TC_V_SLICES)

@@ -4,9 +4,12 @@ kda_state_scan_tc_sm90.py (read its docstring), side by side.
 
 The two are independent (the reverse scan's addend comes from the outputs' cotangent, not from
 the states), and each is a serial chain that leaves most of an SM idle: in one launch, the
-reverse scan's CTAs run beside the forward's instead of after them. Grid (128 / VS, H, 2 N):
-sequence blocks [0, N) run the forward direction, [N, 2 N) the reverse one. Each CTA allocates
-the reverse direction's shared memory (its addend stages are [128, VS], the forward's [64, VS]).
+reverse scan's CTAs run beside the forward's instead of after them. Grid (2 x 128 / VS, H, N):
+x in [0, 128 / VS) runs the forward direction on state columns x VS.., the rest the reverse one
+(the direction in x keeps y and z within CUDA's 65535 as a single scan's grid, and puts a (head,
+sequence)'s two directions next to each other in launch order). Each CTA allocates the reverse
+direction's shared memory (its addend stages are [128, VS], the forward's [64, VS]).
+One bf16 pass a product only: at one pass an operand's image is the same in both roles.
 
 Inputs: the forward scan's (A = W image, B^T = Kd image, decay, the addend U in V slices,
 cu_seqlens, y0) and the reverse scan's (A = Kd image, B^T = W image, the same decay, the addend
@@ -34,6 +37,11 @@ from jax_kda.sm90.kernels.wgmma import bf16_tiled_mma
 
 class BothStateScansSm90:
     def __init__(self, v_slice: int, passes: int = 1):
+        if passes != 1:
+            raise ValueError(
+                "both scans in one launch take one bf16 pass a product (at three the A and B^T "
+                f"images of an operand differ, so one array cannot serve both roles); got {passes}"
+            )
         self.vs = v_slice
         self.forward = ChunkStateScanTcSm90(ScanConfig(reverse=False, v_slice=v_slice), passes)
         self.reverse = ChunkStateScanTcSm90(ScanConfig(reverse=True, v_slice=v_slice), passes)
@@ -61,7 +69,7 @@ class BothStateScansSm90:
         mma_x = bf16_tiled_mma((SCAN_CHUNK, self.vs), smem, b_mn_major=True)
         mma_y = bf16_tiled_mma((HALF, self.vs), smem, b_mn_major=True, a_mn_major=True)
         args = (w_img, kd_img, decay, u, d_states, cu_seqlens, y0, d_final)
-        grid = [HEAD_DIM // self.vs, heads, 2 * n_seq]
+        grid = [2 * (HEAD_DIM // self.vs), heads, n_seq]
         self.kernel(*args, states, final, g_end, d_y0, mma_x, mma_y).launch(
             grid=grid, block=[NTHREADS, 1, 1], stream=stream
         )
@@ -84,13 +92,13 @@ class BothStateScansSm90:
         mma_x: cute.TiledMma,
         mma_y: cute.TiledMma,
     ):
-        vsl, h, nn = cute.arch.block_idx()
-        n_seq = mY0.shape[0]
+        x, h, n = cute.arch.block_idx()
+        slices = HEAD_DIM // self.vs
         accumulate_always(mma_x, mma_y)
         buffers = self.reverse.allocate(self.reverse.addend_rows)  # the larger addend stages
-        if nn < n_seq:
+        if x < slices:
             self.forward.scan(mW, mKd, mDecay, mU, mCu, mY0, mStates, mFinal, mma_x, mma_y,
-                              buffers, vsl, h, nn)  # fmt: skip
+                              buffers, x, h, n)  # fmt: skip
         else:
             self.reverse.scan(mKd, mW, mDecay, mDs, mCu, mDfinal, mGend, mDy0, mma_x, mma_y,
-                              buffers, vsl, h, nn - n_seq)  # fmt: skip
+                              buffers, x - slices, h, n)  # fmt: skip
