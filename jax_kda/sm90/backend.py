@@ -1165,7 +1165,9 @@ def training_forward(
     dense_bwd, 688 / 2989 with it, 613 / 2776 with the state-cotangent and tokens kernels,
     594.5 / 2606 with the outputs', 493.9 / 2144.0 with the kernels reading the tokens' rows
     and the decayed kernel's vector loads and trimmed image builds, 466.7 / 1984.9 with the
-    scan's operands written in its layouts by the kernels and the gate floor applied in them.
+    scan's operands written in its layouts by the kernels and the gate floor applied in them;
+    the gradients alone (the recompute's outputs dead, as in a gate-bound step): 434.8 /
+    1869.3, and 426.0 / 1832.0 with both_scans.
     An earlier variant fused the element-wise rest into the decayed products' kernel instead:
     exact, but slower than XLA (2048x12x1 969 against 944 us): at that kernel's one CTA an SM
     the memory-bound tail was latency-bound; tokens_bwd_kernel runs it at two CTAs an SM of
