@@ -129,10 +129,12 @@ def test_backward_buffers_cover_every_64_token_chunk_slot():
         assert shapes[f"chunk_{name}"] == (slots, 12, 64, 128)
     assert shapes["chunk_attn"] == shapes["chunk_kk"] == shapes["chunk_tinv"] == (slots, 12, 64, 64)
     assert shapes["chunk_decay"] == (slots, 12, 128)
-    for name in ("forward_a", "forward_bt", "reverse_a", "reverse_bt"):  # the scan's images
-        assert shapes[f"scan_{name}_image"] == (slots, 12, 2 * 64 * 128)
-    float32 = 4 * 128 * 128 + 6 * 64 * 128 + 3 * 64 * 64 + 128  # per slot and head
-    bf16 = 4 * 2 * 64 * 128
+    for name in ("w", "kd"):  # the single-pass scan images, both directions'
+        assert shapes[f"scan_{name}_image"] == (slots, 12, 64 * 128)
+    assert shapes["scan_forward_addend_slices"] == (slots, 12, 64, 128)
+    assert shapes["scan_reverse_addend_slices"] == (slots, 12, 128, 128)
+    float32 = 3 * 128 * 128 + 6 * 64 * 128 + 3 * 64 * 64 + 128  # per slot and head
+    bf16 = 2 * 64 * 128
     assert plan.backward_bytes == slots * 12 * (float32 * 4 + bf16 * 2)
 
 

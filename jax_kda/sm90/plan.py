@@ -55,7 +55,7 @@ class WorkspaceBuffer:
 
 CORE_ROWS = ("w", "u", "qg", "kd", "gamma")  # the chunk core's [64, 128] operands
 CORE_PAIRS = ("attn", "kk", "tinv")  # its [64, 64] ones
-SCAN_IMAGES = ("forward_a", "forward_bt", "reverse_a", "reverse_bt")  # the scan's operand images
+SCAN_IMAGES = ("w", "kd")  # the single-pass scan's bf16 operand images (both directions')
 
 
 @dataclass(frozen=True)
@@ -74,11 +74,11 @@ class PrefillPlan:
     backward_buffers: tuple[WorkspaceBuffer, ...]
     """What a training call's backward adds, per 64-token chunk slot and head: the chunk-core
     kernel's operands (float32: w, u, qg, kd, gamma [64, 128]; attn, kk, tinv [64, 64]; decay
-    [128]), the tensor-core state scan's inputs (its four bf16 [hi | lo] operand images, two a
-    direction, and the addends: u's V slices forward, the state's cotangent from the outputs
-    and its V slices reverse, float32), and the scan's results, the state entering the slot and
-    its cotangent at the slot's end (float32). XLA temporaries, not residuals: the backward
-    keeps only the inputs and recomputes these."""
+    [128]), the tensor-core state scans' inputs (the bf16 images of W and Kd [64, 128] that
+    the chunk core writes and both directions read; the addends in V slices, float32: u's
+    forward, the state's cotangent from the outputs reverse), and the scans' results, the state
+    entering the slot and its cotangent at the slot's end (float32). XLA temporaries, not
+    residuals: the backward keeps only the inputs and recomputes these."""
 
     @property
     def workspace_bytes(self) -> int:
@@ -167,7 +167,7 @@ def plan_prefill(
     scan_states = (slots, num_heads, *square)
     chunk_rows = (slots, num_heads, SCAN_CHUNK, HEAD_DIM)
     chunk_pairs = (slots, num_heads, SCAN_CHUNK, SCAN_CHUNK)
-    images = (slots, num_heads, 2 * SCAN_CHUNK * HEAD_DIM)
+    images = (slots, num_heads, SCAN_CHUNK * HEAD_DIM)
     return PrefillPlan(
         total_tokens=total_tokens,
         num_heads=num_heads,
@@ -188,8 +188,7 @@ def plan_prefill(
             *(WorkspaceBuffer(f"chunk_{name}", chunk_pairs, "float32") for name in CORE_PAIRS),
             WorkspaceBuffer("chunk_decay", (slots, num_heads, HEAD_DIM), "float32"),
             *(WorkspaceBuffer(f"scan_{name}_image", images, "bfloat16") for name in SCAN_IMAGES),
-            WorkspaceBuffer("scan_forward_addend", chunk_rows, "float32"),
-            WorkspaceBuffer("scan_reverse_addend", scan_states, "float32"),
+            WorkspaceBuffer("scan_forward_addend_slices", chunk_rows, "float32"),
             WorkspaceBuffer("scan_reverse_addend_slices", scan_states, "float32"),
             WorkspaceBuffer("chunk_states", scan_states, "float32"),
             WorkspaceBuffer("chunk_state_cotangents", scan_states, "float32"),
