@@ -51,6 +51,15 @@ def image_elems(passes: int = 3) -> int:
 HALF = HEAD_DIM // 2  # product 2 is two m64 products: channels [0, 64) and [64, 128)
 
 
+def scan_mmas(v_slice: int):
+    """The scan's two tiled MMAs for V-slices of v_slice columns: product 1 (acc [64 tokens,
+    VS] = A Y) and product 2 (Y [64 channels of a half, VS] += B^T X), B N-major."""
+    smem = warpgroup.OperandSource.SMEM
+    mma_x = bf16_tiled_mma((SCAN_CHUNK, v_slice), smem, b_mn_major=True)
+    mma_y = bf16_tiled_mma((HALF, v_slice), smem, b_mn_major=True, a_mn_major=True)
+    return mma_x, mma_y
+
+
 def accumulate_always(*mmas):
     """Every product of the scan accumulates (onto -P or zero, or the decayed state): set once,
     at the kernel's top level, outside every loop and branch (the field is staged state of the
@@ -88,9 +97,7 @@ class ChunkStateScanTcSm90:
     ):
         n_seq = cu_seqlens.shape[0] - 1
         heads = y0.shape[1]
-        smem = warpgroup.OperandSource.SMEM
-        mma_x = bf16_tiled_mma((SCAN_CHUNK, self.vs), smem, b_mn_major=True)
-        mma_y = bf16_tiled_mma((HALF, self.vs), smem, b_mn_major=True, a_mn_major=True)
+        mma_x, mma_y = scan_mmas(self.vs)
         self.kernel(
             a_img, bt_img, decay, addend, cu_seqlens, y0, states, final, mma_x, mma_y
         ).launch(grid=[HEAD_DIM // self.vs, heads, n_seq], block=[NTHREADS, 1, 1], stream=stream)

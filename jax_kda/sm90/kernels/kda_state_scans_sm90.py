@@ -22,17 +22,15 @@ from __future__ import annotations
 
 import cuda.bindings.driver as cuda
 import cutlass.cute as cute
-import cutlass.cute.nvgpu.warpgroup as warpgroup
 
-from jax_kda.constants import HEAD_DIM, SCAN_CHUNK
+from jax_kda.constants import HEAD_DIM
 from jax_kda.sm90.kernels.kda_state_scan_sm90 import ScanConfig
 from jax_kda.sm90.kernels.kda_state_scan_tc_sm90 import (
-    HALF,
     NTHREADS,
     ChunkStateScanTcSm90,
     accumulate_always,
+    scan_mmas,
 )
-from jax_kda.sm90.kernels.wgmma import bf16_tiled_mma
 
 
 class BothStateScansSm90:
@@ -65,9 +63,7 @@ class BothStateScansSm90:
     ):
         n_seq = cu_seqlens.shape[0] - 1
         heads = y0.shape[1]
-        smem = warpgroup.OperandSource.SMEM
-        mma_x = bf16_tiled_mma((SCAN_CHUNK, self.vs), smem, b_mn_major=True)
-        mma_y = bf16_tiled_mma((HALF, self.vs), smem, b_mn_major=True, a_mn_major=True)
+        mma_x, mma_y = scan_mmas(self.vs)
         args = (w_img, kd_img, decay, u, d_states, cu_seqlens, y0, d_final)
         grid = [2 * (HEAD_DIM // self.vs), heads, n_seq]
         self.kernel(*args, states, final, g_end, d_y0, mma_x, mma_y).launch(
