@@ -21,7 +21,6 @@ from jax_kda import xla
 from jax_kda.constants import GATE_FLOOR, HEAD_DIM, SCAN_CHUNK
 from jax_kda.sm90.kernels.layout import SCAN_TC_V_SLICES
 from jax_kda.sm90.plan import GRID_YZ_LIMIT, plan_prefill, scan_v_slice
-from jax_kda.sm90.plan import scan_v_slice as plan_scan_v_slice
 
 SM_COUNT_ENV = "JAX_KDA_SM_COUNT"
 """Without a GPU present, the SM count to plan segments for (e.g. 132 for an H100 SXM or H200)."""
@@ -331,7 +330,7 @@ def state_scans_kernel(
         g_end, d_y0 = run(kd_op, w_op, decay, d_states, cu_seqlens, d_final, reverse=True)
         return states, final, g_end, d_y0
     w_img, kd_img, u_slices = state_scan_operands(w_op, kd_op, u, v_slice, 1)
-    _, _, ds_slices = state_scan_operands(w_op, kd_op, d_states, v_slice, 1)
+    ds_slices = addend_slices(d_states, v_slice)
     slots = w_img.shape[0]
     results = [
         jax.ShapeDtypeStruct((slots, *y0.shape[1:]), jnp.float32),
@@ -386,12 +385,17 @@ def state_scan_operands(a_op, b_op, addend, v_slice: int, passes: int = 3):
         b_hi, b_lo = _truncated_split(b_op)
         a_img = _interleaved_image(jnp.concatenate([a_hi, a_lo], axis=-1))
         bt_img = _interleaved_image(jnp.concatenate([b_hi, b_lo], axis=-2))
+    return a_img, bt_img, addend_slices(addend, v_slice)
+
+
+def addend_slices(addend, v_slice: int):
+    """A scan addend ([slots, H, rows, V], or SlicedAddend) in the tensor-core scan's V
+    slices [slots, H, V / v_slice, rows * v_slice]."""
     if isinstance(addend, SlicedAddend) and addend.v_slice == v_slice:
-        return a_img, bt_img, addend.slices
+        return addend.slices
     slots, heads, rows, width = _unsliced(addend).shape
     slices = _unsliced(addend).reshape(slots, heads, rows, width // v_slice, v_slice)
-    slices = jnp.transpose(slices, (0, 1, 3, 2, 4)).reshape(slots, heads, -1, rows * v_slice)
-    return a_img, bt_img, slices
+    return jnp.transpose(slices, (0, 1, 3, 2, 4)).reshape(slots, heads, -1, rows * v_slice)
 
 
 class ImagedOperand(NamedTuple):
@@ -427,13 +431,16 @@ def _unsliced(addend):
     return jnp.transpose(x, (0, 1, 3, 2, 4)).reshape(slots, heads, rows, count * addend.v_slice)
 
 
-def scan_variant(num_heads: int, num_sequences: int, v_slice=None, tensor_cores=None):
+def scan_variant(
+    num_heads: int, num_sequences: int, v_slice=None, tensor_cores=None, both_directions=False
+):  # fmt: skip
     """(v_slice, tensor_cores) of the state scan state_scan_kernel runs for these arguments:
-    None takes the plan's width (plan.scan_v_slice), on tensor cores where that width has a
-    tensor-core kernel (H200, 2048x12x1, both directions: 95 us at t16 against the SIMT
-    kernel's 287 at v16; v_slice=64 is the m64 wgmma one)."""
+    None takes the plan's width (plan.scan_v_slice, for one direction or with both_directions
+    for both in one launch), on tensor cores where that width has a tensor-core kernel (H200,
+    2048x12x1, both directions: 95 us at t16 against the SIMT kernel's 287 at v16;
+    v_slice=64 is the m64 wgmma one)."""
     if v_slice is None:
-        v_slice = scan_v_slice(num_heads, num_sequences, device_sm_count())
+        v_slice = scan_v_slice(num_heads, num_sequences, device_sm_count(), both_directions)
     if tensor_cores is None:
         tensor_cores = v_slice in SCAN_TC_V_SLICES
     return v_slice, tensor_cores
@@ -1196,9 +1203,7 @@ def training_forward(
         if both_scans and scan_v_slice is None and scan_tensor_cores is not False:
             # the backward's scans (and the addend the state cotangent writes for them) take
             # the width that suits both directions in one launch
-            bwd_v_slice = plan_scan_v_slice(
-                q.shape[1], cu_seqlens.shape[0] - 1, device_sm_count(), both_directions=True
-            )
+            bwd_v_slice, _ = scan_variant(q.shape[1], cu_seqlens.shape[0] - 1, both_directions=True)
         chunk_bwd = functools.partial(
             xla_chunk_bwd,
             dense_bwd=dense_bwd_kernel if dense_precision == "bf16" else None,

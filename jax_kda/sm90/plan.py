@@ -208,11 +208,8 @@ def scan_v_slice(
     bound the pair (H200, one launch: 2048x12x1, 96 CTAs at 32, 55.8 us against 59.5 at 16;
     8192x16x1 203.2 against 221.6; 1024x4x1, 32 CTAs at 32, 30.4 against 17.4)."""
     wide = max(SCAN_TC_V_SLICES)
-    ctas = (HEAD_DIM // wide) * num_heads * num_sequences
-    if both_directions:
-        if sm_count is None or 2 * ctas >= sm_count / 2:
-            return wide
-        return min(SCAN_TC_V_SLICES)
-    if sm_count is None or ctas >= sm_count:
+    ctas = (HEAD_DIM // wide) * num_heads * num_sequences * (2 if both_directions else 1)
+    enough = None if sm_count is None else (sm_count / 2 if both_directions else sm_count)
+    if enough is None or ctas >= enough:
         return wide
     return min(SCAN_TC_V_SLICES)
