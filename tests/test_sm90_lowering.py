@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 import jax_kda
-from jax_kda import sm90
+from jax_kda import api, sm90
 from jax_kda.oracle import production_inputs
 from jax_kda.sm90 import export as cute_export
 from jax_kda.sm90.ffi_call import TARGET
@@ -33,6 +33,10 @@ SM_COUNT = 132  # an H200's, for the plan; CI has no GPU to read it from
 def _lower_for_hopper(monkeypatch):
     monkeypatch.setenv(sm90.ASSUME_SM90_ENV, "1")
     monkeypatch.setenv(sm90.SM_COUNT_ENV, str(SM_COUNT))
+    # the tests below pin the recompute structure (the gate-bound forward kernels, then the
+    # backward's own recompute); test_grad_with_saved_residuals_lowers_without_a_recompute
+    # the saved one
+    monkeypatch.setenv(api.RESIDUALS_ENV, "recompute")
 
 
 def _lower(fn, *args):
@@ -406,6 +410,45 @@ def test_grad_lowers_to_the_backward_kernels_and_no_loop():
     assert not any(p.startswith("kda_state_scan_sm90_rev") for p in prefixes), prefixes
     assert "kda_dense_bwd_sm90" in prefixes  # the products around the scan, backward
     assert "stablehlo.while" not in text
+
+
+def test_grad_with_saved_residuals_lowers_without_a_recompute(monkeypatch):
+    """With saved residuals (the default) the gradient's forward is the exact 64-token one
+    (chunk core, forward scan, outputs: no gate-bound forward kernel even with a bound) and its
+    backward recomputes nothing: one chunk-core call, the reverse scan alone; under vmap the
+    batch is still one call of each kernel."""
+    monkeypatch.setenv(api.RESIDUALS_ENV, "saved")
+    x = production_inputs([300, 0, 77], 2, seed=5)
+
+    def loss(q, k, v, g, beta, cu, state):
+        o, final = _prefill(backend="sm90")(q, k, v, g, beta, cu, state)
+        return jnp.sum(o.astype(jnp.float32) ** 2) + jnp.sum(final**2)
+
+    def batched(q, k, v, g, beta, state):
+        def one(q, k, v, g, beta, state):
+            o, final = jax_kda.prefill(
+                q, k, v, g, beta, initial_state=state[None], backend="sm90",
+                gate_lower_bound=-5.0,
+            )  # fmt: skip
+            return jnp.sum(o.astype(jnp.float32)) + jnp.sum(final)
+
+        return jnp.sum(jax.vmap(one)(q, k, v, g, beta, state))
+
+    rows = [a[:128].reshape(2, 64, *a.shape[1:]) for a in x[:5]]
+    cases = {
+        "grad": (jax.grad(loss, argnums=(0, 1, 2, 3, 4, 6)), x),
+        "vmap": (jax.grad(batched, argnums=range(6)), (*rows, x.initial_state[:2])),
+    }
+    for name, (fn, args) in cases.items():
+        text = _lower(fn, *args)
+        prefixes = re.findall(r'prefix = "(\w+)"', text)
+        assert {p.rsplit("_", 1)[0] for p in prefixes} == {
+            "kda_chunk_operands_sm90_x1", "kda_state_scan_sm90_fwd", "kda_chunk_outputs",
+            "kda_state_cotangent_sm90", "kda_state_scan_sm90_rev", "kda_dense_bwd",
+            "kda_decayed_bwd_tokens_sm90", "kda_tokens_bwd_sm90",
+        }, (name, prefixes)  # fmt: skip
+        assert sum(p.startswith("kda_chunk_operands_sm90") for p in prefixes) == 1, name
+        assert "stablehlo.while" not in text, name
 
 
 def test_training_forward_variants_lower_to_their_kernels():

@@ -1,0 +1,140 @@
+"""The sm90 training path with saved residuals (api: JAX_KDA_RESIDUALS="saved"), its plumbing run
+on the CPU: the sm90 backend's pieces are swapped for their XLA statements (the chunk core, the
+state scan and every chunk's backward, sm90.differentiable_chunks around them) and the backend
+check is told the kernels are there, so that the custom VJP's forward (the chunk operands and
+states kept) and backward (nothing recomputed) run for real, under jit, vmap (one packed call,
+nested, and a vmapped pullback of one call), lax.scan with checkpoint, and the batched form.
+Every gradient against the XLA backend's own (which recomputes)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jax_kda
+from jax_kda import api, sm90, xla
+from jax_kda.oracle import long_memory_inputs, rms_ratio
+from jax_kda.sm90 import backend
+
+BAR = 1e-4  # float32 products on both sides; only the summation order differs
+
+
+@pytest.fixture
+def xla_pieces(monkeypatch):
+    def chunks(num_heads, num_sequences, *, both_scans):
+        del num_heads, num_sequences, both_scans
+        return sm90.differentiable_chunks(sm90.xla_chunk_core, xla.state_scan, sm90.xla_chunk_bwd)
+
+    def training_forward(q, k, v, g, beta, cu_seqlens, initial_state, scale):
+        # the primal alone (a checkpointed layer's forward sweep): the same XLA pieces
+        return xla.forward(
+            q, k, v, g, beta, cu_seqlens, initial_state, scale,
+            chunks=chunks(q.shape[1], cu_seqlens.shape[0] - 1, both_scans=False),
+        )  # fmt: skip
+
+    monkeypatch.setattr(backend, "_training_chunks", chunks)
+    monkeypatch.setattr(sm90, "training_forward", training_forward)
+    monkeypatch.setattr(sm90, "unavailable_reason", lambda *a: None)
+    monkeypatch.setattr(sm90, "scan_unavailable_reason", lambda *a: None)
+    monkeypatch.setenv(api.RESIDUALS_ENV, "saved")
+
+
+def _grads(x, backend_name, *, batched=False, vmapped=False):
+    w = jnp.asarray(np.random.default_rng(3).standard_normal(x.q.shape), jnp.float32)
+
+    def loss(q, k, v, g, beta, state):
+        cu = None if batched else x.cu_seqlens
+        o, final = jax_kda.prefill(
+            q, k, v, g, beta, cu_seqlens=cu, initial_state=state, backend=backend_name,
+            output_final_state=True,
+        )  # fmt: skip
+        return jnp.sum(o.astype(jnp.float32) * w) + jnp.sum(final**2)
+
+    grad = jax.grad(loss, argnums=range(6))
+    if vmapped:  # two copies of the call, scaled, as a batch
+
+        def pair(q, k, v, g, beta, state, s):
+            return grad(q * s, k, v, g, beta, state)
+
+        scales = jnp.asarray([1.0, 0.5], x.q.dtype)
+        args = (*x[:5], x.initial_state)
+        return jax.jit(jax.vmap(pair, in_axes=(*[None] * 6, 0)))(*args, scales)
+    return jax.jit(grad)(*x[:5], x.initial_state)
+
+
+def _check(ours, ref):
+    for name, a, b in zip("q k v g beta state".split(), ours, ref, strict=True):
+        assert a.shape == b.shape and a.dtype == b.dtype, name
+        error = rms_ratio(a, b)
+        assert error <= BAR, (name, error)
+
+
+@pytest.mark.parametrize("lengths", [[130, 0, 70, 1], [0, 0]], ids=["ragged", "all-empty"])
+def test_saved_residuals_give_the_xla_backends_gradients(xla_pieces, lengths):
+    x = long_memory_inputs(lengths, 2, seed=11, dtype=jnp.float32)
+    ours = _grads(x, "sm90")
+    _check(ours, _grads(x, "xla"))
+
+
+def test_saved_residuals_under_vmap_pack_one_call(xla_pieces):
+    x = long_memory_inputs([70, 0, 64], 2, seed=12, dtype=jnp.float32)
+    ours = _grads(x, "sm90", vmapped=True)
+    ref = _grads(x, "xla", vmapped=True)
+    assert all(a.shape[0] == 2 for a in ours)
+    _check(ours, ref)
+
+
+def test_saved_residuals_with_a_vmapped_pullback(xla_pieces):
+    """One forward, its pullback vmapped over two cotangents: the backward runs the saved
+    call once for each."""
+    x = long_memory_inputs([70, 0, 64], 2, seed=13, dtype=jnp.float32)
+
+    def pullbacks(backend_name):
+        def f(q, k, v, g, beta, state):
+            return jax_kda.prefill(
+                q, k, v, g, beta, cu_seqlens=x.cu_seqlens, initial_state=state,
+                backend=backend_name, output_final_state=True,
+            )  # fmt: skip
+
+        @jax.jit
+        def run(*args):
+            (o, final), pullback = jax.vjp(f, *args)
+            d_o = jnp.stack([jnp.ones_like(o), -2 * jnp.ones_like(o)])
+            d_final = jnp.stack([final, jnp.zeros_like(final)])
+            return jax.vmap(pullback)((d_o, d_final))
+
+        return run(*x[:5], x.initial_state)
+
+    _check(pullbacks("sm90"), pullbacks("xla"))
+
+
+def test_saved_residuals_in_scanned_checkpointed_layers_and_batched_form(xla_pieces):
+    x = long_memory_inputs([64, 64], 2, seed=14, dtype=jnp.float32)
+    rows = [a.reshape(2, 64, *a.shape[1:]) for a in x[:5]]
+
+    def grads(backend_name):
+        def layers(q, k, v, g, beta, state):
+            @jax.checkpoint
+            def body(s, _):
+                o, final = jax_kda.prefill(
+                    q, k, v, g, beta, initial_state=s, backend=backend_name,
+                    output_final_state=True,
+                )  # fmt: skip
+                return final, jnp.sum(o**2)
+
+            final, sums = jax.lax.scan(body, state, None, length=2)
+            return jnp.sum(sums) + jnp.sum(final**2)
+
+        return jax.jit(jax.grad(layers, argnums=range(6)))(*rows, x.initial_state)
+
+    _check(grads("sm90"), grads("xla"))
+
+
+def test_recompute_choice_and_bad_values(monkeypatch):
+    monkeypatch.setenv(api.RESIDUALS_ENV, "recompute")
+    assert not api._save_residuals("sm90")
+    monkeypatch.setenv(api.RESIDUALS_ENV, "saved")
+    assert api._save_residuals("sm90_exact") and not api._save_residuals("xla")
+    monkeypatch.setenv(api.RESIDUALS_ENV, "both")
+    with pytest.raises(ValueError, match="'saved' or 'recompute'"):
+        api._save_residuals("sm90")
