@@ -23,10 +23,12 @@ class BackendUnavailableError(RuntimeError):
 
 
 RESIDUALS_ENV = "JAX_KDA_RESIDUALS"
-"""The sm90 training path's residuals: "saved" (default: the forward runs the exact 64-token
-kernels and keeps their chunk operands and chunk states for the backward, which then
-recomputes nothing) or "recompute" (the forward keeps only the inputs, runs the gate-bound
-forward kernels where a bound is given, and the backward recomputes the rest)."""
+"""The sm90 training path's residuals, read when prefill is traced (a jitted function keeps
+the choice it was traced with): "recompute" (default: the forward keeps only the inputs,
+runs the gate-bound forward kernels where a bound is given, and the backward recomputes the
+rest) or "saved" (NOT YET RUN ON A GPU: the forward runs the exact 64-token kernels and
+keeps their chunk operands and chunk states for the backward, which recomputes nothing;
+under jax.vmap each element is its own call)."""
 
 
 @dataclass(frozen=True)
@@ -42,10 +44,12 @@ class _Call:
 def _save_residuals(backend: str) -> bool:
     import os
 
-    choice = os.environ.get(RESIDUALS_ENV, "saved")
+    if backend not in ("sm90", "sm90_exact"):
+        return False
+    choice = os.environ.get(RESIDUALS_ENV, "recompute")
     if choice not in ("saved", "recompute"):
         raise ValueError(f"{RESIDUALS_ENV} is 'saved' or 'recompute', not {choice!r}")
-    return backend in ("sm90", "sm90_exact") and choice == "saved"
+    return choice == "saved"
 
 
 def prefill(
@@ -269,8 +273,7 @@ def _prefill(call, q, k, v, g, beta, cu_seqlens, initial_state):
 
 def _prefill_fwd(call, q, k, v, g, beta, cu_seqlens, initial_state):
     if call.save_residuals:
-        run = _saving_forward_under_vmap(call)
-        o, final_state, saved = run(q, k, v, g, beta, cu_seqlens, initial_state)
+        o, final_state, saved = _saving_forward(call, q, k, v, g, beta, cu_seqlens, initial_state)
         return (o, final_state), saved
     out = _forward(call, q, k, v, g, beta, cu_seqlens, initial_state)
     return out, (q, k, v, g, beta, cu_seqlens, initial_state)
@@ -282,8 +285,7 @@ def _prefill_bwd(call, residuals, cotangents):
     XLA path. Both are exact for any g <= 0."""
     d_o, d_final = cotangents
     if call.save_residuals:
-        run = _saved_backward_under_vmap(call)
-        dq, dk, dv, dg, dbeta, dstate = run(d_o, d_final, *residuals)
+        dq, dk, dv, dg, dbeta, dstate = _saved_backward(call, d_o, d_final, residuals)
         return dq, dk, dv, dg, dbeta, None, dstate
     q, k, v, g, beta, cu_seqlens, initial_state = residuals
     if call.backend in ("sm90", "sm90_exact"):
@@ -302,125 +304,37 @@ def _prefill_bwd(call, residuals, cotangents):
     return dq, dk, dv, dg, dbeta, None, dstate
 
 
-def _merge(x):
-    """[V, A, ...] -> [V * A, ...]: a vmapped batch's elements one after another."""
-    return x.reshape(x.shape[0] * x.shape[1], *x.shape[2:])
-
-
-def _split(x, axis_size):
-    """The inverse of _merge for a batch of axis_size elements."""
-    return x.reshape(axis_size, x.shape[0] // axis_size, *x.shape[1:])
-
-
-def _packed_cu(call: _Call, cu_seqlens, length, axis_size):
-    """The cu_seqlens of a vmapped batch packed as one call (see _one_call_under_vmap)."""
-    if call.batched:  # [V, B, T, ...]: V * B rows; cu_seqlens unused
-        return cu_seqlens[0]
-    offsets = (jnp.arange(axis_size, dtype=jnp.int32) * length)[:, None]
-    starts = (cu_seqlens[:, :-1] + offsets).reshape(-1)
-    return jnp.concatenate([starts, jnp.full((1,), axis_size * length, jnp.int32)])
-
-
-def _saving_forward_under_vmap(call: _Call):
-    """(q, k, v, g, beta, cu_seqlens, initial_state) -> (o, final_state, saved): the sm90
-    training forward keeping its residuals (sm90.training_residual_forward; saved: its arrays,
-    for the packed call). Under jax.vmap the batch runs as one packed call and `saved` is that
-    call's, unbatched; where the batch cannot be one call, element by element, `saved`
-    batched."""
-
-    def base(q, k, v, g, beta, cu_seqlens, initial_state):
-        if not call.batched:
-            return sm90.training_residual_forward(
-                q, k, v, g, beta, cu_seqlens, initial_state, call.scale
-            )
-        rows, length = q.shape[:2]
-        row_cu = jnp.arange(rows + 1, dtype=jnp.int32) * length
-        packed = [x.reshape(rows * length, *x.shape[2:]) for x in (q, k, v, g, beta)]
-        o, final_state, saved = sm90.training_residual_forward(
-            *packed, row_cu, initial_state, call.scale
+def _saving_forward(call: _Call, q, k, v, g, beta, cu_seqlens, initial_state):
+    """(o, final_state, saved): the sm90 training forward keeping its residuals
+    (sm90.training_residual_forward; `saved` its arrays). No vmap rule of its own: under
+    jax.vmap JAX batches it as any function (each custom call once per element), so `saved`
+    always has one call's shapes per element, whatever transformation surrounds it."""
+    rows = q.shape[0] * q.shape[1] if call.batched else q.shape[0]
+    reason = sm90.scan_unavailable_reason(rows, q.shape[-2], initial_state.shape[0])
+    if reason is not None:
+        raise BackendUnavailableError(f"the sm90 training forward cannot serve this call: {reason}")
+    if not call.batched:
+        return sm90.training_residual_forward(
+            q, k, v, g, beta, cu_seqlens, initial_state, call.scale
         )
-        return o.reshape(*q.shape[:-1], o.shape[-1]), final_state, saved
-
-    @jax.custom_batching.custom_vmap
-    def wrapped(*args):
-        return base(*args)
-
-    @wrapped.def_vmap
-    def rule(axis_size, in_batched, *args):
-        args = [
-            a if batched else jnp.broadcast_to(a, (axis_size, *a.shape))
-            for a, batched in zip(args, in_batched, strict=True)
-        ]
-        tokens, cu_seqlens, state = args[:5], args[5], args[6]
-        if axis_size == 0 or _too_big_for_one_call(call, tokens[0], state):
-            out = jax.lax.map(lambda xs: wrapped(*xs), tuple(args))
-            return out, jax.tree_util.tree_map(lambda _: True, out)
-        packed_cu = _packed_cu(call, cu_seqlens, tokens[0].shape[1], axis_size)
-        o, final_state, saved = wrapped(*map(_merge, tokens), packed_cu, _merge(state))
-        out = (_split(o, axis_size), _split(final_state, axis_size), saved)
-        return out, (True, True, tuple(False for _ in saved))
-
-    return wrapped
+    count, length = q.shape[:2]
+    row_cu = jnp.arange(count + 1, dtype=jnp.int32) * length
+    packed = [x.reshape(count * length, *x.shape[2:]) for x in (q, k, v, g, beta)]
+    o, final_state, saved = sm90.training_residual_forward(
+        *packed, row_cu, initial_state, call.scale
+    )
+    return o.reshape(*q.shape[:-1], o.shape[-1]), final_state, saved
 
 
-def _saved_backward_under_vmap(call: _Call):
-    """(d_o, d_final, *saved) -> (dq, dk, dv, dg, dbeta, d_initial_state) from the arrays
-    _saving_forward_under_vmap saved. Under jax.vmap with `saved` unbatched (one packed call's,
-    or a call whose pullback alone is vmapped) the cotangents are packed the same way and the
-    backward runs once on each call the saved arrays describe."""
-
-    def base(d_o, d_final, *saved):
-        saved_tokens = saved[0].shape[0]  # the packed call's tokens
-        shape = d_o.shape
-        if call.batched:
-            d_o = d_o.reshape(shape[0] * shape[1], *shape[2:])
-        if d_o.shape[0] < saved_tokens:
-            # One element of a vmapped batch against its packed call's arrays: JAX traces this
-            # body for the element's shapes, but under vmap the rule below runs instead.
-            zeros = [jnp.zeros((d_o.shape[0], *x.shape[1:]), x.dtype) for x in saved[:5]]
-            if call.batched:
-                zeros = [x.reshape(*shape[:2], *x.shape[1:]) for x in zeros]
-            return (*zeros, jnp.zeros(d_final.shape, jnp.float32))
-        count, rest = divmod(d_o.shape[0], saved_tokens) if saved_tokens else (1, 0)
-        if rest or (saved_tokens == 0 and d_o.shape[0]):
-            raise ValueError(f"cotangents of {d_o.shape[0]} tokens for a call of {saved_tokens}")
-        if count == 1 or saved_tokens == 0:
-            grads = sm90.training_residual_backward(saved, d_o, d_final, call.scale)
-        else:  # the pullback alone vmapped: `count` cotangents of the one saved call
-            sequences = d_final.shape[0] // count
-            pieces = (
-                d_o.reshape(count, saved_tokens, *d_o.shape[1:]),
-                d_final.reshape(count, sequences, *d_final.shape[1:]),
-            )
-            grads = jax.lax.map(
-                lambda c: sm90.training_residual_backward(saved, *c, call.scale), pieces
-            )
-            grads = tuple(_merge(x) for x in grads)
-        if call.batched:
-            grads = (*(x.reshape(*shape[:2], *x.shape[1:]) for x in grads[:5]), grads[5])
-        return grads
-
-    @jax.custom_batching.custom_vmap
-    def wrapped(*args):
-        return base(*args)
-
-    @wrapped.def_vmap
-    def rule(axis_size, in_batched, *args):
-        if any(in_batched[2:]):  # the forward ran element by element: so does its backward
-            args = [
-                a if batched else jnp.broadcast_to(a, (axis_size, *a.shape))
-                for a, batched in zip(args, in_batched, strict=True)
-            ]
-            out = jax.lax.map(lambda xs: wrapped(*xs), tuple(args))
-            return out, tuple(True for _ in out)
-        d_o, d_final = (
-            a if batched else jnp.broadcast_to(a, (axis_size, *a.shape))
-            for a, batched in zip(args[:2], in_batched[:2], strict=True)
-        )
-        out = wrapped(_merge(d_o), _merge(d_final), *args[2:])
-        return tuple(_split(x, axis_size) for x in out), tuple(True for _ in out)
-
-    return wrapped
+def _saved_backward(call: _Call, d_o, d_final, saved):
+    """(dq, dk, dv, dg, dbeta, d_initial_state) from _saving_forward's `saved` arrays."""
+    shape = d_o.shape
+    if call.batched:
+        d_o = d_o.reshape(shape[0] * shape[1], *shape[2:])
+    grads = sm90.training_residual_backward(saved, d_o, d_final, call.scale)
+    if call.batched:
+        grads = (*(x.reshape(*shape[:2], *x.shape[1:]) for x in grads[:5]), grads[5])
+    return grads
 
 
 def _too_big_for_one_call(call: _Call, q, state) -> bool:

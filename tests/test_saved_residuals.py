@@ -2,9 +2,10 @@
 on the CPU: the sm90 backend's pieces are swapped for their XLA statements (the chunk core, the
 state scan and every chunk's backward, sm90.differentiable_chunks around them) and the backend
 check is told the kernels are there, so that the custom VJP's forward (the chunk operands and
-states kept) and backward (nothing recomputed) run for real, under jit, vmap (one packed call,
-nested, and a vmapped pullback of one call), lax.scan with checkpoint, and the batched form.
-Every gradient against the XLA backend's own (which recomputes)."""
+states kept) and backward (nothing recomputed) run for real, under jit, vmap (of grad, of
+jacrev, of a pullback, of vmapped pullbacks), lax.scan with checkpoint, and the batched form.
+Gradients against the XLA backend's own (which recomputes), or against a loop of plain calls
+where a transformation of the XLA backend is itself in question."""
 
 import jax
 import jax.numpy as jnp
@@ -76,7 +77,7 @@ def test_saved_residuals_give_the_xla_backends_gradients(xla_pieces, lengths):
     _check(ours, _grads(x, "xla"))
 
 
-def test_saved_residuals_under_vmap_pack_one_call(xla_pieces):
+def test_saved_residuals_under_vmap_of_grad(xla_pieces):
     x = long_memory_inputs([70, 0, 64], 2, seed=12, dtype=jnp.float32)
     ours = _grads(x, "sm90", vmapped=True)
     ref = _grads(x, "xla", vmapped=True)
@@ -130,11 +131,46 @@ def test_saved_residuals_in_scanned_checkpointed_layers_and_batched_form(xla_pie
     _check(grads("sm90"), grads("xla"))
 
 
-def test_recompute_choice_and_bad_values(monkeypatch):
-    monkeypatch.setenv(api.RESIDUALS_ENV, "recompute")
+def test_saved_residuals_under_vmap_of_jacrev_and_of_vmapped_pullbacks(xla_pieces):
+    """Nested: vmap over calls of jacrev over two outputs (a vmapped pullback inside a vmapped
+    forward), and the pullbacks of a vmapped jax.vjp vmapped again; against a loop of plain
+    XLA-backend gradients, one call and one output at a time."""
+    x = long_memory_inputs([70, 0, 64], 2, seed=15, dtype=jnp.float32)
+    rng = np.random.default_rng(4)
+    w = jnp.asarray(rng.standard_normal((2, *x.q.shape)), jnp.float32)
+    scales = jnp.asarray([1.0, 0.5], jnp.float32)
+
+    def outputs(backend_name, s):
+        def f(q):
+            o, final = jax_kda.prefill(
+                q * s, *x[1:5], cu_seqlens=x.cu_seqlens, initial_state=x.initial_state,
+                backend=backend_name, output_final_state=True,
+            )  # fmt: skip
+            return jnp.stack([jnp.sum(o * w[0]), jnp.sum(o * w[1]) + jnp.sum(final**2)])
+
+        return f
+
+    ours = jax.jit(jax.vmap(lambda s: jax.jacrev(outputs("sm90", s))(x.q)))(scales)
+    one = jax.jit(lambda s, i: jax.grad(lambda q: outputs("xla", s)(q)[i])(x.q))
+    ref = jnp.stack([jnp.stack([one(s, i) for i in range(2)]) for s in scales])
+    assert ours.shape == ref.shape and rms_ratio(ours, ref) <= BAR, rms_ratio(ours, ref)
+
+    @jax.jit
+    def vmapped_pullbacks(scales):
+        outs, pullbacks = jax.vmap(lambda s: jax.vjp(outputs("sm90", s), x.q))(scales)
+        return jax.vmap(lambda pb, ct: pb(ct)[0])(pullbacks, jnp.ones_like(outs))
+
+    ref = jnp.stack([one(s, 0) + one(s, 1) for s in scales])
+    ours = vmapped_pullbacks(scales)
+    assert rms_ratio(ours, ref) <= BAR, rms_ratio(ours, ref)
+
+
+def test_recompute_is_the_default_and_bad_values_are_named(monkeypatch):
+    monkeypatch.delenv(api.RESIDUALS_ENV, raising=False)
     assert not api._save_residuals("sm90")
     monkeypatch.setenv(api.RESIDUALS_ENV, "saved")
     assert api._save_residuals("sm90_exact") and not api._save_residuals("xla")
     monkeypatch.setenv(api.RESIDUALS_ENV, "both")
+    assert not api._save_residuals("xla")  # read only where the sm90 path runs
     with pytest.raises(ValueError, match="'saved' or 'recompute'"):
         api._save_residuals("sm90")
