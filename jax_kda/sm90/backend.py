@@ -1175,9 +1175,7 @@ def _training_chunks(num_heads, num_sequences, *, both_scans):
     """differentiable_chunks with every kernel at training_forward's defaults."""
     bwd_v_slice = None
     if both_scans:
-        bwd_v_slice = plan_scan_v_slice(
-            num_heads, num_sequences, device_sm_count(), both_directions=True
-        )
+        bwd_v_slice, _ = scan_variant(num_heads, num_sequences, both_directions=True)
     chunk_bwd = functools.partial(
         xla_chunk_bwd, dense_bwd=dense_bwd_kernel, decayed_bwd=decayed_bwd_tokens_kernel,
         tokens_bwd=tokens_bwd_kernel,
