@@ -1,11 +1,11 @@
-"""The sm90 training path with saved residuals (api: JAX_KDA_RESIDUALS="saved"), its plumbing run
-on the CPU: the sm90 backend's pieces are swapped for their XLA statements (the chunk core, the
-state scan and every chunk's backward, sm90.differentiable_chunks around them) and the backend
-check is told the kernels are there, so that the custom VJP's forward (the chunk operands and
-states kept) and backward (nothing recomputed) run for real, under jit, vmap (of grad, of
-jacrev, of a pullback, of vmapped pullbacks), lax.scan with checkpoint, and the batched form.
-Gradients against the XLA backend's own (which recomputes), or against a loop of plain calls
-where a transformation of the XLA backend is itself in question."""
+"""The sm90 training path with saved residuals (prefill's default, residuals="saved"), its plumbing
+run on the CPU: the sm90 backend's pieces are swapped for their XLA statements (the chunk core,
+the state scan and every chunk's backward, sm90.differentiable_chunks around them) and the
+backend check is told the kernels are there, so that the custom VJP's forward (the chunk
+operands and states kept) and backward (nothing recomputed) run for real, under jit, vmap (of
+grad, of jacrev, of a pullback, of vmapped pullbacks), lax.scan with checkpoint, and the batched
+form. Gradients against the XLA backend's own (autodiff's residuals), or against a loop of plain
+calls where a transformation of the XLA backend is itself in question."""
 
 import jax
 import jax.numpy as jnp
@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 import jax_kda
-from jax_kda import api, sm90, xla
+from jax_kda import sm90, xla
 from jax_kda.oracle import long_memory_inputs, rms_ratio
 from jax_kda.sm90 import backend
 
@@ -37,7 +37,6 @@ def xla_pieces(monkeypatch):
     monkeypatch.setattr(sm90, "training_forward", training_forward)
     monkeypatch.setattr(sm90, "unavailable_reason", lambda *a: None)
     monkeypatch.setattr(sm90, "scan_unavailable_reason", lambda *a: None)
-    monkeypatch.setenv(api.RESIDUALS_ENV, "saved")
 
 
 def _grads(x, backend_name, *, batched=False, vmapped=False):
@@ -165,12 +164,21 @@ def test_saved_residuals_under_vmap_of_jacrev_and_of_vmapped_pullbacks(xla_piece
     assert rms_ratio(ours, ref) <= BAR, rms_ratio(ours, ref)
 
 
-def test_recompute_is_the_default_and_bad_values_are_named(monkeypatch):
-    monkeypatch.delenv(api.RESIDUALS_ENV, raising=False)
-    assert not api._save_residuals("sm90")
-    monkeypatch.setenv(api.RESIDUALS_ENV, "saved")
-    assert api._save_residuals("sm90_exact") and not api._save_residuals("xla")
-    monkeypatch.setenv(api.RESIDUALS_ENV, "both")
-    assert not api._save_residuals("xla")  # read only where the sm90 path runs
-    with pytest.raises(ValueError, match="'saved' or 'recompute'"):
-        api._save_residuals("sm90")
+def test_saved_is_the_default_and_bad_values_are_named(xla_pieces, monkeypatch):
+    x = long_memory_inputs([70, 0, 33], 2, seed=11)
+    args = (x.q, x.k, x.v, x.g, x.beta)
+    options = dict(cu_seqlens=x.cu_seqlens, initial_state=x.initial_state, backend="sm90")
+    for residuals in (3, "both", None):
+        with pytest.raises(ValueError, match="residuals: got"):
+            jax_kda.prefill(*args, residuals=residuals, **options)
+    calls = []
+    original = sm90.training_residual_forward
+    monkeypatch.setattr(
+        sm90, "training_residual_forward", lambda *a: calls.append(1) or original(*a)
+    )
+    jax.grad(lambda q: jnp.sum(jax_kda.prefill(q, *args[1:], **options)[0]))(x.q)
+    assert calls, "the default residuals did not run the saving forward"
+    calls.clear()
+    recompute = dict(options, residuals="recompute")
+    jax.grad(lambda q: jnp.sum(jax_kda.prefill(q, *args[1:], **recompute)[0]))(x.q)
+    assert not calls, "residuals='recompute' ran the saving forward"

@@ -6,6 +6,7 @@ Fresh random data each run (the seed is printed), kernel outputs poisoned with N
 passes (rms_ratio is inf for any non-finite value).
 """
 
+import functools
 import time
 
 import jax
@@ -207,8 +208,10 @@ GRAD_CASES = {
 
 @pytest.fixture(params=["saved", "recompute"])
 def residuals(request, monkeypatch):
-    """The sm90 training path's two residual choices (jax_kda.api.RESIDUALS_ENV)."""
-    monkeypatch.setenv(jax_kda.api.RESIDUALS_ENV, request.param)
+    """The sm90 training path's two residual choices (prefill's `residuals`), given to every
+    jax_kda.prefill call of the test."""
+    prefill = jax_kda.api.prefill
+    monkeypatch.setattr(jax_kda, "prefill", functools.partial(prefill, residuals=request.param))
     return request.param
 
 

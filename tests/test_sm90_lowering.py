@@ -34,9 +34,17 @@ def _lower_for_hopper(monkeypatch):
     monkeypatch.setenv(sm90.ASSUME_SM90_ENV, "1")
     monkeypatch.setenv(sm90.SM_COUNT_ENV, str(SM_COUNT))
     # the tests below pin the recompute structure (the gate-bound forward kernels, then the
-    # backward's own recompute); test_grad_with_saved_residuals_lowers_without_a_recompute
-    # the saved one
-    monkeypatch.setenv(api.RESIDUALS_ENV, "recompute")
+    # backward's own recompute) unless a call names its residuals;
+    # test_grad_with_saved_residuals_lowers_without_a_recompute checks the saved one (the default)
+    monkeypatch.setattr(jax_kda, "prefill", _recompute_unless_named(api.prefill))
+
+
+def _recompute_unless_named(prefill):
+    def call(*args, **options):
+        options.setdefault("residuals", "recompute")
+        return prefill(*args, **options)
+
+    return call
 
 
 def _lower(fn, *args):
@@ -412,24 +420,29 @@ def test_grad_lowers_to_the_backward_kernels_and_no_loop():
     assert "stablehlo.while" not in text
 
 
-def test_grad_with_saved_residuals_lowers_without_a_recompute(monkeypatch):
+def test_grad_with_saved_residuals_lowers_without_a_recompute():
     """With saved residuals the gradient's forward is the exact 64-token one (chunk core,
     forward scan, outputs: no gate-bound forward kernel even with a bound) and its backward
     recomputes nothing: one chunk-core call, the reverse scan alone. Under vmap each element
     is its own call (a loop), and a loss linear in o leaves the outputs kernel dead."""
-    monkeypatch.setenv(api.RESIDUALS_ENV, "saved")
     x = production_inputs([300, 0, 77], 2, seed=5)
 
     def loss(q, k, v, g, beta, cu, state):
-        o, final = _prefill(backend="sm90")(q, k, v, g, beta, cu, state)
+        o, final = _prefill(backend="sm90", residuals="saved")(q, k, v, g, beta, cu, state)
         return jnp.sum(o.astype(jnp.float32) ** 2) + jnp.sum(final**2)
 
     def batched(q, k, v, g, beta, state):
         def one(q, k, v, g, beta, state):
-            o, final = jax_kda.prefill(
-                q, k, v, g, beta, initial_state=state[None], backend="sm90",
+            o, final = api.prefill(
+                q,
+                k,
+                v,
+                g,
+                beta,
+                initial_state=state[None],
+                backend="sm90",
                 gate_lower_bound=-5.0,
-            )  # fmt: skip
+            )  # fmt: skip (the default residuals, "saved")
             return jnp.sum(o.astype(jnp.float32)) + jnp.sum(final)
 
         return jnp.sum(jax.vmap(one)(q, k, v, g, beta, state))
@@ -642,7 +655,8 @@ def test_grad_under_shard_map_with_check_vma_lowers():
 
         def heads(q, k, v, g, beta, state):
             return jax_kda.prefill(q, k, v, g, beta, cu_seqlens=cu, initial_state=state,
-                                   backend="sm90", gate_lower_bound=-5.0)
+                                   backend="sm90", gate_lower_bound=-5.0,
+                                   residuals="recompute")
 
         spec = P(None, "x")
         by_heads = jax.shard_map(heads, mesh=mesh, in_specs=(spec,) * 6, out_specs=(spec, spec))
@@ -661,7 +675,7 @@ def test_grad_under_shard_map_with_check_vma_lowers():
 
         def sequences(q, k, v, g, beta, state):
             return jax_kda.prefill(q, k, v, g, beta, initial_state=state, backend="sm90",
-                                   gate_lower_bound=-5.0)
+                                   gate_lower_bound=-5.0, residuals="recompute")
 
         by_rows = jax.shard_map(sequences, mesh=mesh, in_specs=(P("x"),) * 6,
                                 out_specs=(P("x"), P("x")))
@@ -697,7 +711,7 @@ def test_grad_under_explicit_sharding_lowers_per_device():
 
         def loss(*a):
             o, final = jax_kda.prefill(*a[:5], initial_state=a[5], backend="sm90",
-                                       gate_lower_bound=-5.0)
+                                       gate_lower_bound=-5.0, residuals="recompute")
             return jnp.sum(o.astype(jnp.float32) ** 2) + jnp.sum(final ** 2)
 
         with jax.set_mesh(mesh):
@@ -734,7 +748,8 @@ def test_context_parallel_grad_lowers_per_device():
         def loss(q, k, v, g, beta, state):
             o, final = parallel.prefill_on_mesh(
                 q, k, v, g, beta, cu_seqlens=x.cu_seqlens, initial_state=state, mesh=mesh,
-                token_axis="tokens", backend="sm90", gate_lower_bound=-5.0)
+                token_axis="tokens", backend="sm90", gate_lower_bound=-5.0,
+                                   residuals="recompute")
             return jnp.sum(o.astype(jnp.float32) ** 2) + jnp.sum(final ** 2)
 
         grad = jax.jit(jax.grad(loss, argnums=range(6)))

@@ -91,8 +91,9 @@ class PrefillPlan:
     @property
     def saved_residual_bytes(self) -> int:
         """What a training call keeps from its forward to its backward with saved residuals
-        (api.RESIDUALS_ENV="saved"): the chunk core's outputs, its scan images and the
-        chunk states, out of backward_buffers (the inputs, kept either way, not counted)."""
+        (prefill's residuals="saved", the default): the chunk core's outputs, its scan images
+        and the chunk states, out of backward_buffers (the inputs, kept either way, not
+        counted)."""
         kept = {f"chunk_{name}" for name in (*CORE_ROWS, *CORE_PAIRS, "decay", "states")}
         kept |= {f"scan_{name}_image" for name in SCAN_IMAGES}
         return sum(buffer.bytes for buffer in self.backward_buffers if buffer.name in kept)
