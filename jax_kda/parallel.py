@@ -54,6 +54,7 @@ def context_parallel_prefill(
     output_final_state=True,
     gate_lower_bound=None,
     backend="auto",
+    residuals="saved",
 ):
     """prefill of packed tokens split over the mesh axis `axis_name`; call it inside
     jax.shard_map (the default check_vma works).
@@ -64,7 +65,7 @@ def context_parallel_prefill(
       cu_seqlens: [N + 1] int32, the global boundaries (cu[N] = T), the same on every device;
         None means one sequence of T tokens. Sequences may straddle any device boundary.
       initial_state: [N, H, 128, 128] float32 ([V, K]), the same on every device; None: zeros.
-      scale, gate_lower_bound, backend: as jax_kda.prefill (per device).
+      scale, gate_lower_bound, backend, residuals: as jax_kda.prefill (per device).
     Returns:
       (o, final_state): o, this device's [T / D, H, 128] shard of the outputs, in q's dtype;
       final_state [N, H, 128, 128] float32, the same on every device (summed over the axis), or
@@ -113,6 +114,7 @@ def context_parallel_prefill(
         scale=scale,
         gate_lower_bound=gate_lower_bound,
         backend=backend,
+        residuals=residuals,
     )
     o_zero, o_map = o_both[:, :heads], o_both[:, heads:]  # o_map: scale P_t^T q_t, else 0
     final_zero, final_map = final_both[:, :heads], final_both[:, heads:]  # final_map: P^T, else 0
@@ -167,6 +169,7 @@ def prefill_on_mesh(
     output_final_state=True,
     gate_lower_bound=None,
     backend="auto",
+    residuals="saved",
 ):
     """jax_kda.prefill with the packed tokens split over the mesh axis `token_axis` (context
     parallelism) and, optionally, the heads over `head_axis`: context_parallel_prefill inside
@@ -195,6 +198,7 @@ def prefill_on_mesh(
         output_final_state=output_final_state,
         gate_lower_bound=gate_lower_bound,
         backend=backend,
+        residuals=residuals,
     )
 
     def local(q, k, v, g, beta, cu_seqlens, *states):  # states: (initial_state,) or ()

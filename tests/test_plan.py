@@ -136,6 +136,9 @@ def test_backward_buffers_cover_every_64_token_chunk_slot():
     float32 = 3 * 128 * 128 + 6 * 64 * 128 + 3 * 64 * 64 + 128  # per slot and head
     bf16 = 2 * 64 * 128
     assert plan.backward_bytes == slots * 12 * (float32 * 4 + bf16 * 2)
+    # kept from the forward with saved residuals: the core's outputs, images and the states
+    kept = 128 * 128 + 5 * 64 * 128 + 3 * 64 * 64 + 128
+    assert plan.saved_residual_bytes == slots * 12 * (kept * 4 + bf16 * 2)
 
 
 @pytest.mark.parametrize(

@@ -6,6 +6,7 @@ Fresh random data each run (the seed is printed), kernel outputs poisoned with N
 passes (rms_ratio is inf for any non-finite value).
 """
 
+import functools
 import time
 
 import jax
@@ -205,21 +206,30 @@ GRAD_CASES = {
 }
 
 
+@pytest.fixture(params=["saved", "recompute"])
+def residuals(request, monkeypatch):
+    """The sm90 training path's two residual choices (prefill's `residuals`), given to every
+    jax_kda.prefill call of the test."""
+    prefill = jax_kda.api.prefill
+    monkeypatch.setattr(jax_kda, "prefill", functools.partial(prefill, residuals=request.param))
+    return request.param
+
+
 @pytest.mark.parametrize("case", GRAD_CASES)
-def test_prefill_grads_match_float64_oracle(case):
+def test_prefill_grads_match_float64_oracle(case, residuals):
     lengths, heads = GRAD_CASES[case]
     x = production_inputs(lengths, heads, seed=SEED + len(case))
-    _check_grads(case, x, _prefill_sm90())
+    _check_grads(f"{case} {residuals}", x, _prefill_sm90())
 
 
 @pytest.mark.parametrize("lengths", [[2000, 0, 700], [4096]])
-def test_long_memory_grads_with_custom_scale(lengths):
+def test_long_memory_grads_with_custom_scale(lengths, residuals):
     x = long_memory_inputs(lengths, 2, seed=SEED + 7)
-    _check_grads(f"long-memory {lengths}", x, _prefill_sm90(scale=0.3), scale=0.3)
+    _check_grads(f"long-memory {lengths} {residuals}", x, _prefill_sm90(scale=0.3), scale=0.3)
 
 
 @pytest.mark.parametrize("gate", ["-30", "-100", "zero", "mixed"])
-def test_backward_is_exact_for_any_gate(gate):
+def test_backward_is_exact_for_any_gate(gate, residuals):
     """No gate bound: the sm90 backend's exact forward (the state-scan kernel around the XLA
     path's per-chunk parts) and its backward are exact for any g <= 0."""
     x = production_inputs([300, 0, 77], 2, seed=SEED + 9)
@@ -242,7 +252,7 @@ def test_backward_is_exact_for_any_gate(gate):
     print(f"gate {gate}: o {rms_ratio(o, ref_o):.2e} final {rms_ratio(final, ref_final):.2e}")
     assert rms_ratio(o, ref_o) <= RMS_RATIO_BAR and rms_ratio(final, ref_final) <= RMS_RATIO_BAR
     harsh = gate in ("-30", "-100")
-    _check_grads(f"gate {gate}", x, forward, scale=0.3, dg_scale_of_terms=harsh)
+    _check_grads(f"gate {gate} {residuals}", x, forward, scale=0.3, dg_scale_of_terms=harsh)
 
 
 @pytest.mark.parametrize("lower_bound", [LB, None], ids=["safe-gate", "softplus-gate"])

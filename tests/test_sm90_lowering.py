@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 import jax_kda
-from jax_kda import sm90
+from jax_kda import api, sm90
 from jax_kda.oracle import production_inputs
 from jax_kda.sm90 import export as cute_export
 from jax_kda.sm90.ffi_call import TARGET
@@ -33,6 +33,18 @@ SM_COUNT = 132  # an H200's, for the plan; CI has no GPU to read it from
 def _lower_for_hopper(monkeypatch):
     monkeypatch.setenv(sm90.ASSUME_SM90_ENV, "1")
     monkeypatch.setenv(sm90.SM_COUNT_ENV, str(SM_COUNT))
+    # the tests below pin the recompute structure (the gate-bound forward kernels, then the
+    # backward's own recompute) unless a call names its residuals;
+    # test_grad_with_saved_residuals_lowers_without_a_recompute checks the saved one (the default)
+    monkeypatch.setattr(jax_kda, "prefill", _recompute_unless_named(api.prefill))
+
+
+def _recompute_unless_named(prefill):
+    def call(*args, **options):
+        options.setdefault("residuals", "recompute")
+        return prefill(*args, **options)
+
+    return call
 
 
 def _lower(fn, *args):
@@ -408,6 +420,53 @@ def test_grad_lowers_to_the_backward_kernels_and_no_loop():
     assert "stablehlo.while" not in text
 
 
+def test_grad_with_saved_residuals_lowers_without_a_recompute():
+    """With saved residuals the gradient's forward is the exact 64-token one (chunk core,
+    forward scan, outputs: no gate-bound forward kernel even with a bound) and its backward
+    recomputes nothing: one chunk-core call, the reverse scan alone. Under vmap each element
+    is its own call (a loop), and a loss linear in o leaves the outputs kernel dead."""
+    x = production_inputs([300, 0, 77], 2, seed=5)
+
+    def loss(q, k, v, g, beta, cu, state):
+        o, final = _prefill(backend="sm90", residuals="saved")(q, k, v, g, beta, cu, state)
+        return jnp.sum(o.astype(jnp.float32) ** 2) + jnp.sum(final**2)
+
+    def batched(q, k, v, g, beta, state):
+        def one(q, k, v, g, beta, state):
+            o, final = api.prefill(
+                q,
+                k,
+                v,
+                g,
+                beta,
+                initial_state=state[None],
+                backend="sm90",
+                gate_lower_bound=-5.0,
+            )  # fmt: skip (the default residuals, "saved")
+            return jnp.sum(o.astype(jnp.float32)) + jnp.sum(final)
+
+        return jnp.sum(jax.vmap(one)(q, k, v, g, beta, state))
+
+    rows = [a[:128].reshape(2, 64, *a.shape[1:]) for a in x[:5]]
+    cases = {
+        "grad": (jax.grad(loss, argnums=(0, 1, 2, 3, 4, 6)), x),
+        "vmap": (jax.grad(batched, argnums=range(6)), (*rows, x.initial_state[:2])),
+    }
+    for name, (fn, args) in cases.items():
+        text = _lower(fn, *args)
+        prefixes = re.findall(r'prefix = "(\w+)"', text)
+        expected = {
+            "kda_chunk_operands_sm90_x1", "kda_state_scan_sm90_fwd", "kda_chunk_outputs",
+            "kda_state_cotangent_sm90", "kda_state_scan_sm90_rev", "kda_dense_bwd",
+            "kda_decayed_bwd_tokens_sm90", "kda_tokens_bwd_sm90",
+        }  # fmt: skip
+        if name == "vmap":
+            expected.remove("kda_chunk_outputs")
+        assert {p.rsplit("_", 1)[0] for p in prefixes} == expected, (name, prefixes)
+        assert sum(p.startswith("kda_chunk_operands_sm90") for p in prefixes) == 1, name
+        assert name == "vmap" or "stablehlo.while" not in text, name
+
+
 def test_training_forward_variants_lower_to_their_kernels():
     """The backward's variants under development (benchmarks.kernel_profile --train-variants):
     the chunk-core kernel's operands, their backward's decayed products, the SIMT state scan
@@ -596,7 +655,8 @@ def test_grad_under_shard_map_with_check_vma_lowers():
 
         def heads(q, k, v, g, beta, state):
             return jax_kda.prefill(q, k, v, g, beta, cu_seqlens=cu, initial_state=state,
-                                   backend="sm90", gate_lower_bound=-5.0)
+                                   backend="sm90", gate_lower_bound=-5.0,
+                                   residuals="recompute")
 
         spec = P(None, "x")
         by_heads = jax.shard_map(heads, mesh=mesh, in_specs=(spec,) * 6, out_specs=(spec, spec))
@@ -615,7 +675,7 @@ def test_grad_under_shard_map_with_check_vma_lowers():
 
         def sequences(q, k, v, g, beta, state):
             return jax_kda.prefill(q, k, v, g, beta, initial_state=state, backend="sm90",
-                                   gate_lower_bound=-5.0)
+                                   gate_lower_bound=-5.0, residuals="recompute")
 
         by_rows = jax.shard_map(sequences, mesh=mesh, in_specs=(P("x"),) * 6,
                                 out_specs=(P("x"), P("x")))
@@ -651,7 +711,7 @@ def test_grad_under_explicit_sharding_lowers_per_device():
 
         def loss(*a):
             o, final = jax_kda.prefill(*a[:5], initial_state=a[5], backend="sm90",
-                                       gate_lower_bound=-5.0)
+                                       gate_lower_bound=-5.0, residuals="recompute")
             return jnp.sum(o.astype(jnp.float32) ** 2) + jnp.sum(final ** 2)
 
         with jax.set_mesh(mesh):
@@ -688,7 +748,8 @@ def test_context_parallel_grad_lowers_per_device():
         def loss(q, k, v, g, beta, state):
             o, final = parallel.prefill_on_mesh(
                 q, k, v, g, beta, cu_seqlens=x.cu_seqlens, initial_state=state, mesh=mesh,
-                token_axis="tokens", backend="sm90", gate_lower_bound=-5.0)
+                token_axis="tokens", backend="sm90", gate_lower_bound=-5.0,
+                                   residuals="recompute")
             return jnp.sum(o.astype(jnp.float32) ** 2) + jnp.sum(final ** 2)
 
         grad = jax.jit(jax.grad(loss, argnums=range(6)))

@@ -1132,6 +1132,67 @@ def differentiable_chunk_operands(run, decayed_bwd=None, precision=jax.lax.Preci
     return operands
 
 
+SAVED_TOKENS = 5  # q, k, v, g, beta: the first of training_residual_forward's saved arrays
+
+
+def training_residual_forward(q, k, v, g, beta, cu_seqlens, initial_state, scale):
+    """(o, final_state, saved): training_forward's forward (the chunk core, the forward state
+    scan, the outputs; every kernel at its default) together with what its backward takes, so
+    that training_residual_backward recomputes nothing: `saved` is a tuple of arrays, the
+    packed tokens, cu_seqlens, the tokens' slot rows, the chunk core's outputs and the chunk
+    states, in that order (plan_prefill(...).saved_residual_bytes their size)."""
+    chunks = _training_chunks(q.shape[1], cu_seqlens.shape[0] - 1, both_scans=False)
+    total_tokens, num_sequences = q.shape[0], cu_seqlens.shape[0] - 1
+    num_slots = xla.chunk_slot_count(total_tokens, num_sequences)
+    cu_seqlens = jnp.asarray(cu_seqlens, jnp.int32)
+    _, rows = xla._token_slots(cu_seqlens, total_tokens)
+    state_kv = jnp.swapaxes(initial_state.astype(jnp.float32), -1, -2)
+    (o, finals), saved = chunks.fwd(q, k, v, g, beta, cu_seqlens, rows, state_kv, num_slots, scale)
+    tokens, cu_saved, rows_saved, core_out, states, _like = saved
+    flat = (*tokens, cu_saved, rows_saved, *core_out, states)
+    return o.astype(q.dtype), jnp.swapaxes(finals, -1, -2), flat
+
+
+def training_residual_backward(saved, d_o, d_final, scale):
+    """The gradients (dq, dk, dv, dg, dbeta, d_initial_state) of training_residual_forward's
+    call from its `saved` arrays and the cotangents of o [T, H, V] and the final state
+    [N, H, V, K]: the backward of training_forward without its recompute (the chunk core and
+    the forward scan ran in the forward). Gradients in the tokens' dtypes, d_initial_state
+    float32."""
+    tokens = tuple(saved[:SAVED_TOKENS])
+    cu_seqlens, rows = saved[SAVED_TOKENS : SAVED_TOKENS + 2]
+    core_out, states = tuple(saved[SAVED_TOKENS + 2 : -1]), saved[-1]
+    chunks = _training_chunks(tokens[0].shape[1], cu_seqlens.shape[0] - 1, both_scans=False)
+    like = tuple(jnp.zeros((0,), x.dtype) for x in tokens)
+    num_slots = core_out[0].shape[0]
+    cotangents = (d_o.astype(jnp.float32), jnp.swapaxes(d_final.astype(jnp.float32), -1, -2))
+    residuals = (tokens, cu_seqlens, rows, core_out, states, like)
+    *d_tokens, _, _, d_y0 = chunks.bwd(num_slots, scale, residuals, cotangents)
+    return (*d_tokens, jnp.swapaxes(d_y0, -1, -2))
+
+
+def _training_chunks(num_heads, num_sequences, *, both_scans):
+    """differentiable_chunks with every kernel at training_forward's defaults."""
+    bwd_v_slice = None
+    if both_scans:
+        bwd_v_slice, _ = scan_variant(num_heads, num_sequences, both_directions=True)
+    chunk_bwd = functools.partial(
+        xla_chunk_bwd, dense_bwd=dense_bwd_kernel, decayed_bwd=decayed_bwd_tokens_kernel,
+        tokens_bwd=tokens_bwd_kernel,
+    )  # fmt: skip
+    return differentiable_chunks(
+        functools.partial(chunk_core_kernel, passes=1),
+        state_scan_kernel,
+        chunk_bwd,
+        jax.lax.DotAlgorithmPreset.BF16_BF16_F32,
+        state_cotangent=functools.partial(state_cotangent_kernel, scan_v_slice=bwd_v_slice),
+        chunk_outputs=chunk_outputs_kernel,
+        both_scans=functools.partial(state_scans_kernel, v_slice=bwd_v_slice)
+        if both_scans
+        else None,
+    )
+
+
 def training_forward(
     q, k, v, g, beta, cu_seqlens, initial_state, scale, *, chunk_core=True, decayed_bwd=True,
     scan_v_slice=None, scan_tensor_cores=None, dense_precision="bf16", chunk_core_passes=1,

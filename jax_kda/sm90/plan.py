@@ -88,6 +88,16 @@ class PrefillPlan:
     def backward_bytes(self) -> int:
         return sum(buffer.bytes for buffer in self.backward_buffers)
 
+    @property
+    def saved_residual_bytes(self) -> int:
+        """What a training call keeps from its forward to its backward with saved residuals
+        (prefill's residuals="saved", the default): the chunk core's outputs, its scan images
+        and the chunk states, out of backward_buffers (the inputs, kept either way, not
+        counted)."""
+        kept = {f"chunk_{name}" for name in (*CORE_ROWS, *CORE_PAIRS, "decay", "states")}
+        kept |= {f"scan_{name}_image" for name in SCAN_IMAGES}
+        return sum(buffer.bytes for buffer in self.backward_buffers if buffer.name in kept)
+
 
 def chain_kernel_us(longest_chunks: int, records: float) -> float:
     """One chain kernel (BUILD or EXPAND): its longest serial walk, or, when the walks are short

@@ -57,6 +57,7 @@ from jax_kda.sm90.kernels.chunk64 import (
     PAIR_ROW,
     ROWS,
     choose_anchors,
+    exp_fast,
     packed_row,
     put_right_factors,
     unit_lower_inverse,
@@ -302,7 +303,7 @@ class ChunkOperandsSm90:
                 if part == 1:
                     x = Float32(s_q[i, ch])
                 anchor_row = (i // BLOCK) * BLOCK + shift
-                y = x * cute.math.exp(s_gam[i, ch] - s_gam[anchor_row, ch])
+                y = x * exp_fast(s_gam[i, ch] - s_gam[anchor_row, ch])
                 if cutlass.const_expr(passes == 3):
                     left[e] = y
                 else:
@@ -348,7 +349,7 @@ class ChunkOperandsSm90:
                     part_qk = Float32(0.0)
                     for t in cutlass.range_constexpr(HEAD_DIM // 32):
                         ch = lane + 32 * t
-                        e = cute.math.exp(s_gam[i, ch] - s_gam[j, ch])
+                        e = exp_fast(s_gam[i, ch] - s_gam[j, ch])
                         kj_e = Float32(s_k[j, ch]) * e
                         part_kk = part_kk + Float32(s_k[i, ch]) * kj_e
                         part_qk = part_qk + Float32(s_q[i, ch]) * kj_e
@@ -419,7 +420,7 @@ class ChunkOperandsSm90:
         for r in cutlass.range_constexpr(HALF):
             t = part * HALF + r
             b_t = s_beta[t]
-            r_kt = b_t * Float32(s_k[t, d]) * cute.math.exp(s_gam[t, d])
+            r_kt = b_t * Float32(s_k[t, d]) * exp_fast(s_gam[t, d])
             put_operand(s_rt_w, d, t, ROWS, r_kt, passes)
             put_operand(s_rt_u, d, t, ROWS, b_t * r_v[r], passes)
         cute.arch.fence_proxy("async.shared", space="cta")
@@ -476,10 +477,10 @@ class ChunkOperandsSm90:
         for r in cutlass.range(HALF, unroll=4):
             i = part * HALF + r
             gam_i = s_gam[i, d]
-            mQg[slot, h, i, d] = scale * Float32(s_q[i, d]) * cute.math.exp(gam_i)
-            kd_i = Float32(s_k[i, d]) * cute.math.exp(gam_last - gam_i)
+            mQg[slot, h, i, d] = scale * Float32(s_q[i, d]) * exp_fast(gam_i)
+            kd_i = Float32(s_k[i, d]) * exp_fast(gam_last - gam_i)
             mKd[slot, h, i, d] = kd_i
             mKdImg[slot, h, scan_image_offset(i, d)] = kd_i.to(BFloat16)
             mGamma[slot, h, i, d] = gam_i
         if part == 0:
-            mDecay[slot, h, d] = cute.math.exp(gam_last)
+            mDecay[slot, h, d] = exp_fast(gam_last)

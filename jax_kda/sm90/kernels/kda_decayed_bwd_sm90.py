@@ -46,7 +46,7 @@ from jax_kda.sm90.kernels.chunk64 import (
     ROWS,
     block_offset,
     choose_anchors,
-    put_right_factors,
+    exp_fast,
 )
 from jax_kda.sm90.kernels.chunk_io import pair_at
 from jax_kda.sm90.kernels.varlen import slot_rows
@@ -64,6 +64,8 @@ WGS = 2  # warpgroups, one per half of the channels in the products
 NTHREADS = 128 * WGS
 HALF_N = HEAD_DIM // WGS  # channels of a warpgroup's products
 GAM_ROW = HEAD_DIM + 8
+EIGHT = 8  # channels a thread takes in the vectorised image builds: 16 bytes of bf16
+EIGHTHS = HEAD_DIM // EIGHT  # threads across a row's channels; NTHREADS // EIGHTHS = 16 rows
 SIDE = 2 * BLOCK  # K of a back product: block I's 16 rows for d_kk, then for d_qk
 # The reused operand region (1024-byte aligned): R^T and the packed cotangent for the forward
 # products; then a back product's two images; then the pairwise pass's float32 scratch.
@@ -152,6 +154,7 @@ class DecayedBwdSm90:
         cotangents in place and visible to all) into mDq, mDk, mDgamma."""
         d = tid % 128
         part = tid // 128
+        g8 = EIGHT * (tid % EIGHTHS)  # the first of this thread's 8 channels in the image builds
         s_region, s_q, s_k, s_gam, s_dkk, s_dqk, s_flag = shared
         row_major = cute.make_layout((ROWS, HEAD_DIM), stride=(HEAD_DIM, 1))
         raw = s_region.iterator
@@ -198,12 +201,12 @@ class DecayedBwdSm90:
                     if c >= BLOCK:
                         w = s_dqk[i, j]
                 put_split(s_back_a, j, c, SIDE, w)
-            anchor = s_gam[BLOCK * b + shift, d]
-            for c in cutlass.range(part, BLOCK, WGS, unroll=4):
-                i = BLOCK * b + c
-                r = cute.math.exp(s_gam[i, d] - anchor)
-                put_split(s_back_b, d, c, SIDE, Float32(s_k[i, d]) * r)
-                put_split(s_back_b, d, BLOCK + c, SIDE, Float32(s_q[i, d]) * r)
+            # [kl | ql] of the block's rows: thread (row c, channels 8 g .. 8 g + 7)
+            c = tid // EIGHTHS
+            i = BLOCK * b + c
+            r = exp_fast(_eight(s_gam[i, None], g8) - _eight(s_gam[BLOCK * b + shift, None], g8))
+            _put_split8(s_back_b, g8, c, SIDE, _eight(s_k[i, None], g8) * r)
+            _put_split8(s_back_b, g8, BLOCK + c, SIDE, _eight(s_q[i, None], g8) * r)
             cute.arch.fence_proxy("async.shared", space="cta")
             cute.arch.sync_threads()
             product_passes(mma, acc_x, f_a, f_b, SIDE // 16, False)
@@ -211,12 +214,12 @@ class DecayedBwdSm90:
                 j, ch = c_out[e]
                 ch = ch + n0
                 if j < BLOCK * b or (j < BLOCK * (b + 1) and pairwise == Int32(0)):
-                    s = cute.math.exp(s_gam[BLOCK * b + shift, ch] - s_gam[j, ch])
+                    s = exp_fast(s_gam[BLOCK * b + shift, ch] - s_gam[j, ch])
                     acc_sum[e] = acc_sum[e] + s * acc_x[e]
             cute.arch.sync_threads()  # the images are free for the next block
 
         # ---- R^T: the anchors' right factors, packed, transposed (chunk64.py)
-        put_right_factors(s_rt, s_k, s_gam, d, shift, pairwise, True, part, WGS)
+        _put_right_factors8(s_rt, s_k, s_gam, tid, shift, pairwise)
 
         # ---- P(d_kk, k) and P(d_qk, k): the cotangent in the packing of R, times R, times r_i
         for which in cutlass.range_constexpr(2):
@@ -244,7 +247,7 @@ class DecayedBwdSm90:
                 ch = ch + n0
                 anchor_row = (i // BLOCK) * BLOCK + shift
                 for x in cutlass.range_constexpr(2):
-                    f = acc_x[e + x] * cute.math.exp(s_gam[i, ch + x] - s_gam[anchor_row, ch + x])
+                    f = acc_x[e + x] * exp_fast(s_gam[i, ch + x] - s_gam[anchor_row, ch + x])
                     if cutlass.const_expr(which == 0):  # acc_sum: back, then k (f - back)
                         back = acc_sum[e + x]
                         out_a[x] = f + back
@@ -275,7 +278,7 @@ class DecayedBwdSm90:
                     f_kk = Float32(0.0)
                     f_qk = Float32(0.0)
                     for j in cutlass.range(first, i + 1, unroll=1):
-                        decay = cute.math.exp(g_i - s_gam[j, d])
+                        decay = exp_fast(g_i - s_gam[j, d])
                         t_kk = s_dkk[i, j] * decay
                         t_qk = s_dqk[i, j] * decay
                         k_j = Float32(s_k[j, d])
@@ -379,3 +382,48 @@ def _zero_words(s_region: cute.Tensor, first: cutlass.Constexpr[int],
     for p in cutlass.range_constexpr(words // (NTHREADS * 4)):
         e = first + (p * NTHREADS + tid) * 4
         vec4(s_region.iterator + e).store(zeros.load())
+
+
+@cute.jit
+def _eight(row: cute.Tensor, c):
+    """Elements c .. c + 7 of a 16-byte-aligned shared-memory row (float32 or bf16) as a
+    float32 vector (16-byte loads)."""
+    x = cute.make_rmem_tensor((EIGHT,), row.element_type)
+    cute.autovec_copy(cute.make_tensor((row.iterator + c).align(16), cute.make_layout(EIGHT)), x)
+    return x.load().to(Float32)
+
+
+@cute.jit
+def _put_split8(image: cute.Tensor, c, col, half: cutlass.Constexpr[int], x):
+    """put_split of 8 values x (float32 vector) at rows c .. c + 7 of an N-major (mn_major)
+    image, column col: bf16 hi at col, lo at half + col, one 16-byte store each (8 consecutive
+    rows of one column are 16 contiguous bytes under the 128-byte swizzle, c a multiple of 8)."""
+    hi = cute.make_rmem_tensor((EIGHT,), BFloat16)
+    lo = cute.make_rmem_tensor((EIGHT,), BFloat16)
+    x_hi = x.to(BFloat16)
+    hi.store(x_hi)
+    lo.store((x - x_hi.to(Float32)).to(BFloat16))
+    cute.autovec_copy(hi, cute.local_tile(image, (EIGHT, 1), (c // EIGHT, col))[None, 0])
+    cute.autovec_copy(lo, cute.local_tile(image, (EIGHT, 1), (c // EIGHT, half + col))[None, 0])
+
+
+@cute.jit
+def _put_right_factors8(image: cute.Tensor, s_k, s_gam, tid, shift, pairwise):
+    """chunk64.put_right_factors (transposed, three passes) with 8 channels a thread: thread
+    (row r, channels 8 g ..) takes rows j = r + 16 m of every block's packed rows; 16-byte
+    loads of k and Gamma, 16-byte stores of hi and lo. With first-row anchors (pairwise) the
+    diagonal blocks' entries are zero (their factors could overflow)."""
+    g8 = EIGHT * (tid % EIGHTHS)
+    r = tid // EIGHTHS
+    for b in cutlass.range_constexpr(BLOCKS):
+        anchor = _eight(s_gam[BLOCK * b + shift, None], g8)
+        for m in cutlass.range_constexpr(b + 1):
+            j = r + BLOCK * m
+            keep = Float32(1.0)
+            if cutlass.const_expr(m == b):
+                if pairwise != Int32(0):
+                    keep = Float32(0.0)
+            # keep = 0 zeroes the exponent first (Gamma is finite): no inf * 0
+            arg = (anchor - _eight(s_gam[j, None], g8)) * keep
+            x = _eight(s_k[j, None], g8) * exp_fast(arg) * keep
+            _put_split8(image, g8, block_offset(b) + j, PACKED, x)

@@ -39,6 +39,7 @@ from cutlass import BFloat16, Float32
 from cutlass.memory import SmemAllocator
 
 from jax_kda.constants import GATE_FLOOR, HEAD_DIM, SCAN_CHUNK
+from jax_kda.sm90.kernels.chunk64 import exp_fast
 from jax_kda.sm90.kernels.varlen import slot_rows
 
 ROWS = SCAN_CHUNK
@@ -189,8 +190,8 @@ class TokensBwdSm90:
                     kv = Float32(0.0)
                     vv = Float32(0.0)
                     b = Float32(0.0)
-                e = cute.math.exp(gam)
-                f = cute.math.exp(gam_last - gam)
+                e = exp_fast(gam)
+                f = exp_fast(gam_last - gam)
                 kd_term = kv * f * d_kd
                 kd_sum = kd_sum + kd_term
                 d_gam = r_in[r, 3] + b * kv * e * d_rw + scale * qv * e * d_qg
@@ -223,7 +224,7 @@ class TokensBwdSm90:
         s_sums[group, 0, d] = run
         s_sums[group, 1, d] = kd_sum
         cute.arch.sync_threads()
-        last = cute.math.exp(gam_last) * d_decay
+        last = exp_fast(gam_last) * d_decay
         for p in cutlass.range_constexpr(GROUPS):
             last = last + s_sums[p, 1, d]
             if group < p:
