@@ -54,7 +54,6 @@ from jax_kda.sm90.kernels.wgmma import (
     bf16_tiled_mma,
     image_layout,
     product_passes,
-    put_split,
     row_piece,
     vec4,
     view,
@@ -190,17 +189,21 @@ class DecayedBwdSm90:
         for b in cutlass.range_constexpr(BLOCKS):
             # rows j < 16 (b + 1) only: the rows past them pair with nothing in block b, and the
             # epilogue below drops their outputs whatever the image held there
-            for it in cutlass.range_constexpr(BLOCK * (b + 1) * SIDE // NTHREADS):
-                e = tid + it * NTHREADS
-                j = e // SIDE
-                c = e % SIDE
-                i = BLOCK * b + c % BLOCK
-                w = Float32(0.0)
+            # thread (row j, K columns 8 q .. 8 q + 7): column c < 16 takes d_kk[16 b + c, j],
+            # c >= 16 d_qk[16 b + c - 16, j]; zero where j pairs with nothing here
+            if tid < BLOCK * (b + 1) * SIDE // EIGHT:
+                j = tid // (SIDE // EIGHT)
+                c8 = EIGHT * (tid % (SIDE // EIGHT))
+                w = cute.make_rmem_tensor((EIGHT,), Float32)
+                w.fill(0.0)
                 if j < BLOCK * b or pairwise == Int32(0):
-                    w = s_dkk[i, j]
-                    if c >= BLOCK:
-                        w = s_dqk[i, j]
-                put_split(s_back_a, j, c, SIDE, w)
+                    if c8 < BLOCK:
+                        for x in cutlass.range_constexpr(EIGHT):
+                            w[x] = s_dkk[BLOCK * b + c8 + x, j]
+                    else:
+                        for x in cutlass.range_constexpr(EIGHT):
+                            w[x] = s_dqk[BLOCK * b + c8 - BLOCK + x, j]
+                _put_split8_k(s_back_a, j, c8, SIDE, w.load())
             # [kl | ql] of the block's rows: thread (row c, channels 8 g .. 8 g + 7)
             c = tid // EIGHTHS
             i = BLOCK * b + c
@@ -226,16 +229,19 @@ class DecayedBwdSm90:
             s_dw = s_dkk if cutlass.const_expr(which == 0) else s_dqk
             # row i pairs only with its own block's packed rows; the rest of the image stays
             # zero from the load phase
+            # thread (row i, packed columns j .. j + 7 of its block): a group of 8 lies wholly
+            # inside or outside the diagonal block (16 b and j multiples of 8)
             for b in cutlass.range_constexpr(BLOCKS):
                 width = BLOCK * (b + 1)
-                for it in cutlass.range_constexpr(width * BLOCK // NTHREADS):
-                    e = tid + it * NTHREADS
-                    i = BLOCK * b + e // width
-                    j = e % width
-                    w = Float32(0.0)
+                if tid < width * BLOCK // EIGHT:
+                    i = BLOCK * b + tid // (width // EIGHT)
+                    j = EIGHT * (tid % (width // EIGHT))
+                    w = cute.make_rmem_tensor((EIGHT,), Float32)
+                    w.fill(0.0)
                     if j < BLOCK * b or pairwise == Int32(0):
-                        w = s_dw[i, j]
-                    put_split(s_w, i, block_offset(b) + j, PACKED, w)
+                        for x in cutlass.range_constexpr(EIGHT):
+                            w[x] = s_dw[i, j + x]
+                    _put_split8_k(s_w, i, block_offset(b) + j, PACKED, w.load())
             cute.arch.fence_proxy("async.shared", space="cta")
             cute.arch.sync_threads()
             product_passes(mma, acc_x, f_w, f_rt, PACKED // 16, False)
@@ -405,6 +411,20 @@ def _put_split8(image: cute.Tensor, c, col, half: cutlass.Constexpr[int], x):
     lo.store((x - x_hi.to(Float32)).to(BFloat16))
     cute.autovec_copy(hi, cute.local_tile(image, (EIGHT, 1), (c // EIGHT, col))[None, 0])
     cute.autovec_copy(lo, cute.local_tile(image, (EIGHT, 1), (c // EIGHT, half + col))[None, 0])
+
+
+@cute.jit
+def _put_split8_k(image: cute.Tensor, row, col, half: cutlass.Constexpr[int], x):
+    """put_split of 8 values x (float32 vector) at columns col .. col + 7 of row `row` of a
+    K-major image: bf16 hi there, lo at half + col .., one 16-byte store each (8 consecutive K
+    elements of a row are 16 contiguous bytes under the 128-byte swizzle, col a multiple of 8)."""
+    hi = cute.make_rmem_tensor((EIGHT,), BFloat16)
+    lo = cute.make_rmem_tensor((EIGHT,), BFloat16)
+    x_hi = x.to(BFloat16)
+    hi.store(x_hi)
+    lo.store((x - x_hi.to(Float32)).to(BFloat16))
+    cute.autovec_copy(hi, cute.local_tile(image, (1, EIGHT), (row, col // EIGHT))[0, None])
+    cute.autovec_copy(lo, cute.local_tile(image, (1, EIGHT), (row, (half + col) // EIGHT))[0, None])
 
 
 @cute.jit
