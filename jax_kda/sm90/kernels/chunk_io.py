@@ -1,6 +1,7 @@
 """Moving a chunk's float32 arrays between global memory and bf16 wgmma operand images, for the
 per-chunk kernels of two warpgroups (256 threads): matrices (as they are, or [64, 64] pair
-matrices transposed) into images 16 bytes a thread a pass, accumulators out as 8-byte pairs."""
+matrices transposed) into images 16 bytes a thread a pass (stored 8 or 16 bytes at a time where
+the image keeps them together), accumulators out as 8-byte pairs."""
 
 from __future__ import annotations
 
@@ -37,6 +38,18 @@ def store_pairs(acc: cute.Tensor, coords: cute.Tensor, out: cute.Tensor, col0, n
 
 
 @cute.jit
+def put_row_piece(image, row, col, values):
+    """n bf16 values (a vector; n = 2, 4 or 8) at columns col .. col + n - 1 of an image's row,
+    col a multiple of n: one 4-, 8- or 16-byte store in a K-major image (n consecutive K
+    elements of a row are contiguous under the 128-byte swizzle); element by element where the
+    image's layout does not keep them together."""
+    n = cute.size(values.shape)
+    piece = cute.make_rmem_tensor((n,), BFloat16)
+    piece.store(values)
+    cute.autovec_copy(piece, cute.local_tile(image, (1, n), (row, col // n))[0, None])
+
+
+@cute.jit
 def to_image(
     image,
     m_x: cute.Tensor,
@@ -55,11 +68,10 @@ def to_image(
         r_x[p, None].store(vec4(m_x[e // cols, None].iterator + e % cols).load())
     for p in cutlass.range_constexpr(passes):
         e = (p * NTHREADS + tid) * 4
-        for x in cutlass.range_constexpr(4):
-            value = r_x[p, x]
-            if cutlass.const_expr(negate):
-                value = -value
-            image[e // cols, col0 + e % cols + x] = value.to(BFloat16)
+        values = r_x[p, None].load()
+        if cutlass.const_expr(negate):
+            values = -values
+        put_row_piece(image, e // cols, col0 + e % cols, values.to(BFloat16))
 
 
 @cute.jit
@@ -93,5 +105,4 @@ def token_rows_image(image, m_x: cute.Tensor, row0, count, tid):
             r_x[p, None].store(row_piece(m_x[row0 + i, None], e % HEAD_DIM, per).load())
     for p in cutlass.range_constexpr(passes):
         e = (p * NTHREADS + tid) * per
-        for x in cutlass.range_constexpr(per):
-            image[e // HEAD_DIM, e % HEAD_DIM + x] = r_x[p, x]
+        put_row_piece(image, e // HEAD_DIM, e % HEAD_DIM, r_x[p, None].load())

@@ -43,6 +43,7 @@ from jax_kda.constants import HEAD_DIM, SCAN_CHUNK
 from jax_kda.sm90.kernels.chunk_io import (
     NTHREADS,
     pair_at,
+    put_row_piece,
     store_pairs,
     to_image,
     token_rows_image,
@@ -230,12 +231,18 @@ class DenseBwdSm90:
             r_u[e + 1] = pair[1]
         cute.nvgpu.warpgroup.wait_group(0)
         cute.arch.sync_threads()  # both warpgroups are done with Kd: its space is free for dV
-        for e in cutlass.range_constexpr(cute.size(acc_ws)):
+        # a thread holds columns n, n + 1 at e, e + 1: 4-byte stores of bf16 pairs
+        two = cute.make_rmem_tensor((2,), Float32)
+        for e in cutlass.range_constexpr(0, cute.size(acc_ws), 2):
             i, n = c_half[e]
-            s_vn[i, n0 + n] = (r_u[e] - acc_ws[e]).to(BFloat16)
-            dv = acc_dv[e].to(BFloat16)
-            s_dv[i, n0 + n] = dv
-            s_ds[i, HEAD_DIM + n0 + n] = dv
+            two[0] = r_u[e] - acc_ws[e]
+            two[1] = r_u[e + 1] - acc_ws[e + 1]
+            put_row_piece(s_vn, i, n0 + n, two.load().to(BFloat16))
+            two[0] = acc_dv[e]
+            two[1] = acc_dv[e + 1]
+            dv = two.load().to(BFloat16)
+            put_row_piece(s_dv, i, n0 + n, dv)
+            put_row_piece(s_ds, i, HEAD_DIM + n0 + n, dv)
         cute.arch.fence_proxy("async.shared", space="cta")
         cute.arch.sync_threads()
 
@@ -273,9 +280,11 @@ class DenseBwdSm90:
             cute.gemm(mma_t, acc_at, f_do_t[None, None, kb], f_vn_t[None, None, kb], acc_at)
         cute.nvgpu.warpgroup.commit_group()
         cute.nvgpu.warpgroup.wait_group(1)
-        for e in cutlass.range_constexpr(cute.size(acc_w)):
+        for e in cutlass.range_constexpr(0, cute.size(acc_w), 2):
             i, n = c_half[e]
-            s_ds[i, n0 + n] = (-acc_w[e]).to(BFloat16)
+            two[0] = -acc_w[e]
+            two[1] = -acc_w[e + 1]
+            put_row_piece(s_ds, i, n0 + n, two.load().to(BFloat16))
         store_pairs(acc_q, c_half, mDqg[slot, h, None, None], n0, False)
         cute.nvgpu.warpgroup.wait_group(0)
         store_pairs(acc_kd, c_half, mDkd[slot, h, None, None], n0, False)
@@ -296,9 +305,11 @@ class DenseBwdSm90:
         cute.nvgpu.warpgroup.commit_group()
         cute.nvgpu.warpgroup.wait_group(0)
         r0 = part * HEAD_DIM
-        for e in cutlass.range_constexpr(cute.size(acc_rhs)):
+        for e in cutlass.range_constexpr(0, cute.size(acc_rhs), 2):
             i, n = c_r[e]
-            s_rhs[i, r0 + n] = acc_rhs[e].to(BFloat16)
+            two[0] = acc_rhs[e]
+            two[1] = acc_rhs[e + 1]
+            put_row_piece(s_rhs, i, r0 + n, two.load().to(BFloat16))
         store_pairs(acc_rhs, c_r, mDrhs[slot, h, None, None], r0, False)
         cute.arch.fence_proxy("async.shared", space="cta")
         cute.arch.sync_threads()
@@ -367,10 +378,10 @@ def _square_images(s_s, s_g, m_s: cute.Tensor, m_g: cute.Tensor, m_decay: cute.T
         e = (p * NTHREADS + tid) * 4
         row = e // HEAD_DIM
         col = e % HEAD_DIM
+        put_row_piece(s_s, row, col, r_s[p, None].load().to(BFloat16))
+        put_row_piece(s_g, row, col, r_g[p, None].load().to(BFloat16))
         dot = Float32(0.0)
         for x in cutlass.range_constexpr(4):
-            s_s[row, col + x] = r_s[p, x].to(BFloat16)
-            s_g[row, col + x] = r_g[p, x].to(BFloat16)
             dot = dot + r_s[p, x] * r_g[p, x]
         for offset in cutlass.range_constexpr(5):
             dot = dot + cute.arch.shuffle_sync_bfly(dot, 16 >> offset)
