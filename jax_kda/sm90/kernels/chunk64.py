@@ -21,7 +21,7 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32
 
 from jax_kda.constants import HEAD_DIM, SCAN_CHUNK
-from jax_kda.sm90.kernels.wgmma import put_operand
+from jax_kda.sm90.kernels.wgmma import load_f32, put_piece
 
 ROWS = SCAN_CHUNK  # 64 tokens a chunk
 BLOCK = 16  # rows of a block: one anchor each
@@ -33,6 +33,7 @@ SAFE_RANGE = 60.0
 """The most decay (in e-folds) either factor may carry: exp(60) = 1.1e26, far inside float32 and
 bfloat16's range, whatever the product's other operand."""
 LOG2E = 1.4426950408889634
+FACTOR_LANES = 8  # channels a thread takes in put_right_factors: 16 bytes of bf16
 
 
 def exp_fast(x):
@@ -152,28 +153,33 @@ def put_right_factors(
     image: cute.Tensor,
     s_k: cute.Tensor,
     s_gam: cute.Tensor,
-    d,
+    tid,
     shift,
     pairwise,
     transposed: cutlass.Constexpr[bool],
-    part,
-    parts: cutlass.Constexpr[int],
     passes: cutlass.Constexpr[int] = 3,
 ):
-    """Channel d of the packed right factors k_j exp(Gamma_{m_I} - Gamma_j), block I's anchor
-    with the rows j < 16 (I + 1), as bf16 hi/lo into an image: at (packed row, d) with K = the
-    channels' [hi | lo], or transposed at (d, packed row) with K = the packed rows' [hi | lo]
-    (with passes = 1: bf16 values alone, wgmma.put_operand).
-    This thread takes the rows j = part mod parts (the CTA's `parts` groups of 128 threads
-    share them). With first-row anchors (pairwise) the diagonal blocks' entries are zero: the
-    pairwise pass takes them (their factors could overflow)."""
+    """The packed right factors k_j exp(Gamma_{m_I} - Gamma_j), block I's anchor with the rows
+    j < 16 (I + 1), into an operand image (wgmma.put_operand's rule for `passes`): at (packed
+    row, channel) with K = the channels, or transposed at (channel, packed row) with K = the
+    packed rows (an N-major image). s_k [64, 128] bf16 and s_gam [64, 128] float32 in shared
+    memory with 16-byte-aligned rows. For a CTA of 256 threads (all call it): thread tid takes
+    channels 8 (tid mod 16) .. + 7 of the rows j = tid / 16 + 16 m, 16-byte loads and stores.
+    With first-row anchors (pairwise) the diagonal blocks' entries are zero: the pairwise pass
+    takes them (their factors could overflow; the exponent is zeroed first, so no inf * 0)."""
+    c8 = FACTOR_LANES * (tid % (HEAD_DIM // FACTOR_LANES))
+    r = tid // (HEAD_DIM // FACTOR_LANES)
     for b in cutlass.range_constexpr(BLOCKS):
-        anchor = s_gam[BLOCK * b + shift, d]
-        for j in cutlass.range(part, BLOCK * (b + 1), parts, unroll=8):
-            x = Float32(s_k[j, d]) * exp_fast(anchor - s_gam[j, d])
-            if j >= BLOCK * b and pairwise != Int32(0):
-                x = Float32(0.0)
+        anchor = load_f32(s_gam[BLOCK * b + shift, None], c8, FACTOR_LANES)
+        for m in cutlass.range_constexpr(b + 1):
+            j = r + BLOCK * m
+            keep = Float32(1.0)
+            if cutlass.const_expr(m == b):
+                if pairwise != Int32(0):
+                    keep = Float32(0.0)
+            arg = (anchor - load_f32(s_gam[j, None], c8, FACTOR_LANES)) * keep
+            x = load_f32(s_k[j, None], c8, FACTOR_LANES) * exp_fast(arg) * keep
             if cutlass.const_expr(transposed):
-                put_operand(image, d, block_offset(b) + j, PACKED, x, passes)
+                put_piece(image, c8, block_offset(b) + j, x, True, PACKED, passes)
             else:
-                put_operand(image, block_offset(b) + j, d, HEAD_DIM, x, passes)
+                put_piece(image, block_offset(b) + j, c8, x, False, HEAD_DIM, passes)

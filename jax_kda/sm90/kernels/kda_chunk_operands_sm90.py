@@ -270,7 +270,7 @@ class ChunkOperandsSm90:
         # ---- middle-row anchors where the decay allows, else first-row ones (chunk64.py)
         pairwise, shift = choose_anchors(s_gam, s_flag, d)
         # ---- the right operand: every anchor's factors, packed (chunk64.py)
-        put_right_factors(s_right, s_k, s_gam, d, shift, pairwise, False, part, WGS, passes)
+        put_right_factors(s_right, s_k, s_gam, tid, shift, pairwise, False, passes)
         cute.arch.fence_proxy("async.shared", space="cta")
         cute.arch.sync_threads()
 

@@ -47,13 +47,16 @@ from jax_kda.sm90.kernels.chunk64 import (
     block_offset,
     choose_anchors,
     exp_fast,
+    put_right_factors,
 )
 from jax_kda.sm90.kernels.chunk_io import pair_at
 from jax_kda.sm90.kernels.varlen import slot_rows
 from jax_kda.sm90.kernels.wgmma import (
     bf16_tiled_mma,
     image_layout,
+    load_f32,
     product_passes,
+    put_piece,
     row_piece,
     vec4,
     view,
@@ -203,13 +206,16 @@ class DecayedBwdSm90:
                     else:
                         for x in cutlass.range_constexpr(EIGHT):
                             w[x] = s_dqk[BLOCK * b + c8 - BLOCK + x, j]
-                _put_split8_k(s_back_a, j, c8, SIDE, w.load())
+                put_piece(s_back_a, j, c8, w.load(), False, SIDE)
             # [kl | ql] of the block's rows: thread (row c, channels 8 g .. 8 g + 7)
             c = tid // EIGHTHS
             i = BLOCK * b + c
-            r = exp_fast(_eight(s_gam[i, None], g8) - _eight(s_gam[BLOCK * b + shift, None], g8))
-            _put_split8(s_back_b, g8, c, SIDE, _eight(s_k[i, None], g8) * r)
-            _put_split8(s_back_b, g8, BLOCK + c, SIDE, _eight(s_q[i, None], g8) * r)
+            r = exp_fast(
+                load_f32(s_gam[i, None], g8, EIGHT)
+                - load_f32(s_gam[BLOCK * b + shift, None], g8, EIGHT)
+            )
+            put_piece(s_back_b, g8, c, load_f32(s_k[i, None], g8, EIGHT) * r, True, SIDE)
+            put_piece(s_back_b, g8, BLOCK + c, load_f32(s_q[i, None], g8, EIGHT) * r, True, SIDE)
             cute.arch.fence_proxy("async.shared", space="cta")
             cute.arch.sync_threads()
             product_passes(mma, acc_x, f_a, f_b, SIDE // 16, False)
@@ -222,7 +228,7 @@ class DecayedBwdSm90:
             cute.arch.sync_threads()  # the images are free for the next block
 
         # ---- R^T: the anchors' right factors, packed, transposed (chunk64.py)
-        _put_right_factors8(s_rt, s_k, s_gam, tid, shift, pairwise)
+        put_right_factors(s_rt, s_k, s_gam, tid, shift, pairwise, True)
 
         # ---- P(d_kk, k) and P(d_qk, k): the cotangent in the packing of R, times R, times r_i
         for which in cutlass.range_constexpr(2):
@@ -241,7 +247,7 @@ class DecayedBwdSm90:
                     if j < BLOCK * b or pairwise == Int32(0):
                         for x in cutlass.range_constexpr(EIGHT):
                             w[x] = s_dw[i, j + x]
-                    _put_split8_k(s_w, i, block_offset(b) + j, PACKED, w.load())
+                    put_piece(s_w, i, block_offset(b) + j, w.load(), False, PACKED)
             cute.arch.fence_proxy("async.shared", space="cta")
             cute.arch.sync_threads()
             product_passes(mma, acc_x, f_w, f_rt, PACKED // 16, False)
@@ -388,62 +394,3 @@ def _zero_words(s_region: cute.Tensor, first: cutlass.Constexpr[int],
     for p in cutlass.range_constexpr(words // (NTHREADS * 4)):
         e = first + (p * NTHREADS + tid) * 4
         vec4(s_region.iterator + e).store(zeros.load())
-
-
-@cute.jit
-def _eight(row: cute.Tensor, c):
-    """Elements c .. c + 7 of a 16-byte-aligned shared-memory row (float32 or bf16) as a
-    float32 vector (16-byte loads)."""
-    x = cute.make_rmem_tensor((EIGHT,), row.element_type)
-    cute.autovec_copy(cute.make_tensor((row.iterator + c).align(16), cute.make_layout(EIGHT)), x)
-    return x.load().to(Float32)
-
-
-@cute.jit
-def _put_split8(image: cute.Tensor, c, col, half: cutlass.Constexpr[int], x):
-    """put_split of 8 values x (float32 vector) at rows c .. c + 7 of an N-major (mn_major)
-    image, column col: bf16 hi at col, lo at half + col, one 16-byte store each (8 consecutive
-    rows of one column are 16 contiguous bytes under the 128-byte swizzle, c a multiple of 8)."""
-    hi = cute.make_rmem_tensor((EIGHT,), BFloat16)
-    lo = cute.make_rmem_tensor((EIGHT,), BFloat16)
-    x_hi = x.to(BFloat16)
-    hi.store(x_hi)
-    lo.store((x - x_hi.to(Float32)).to(BFloat16))
-    cute.autovec_copy(hi, cute.local_tile(image, (EIGHT, 1), (c // EIGHT, col))[None, 0])
-    cute.autovec_copy(lo, cute.local_tile(image, (EIGHT, 1), (c // EIGHT, half + col))[None, 0])
-
-
-@cute.jit
-def _put_split8_k(image: cute.Tensor, row, col, half: cutlass.Constexpr[int], x):
-    """put_split of 8 values x (float32 vector) at columns col .. col + 7 of row `row` of a
-    K-major image: bf16 hi there, lo at half + col .., one 16-byte store each (8 consecutive K
-    elements of a row are 16 contiguous bytes under the 128-byte swizzle, col a multiple of 8)."""
-    hi = cute.make_rmem_tensor((EIGHT,), BFloat16)
-    lo = cute.make_rmem_tensor((EIGHT,), BFloat16)
-    x_hi = x.to(BFloat16)
-    hi.store(x_hi)
-    lo.store((x - x_hi.to(Float32)).to(BFloat16))
-    cute.autovec_copy(hi, cute.local_tile(image, (1, EIGHT), (row, col // EIGHT))[0, None])
-    cute.autovec_copy(lo, cute.local_tile(image, (1, EIGHT), (row, (half + col) // EIGHT))[0, None])
-
-
-@cute.jit
-def _put_right_factors8(image: cute.Tensor, s_k, s_gam, tid, shift, pairwise):
-    """chunk64.put_right_factors (transposed, three passes) with 8 channels a thread: thread
-    (row r, channels 8 g ..) takes rows j = r + 16 m of every block's packed rows; 16-byte
-    loads of k and Gamma, 16-byte stores of hi and lo. With first-row anchors (pairwise) the
-    diagonal blocks' entries are zero (their factors could overflow)."""
-    g8 = EIGHT * (tid % EIGHTHS)
-    r = tid // EIGHTHS
-    for b in cutlass.range_constexpr(BLOCKS):
-        anchor = _eight(s_gam[BLOCK * b + shift, None], g8)
-        for m in cutlass.range_constexpr(b + 1):
-            j = r + BLOCK * m
-            keep = Float32(1.0)
-            if cutlass.const_expr(m == b):
-                if pairwise != Int32(0):
-                    keep = Float32(0.0)
-            # keep = 0 zeroes the exponent first (Gamma is finite): no inf * 0
-            arg = (anchor - _eight(s_gam[j, None], g8)) * keep
-            x = _eight(s_k[j, None], g8) * exp_fast(arg) * keep
-            _put_split8(image, g8, block_offset(b) + j, PACKED, x)

@@ -116,6 +116,44 @@ def put_split(image: cute.Tensor, row, col, half: cutlass.Constexpr[int], x: Flo
     image[row, half + col] = (x - x_hi.to(Float32)).to(BFloat16)
 
 
+@cute.jit
+def load_f32(row: cute.Tensor, c, n: cutlass.Constexpr[int]):
+    """Elements c .. c + n - 1 of a 16-byte-aligned contiguous shared-memory row (float32 or
+    bf16; c a multiple of n) as a float32 vector, in 16-byte loads."""
+    x = cute.make_rmem_tensor((n,), row.element_type)
+    cute.autovec_copy(cute.make_tensor((row.iterator + c).align(16), cute.make_layout(n)), x)
+    return x.load().to(Float32)
+
+
+@cute.jit
+def put_piece(image: cute.Tensor, row, col, x, along_rows: cutlass.Constexpr[bool],
+              half: cutlass.Constexpr[int], passes: cutlass.Constexpr[int] = 3):  # fmt: skip
+    """n float32 values x (a vector) into an operand image by put_operand's rule (three passes:
+    bf16 hi at the column, lo `half` columns on; one: bf16 values): along_rows, at rows row ..
+    row + n - 1 of column col (an N-major image; row a multiple of n), else at columns col ..
+    col + n - 1 of row `row` (K-major; col and half multiples of n). Either way the n values
+    are 2n contiguous bytes under the 128-byte swizzle (n <= 8): one store each."""
+    n = cute.size(x.shape)
+    hi = cute.make_rmem_tensor((n,), BFloat16)
+    x_hi = x.to(BFloat16)
+    hi.store(x_hi)
+    _store_piece(image, row, col, hi, along_rows)
+    if cutlass.const_expr(passes == 3):
+        lo = cute.make_rmem_tensor((n,), BFloat16)
+        lo.store((x - x_hi.to(Float32)).to(BFloat16))
+        _store_piece(image, row, half + col, lo, along_rows)
+
+
+@cute.jit
+def _store_piece(image: cute.Tensor, row, col, values: cute.Tensor,
+                 along_rows: cutlass.Constexpr[bool]):  # fmt: skip
+    n = cute.size(values)
+    if cutlass.const_expr(along_rows):
+        cute.autovec_copy(values, cute.local_tile(image, (n, 1), (row // n, col))[None, 0])
+    else:
+        cute.autovec_copy(values, cute.local_tile(image, (1, n), (row, col // n))[0, None])
+
+
 def image_k(k: int, passes: int) -> int:
     """K extent of an operand image of K = k: [hi | lo] for three passes, the value for one."""
     if passes not in (1, 3):
