@@ -58,9 +58,12 @@ def to_image(
     cols: cutlass.Constexpr[int],
     col0: cutlass.Constexpr[int] = 0,
     negate: cutlass.Constexpr = False,
+    vector_stores: cutlass.Constexpr = True,
 ):
     """A [rows, cols] float32 row-major matrix, (-) its values, into columns [col0, col0 +
-    cols) of its bf16 image, 16 bytes a thread a pass."""
+    cols) of its bf16 image, 16 bytes a thread a pass; stored 8 bytes at a time
+    (put_row_piece), or element by element with vector_stores=False (the chunk-outputs kernel
+    until its vector stores have run on a GPU)."""
     passes = rows * cols // (NTHREADS * 4)
     r_x = cute.make_rmem_tensor((passes, 4), Float32)
     for p in cutlass.range_constexpr(passes):
@@ -68,10 +71,17 @@ def to_image(
         r_x[p, None].store(vec4(m_x[e // cols, None].iterator + e % cols).load())
     for p in cutlass.range_constexpr(passes):
         e = (p * NTHREADS + tid) * 4
-        values = r_x[p, None].load()
-        if cutlass.const_expr(negate):
-            values = -values
-        put_row_piece(image, e // cols, col0 + e % cols, values.to(BFloat16))
+        if cutlass.const_expr(vector_stores):
+            values = r_x[p, None].load()
+            if cutlass.const_expr(negate):
+                values = -values
+            put_row_piece(image, e // cols, col0 + e % cols, values.to(BFloat16))
+        else:
+            for x in cutlass.range_constexpr(4):
+                value = r_x[p, x]
+                if cutlass.const_expr(negate):
+                    value = -value
+                image[e // cols, col0 + e % cols + x] = value.to(BFloat16)
 
 
 @cute.jit

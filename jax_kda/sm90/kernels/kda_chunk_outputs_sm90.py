@@ -89,10 +89,11 @@ class ChunkOutputsSm90:
         s_vn_v = view(raw, OFF_VN, image_layout(HEAD_DIM, ROWS, mn_major=True))  # as [V, tokens]
         s_at = view(raw, OFF_AT, image_layout(ROWS, ROWS))
 
-        to_image(s_s, mS[slot, h, None, None], tid, HEAD_DIM, HEAD_DIM)
-        to_image(s_w, mW[slot, h, None, None], tid, ROWS, HEAD_DIM)
-        to_image(s_qg, mQg[slot, h, None, None], tid, ROWS, HEAD_DIM)
-        to_image(s_at, mAttn[slot, h, None, None], tid, ROWS, ROWS)
+        # element-by-element image stores: the vector ones have not yet run here on a GPU
+        to_image(s_s, mS[slot, h, None, None], tid, HEAD_DIM, HEAD_DIM, vector_stores=False)
+        to_image(s_w, mW[slot, h, None, None], tid, ROWS, HEAD_DIM, vector_stores=False)
+        to_image(s_qg, mQg[slot, h, None, None], tid, ROWS, HEAD_DIM, vector_stores=False)
+        to_image(s_at, mAttn[slot, h, None, None], tid, ROWS, ROWS, vector_stores=False)
         cute.arch.fence_proxy("async.shared", space="cta")
         cute.arch.sync_threads()
 
