@@ -1,5 +1,6 @@
 """Float64 gradients of the recurrent oracle: the one reference every gradient test compares to."""
 
+import hashlib
 from typing import NamedTuple
 
 import jax
@@ -23,9 +24,31 @@ def loss_weights(x, seed):
     return w_o, w_f
 
 
+_REFERENCES: dict[str, list[np.ndarray]] = {}
+"""float64_gradients' results by their inputs' digest: the same data checked twice (the GPU
+gradient tests run every case with both residual choices) costs one oracle run."""
+
+
+def _digest(*arrays, scale) -> str:
+    h = hashlib.sha256(repr(scale).encode())
+    for a in arrays:
+        a = np.ascontiguousarray(np.asarray(a))
+        h.update(f"{a.dtype}{a.shape}".encode())
+        h.update(a.tobytes())
+    return h.hexdigest()
+
+
 def float64_gradients(x, w_o, w_f, scale=None):
     """Gradients of sum(o * w_o) + sum(final_state * w_f) with respect to q, k, v, g, beta and
-    the initial state, by float64 autodiff of the recurrence (numpy arrays, the inputs' shapes)."""
+    the initial state, by float64 autodiff of the recurrence (numpy arrays, the inputs' shapes;
+    fresh copies of a result kept for inputs seen before)."""
+    key = _digest(*x[:6], x.initial_state, w_o, w_f, scale=scale)
+    if key not in _REFERENCES:
+        _REFERENCES[key] = _float64_gradients(x, w_o, w_f, scale)
+    return [g.copy() for g in _REFERENCES[key]]
+
+
+def _float64_gradients(x, w_o, w_f, scale):
     with jax.enable_x64(True):
 
         def loss(q, k, v, g, beta, state, w_o, w_f):
