@@ -28,6 +28,7 @@ except ImportError as error:  # flax is an optional dependency
     ) from error
 
 from jax_kda.api import (
+    RESIDUALS,
     _describe,
     _require_array,
     _validate_cu_seqlens,
@@ -159,6 +160,8 @@ class KimiDeltaAttention(nnx.Module):
         or float32; the sm90 kernels take bfloat16 only (others run the XLA path).
       param_dtype: the parameters' dtype.
       backend: prefill's backend ("auto", "xla", "sm90").
+      residuals: prefill's residuals ("saved": the training forward keeps what the backward
+        needs; "recompute": less memory, the backward recomputes it).
       rngs: nnx.Rngs for the initialisation.
 
     Parameters as fla initialises them: A_log = log(uniform(1, 16)) per head (0 with
@@ -179,6 +182,7 @@ class KimiDeltaAttention(nnx.Module):
         dtype=jnp.float32,
         param_dtype=jnp.float32,
         backend: str = "auto",
+        residuals: str = "saved",
         rngs: nnx.Rngs,
     ):
         if head_dim != HEAD_DIM:
@@ -192,12 +196,15 @@ class KimiDeltaAttention(nnx.Module):
             raise TypeError(f"dtype: got {jnp.dtype(dtype)}, expected bfloat16, float16 or float32")
         if lower_bound is not None:
             check_lower_bound(lower_bound)
+        if residuals not in RESIDUALS:
+            raise ValueError(f"residuals: got {residuals!r}, expected one of {RESIDUALS}")
         self.hidden_size = hidden_size
         self.num_heads = num_heads
         self.conv_size = conv_size
         self.lower_bound = lower_bound
         self.dtype = dtype
         self.backend = backend
+        self.residuals = residuals
         width = num_heads * HEAD_DIM
 
         def linear(features_in, features_out, use_bias=False):
@@ -276,7 +283,7 @@ class KimiDeltaAttention(nnx.Module):
             o, state = prefill(
                 q, k, v, g, beta, cu_seqlens=cu, initial_state=state,
                 output_final_state=cache is not None, gate_lower_bound=self.lower_bound,
-                backend=self.backend,
+                backend=self.backend, residuals=self.residuals,
             )  # fmt: skip
         o = self.o_norm(o, self.g_proj(h).reshape(heads))
         y = self.o_proj(o.reshape(tokens.shape[0], self.num_heads * HEAD_DIM))

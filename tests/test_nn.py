@@ -228,6 +228,27 @@ def test_lower_bound_gate_is_bounded_and_reaches_prefill(monkeypatch):
     assert np.isfinite(np.asarray(_apply(layer, x))).all()
 
 
+def test_residuals_reach_prefill_and_both_give_the_same_gradients(monkeypatch):
+    seen = []
+    original = jax_kda.nn.prefill
+    monkeypatch.setattr(
+        jax_kda.nn, "prefill", lambda *a, **k: seen.append(k["residuals"]) or original(*a, **k)
+    )
+    x, target = _x((2, 20), 8), _x((2, 20), 9)
+    grads = []
+    for residuals in ("saved", "recompute"):
+        layer = _layer(residuals=residuals)
+        graphdef, params = nnx.split(layer, nnx.Param)
+
+        def loss(params, graphdef=graphdef):
+            return jnp.mean((nnx.merge(graphdef, params)(x) - target) ** 2)
+
+        grads.append(jax.tree_util.tree_leaves(jax.jit(jax.grad(loss))(params)))
+    assert seen == ["saved", "recompute"]
+    for saved, recompute in zip(*grads, strict=True):
+        np.testing.assert_allclose(np.asarray(saved), np.asarray(recompute), rtol=1e-5, atol=1e-7)
+
+
 def test_gradients_are_finite_and_reach_every_parameter():
     layer = _layer(conv_bias=True)
     graphdef, params = nnx.split(layer, nnx.Param)
@@ -251,6 +272,7 @@ BAD = {
     "conv-size": (dict(conv_size=1), ValueError, r"conv_size: got 1"),
     "dtype": (dict(dtype=jnp.int8), TypeError, r"dtype: got int8"),
     "lower-bound": (dict(lower_bound=-8.0), ValueError, r"lower_bound: got -8.0"),
+    "residuals": (dict(residuals="none"), ValueError, r"residuals: got 'none'"),
 }
 
 
