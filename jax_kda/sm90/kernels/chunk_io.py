@@ -10,7 +10,7 @@ import cutlass.cute as cute
 from cutlass import BFloat16, Float32
 
 from jax_kda.constants import HEAD_DIM, SCAN_CHUNK
-from jax_kda.sm90.kernels.wgmma import row_piece, vec4
+from jax_kda.sm90.kernels.wgmma import row_piece, store_piece, vec4
 
 ROWS = SCAN_CHUNK
 NTHREADS = 256  # two warpgroups
@@ -38,18 +38,6 @@ def store_pairs(acc: cute.Tensor, coords: cute.Tensor, out: cute.Tensor, col0, n
 
 
 @cute.jit
-def put_row_piece(image, row, col, values):
-    """n bf16 values (a vector; n = 2, 4 or 8) at columns col .. col + n - 1 of an image's row,
-    col a multiple of n: one 4-, 8- or 16-byte store in a K-major image (n consecutive K
-    elements of a row are contiguous under the 128-byte swizzle); element by element where the
-    image's layout does not keep them together."""
-    n = cute.size(values.shape)
-    piece = cute.make_rmem_tensor((n,), BFloat16)
-    piece.store(values)
-    cute.autovec_copy(piece, cute.local_tile(image, (1, n), (row, col // n))[0, None])
-
-
-@cute.jit
 def to_image(
     image,
     m_x: cute.Tensor,
@@ -62,7 +50,7 @@ def to_image(
 ):
     """A [rows, cols] float32 row-major matrix, (-) its values, into columns [col0, col0 +
     cols) of its bf16 image, 16 bytes a thread a pass; stored 8 bytes at a time
-    (put_row_piece), or element by element with vector_stores=False (the chunk-outputs kernel
+    (wgmma.store_piece), or element by element with vector_stores=False (the chunk-outputs kernel
     until its vector stores have run on a GPU)."""
     passes = rows * cols // (NTHREADS * 4)
     r_x = cute.make_rmem_tensor((passes, 4), Float32)
@@ -75,7 +63,7 @@ def to_image(
             values = r_x[p, None].load()
             if cutlass.const_expr(negate):
                 values = -values
-            put_row_piece(image, e // cols, col0 + e % cols, values.to(BFloat16))
+            store_piece(image, e // cols, col0 + e % cols, values.to(BFloat16), False)
         else:
             for x in cutlass.range_constexpr(4):
                 value = r_x[p, x]
@@ -115,4 +103,4 @@ def token_rows_image(image, m_x: cute.Tensor, row0, count, tid):
             r_x[p, None].store(row_piece(m_x[row0 + i, None], e % HEAD_DIM, per).load())
     for p in cutlass.range_constexpr(passes):
         e = (p * NTHREADS + tid) * per
-        put_row_piece(image, e // HEAD_DIM, e % HEAD_DIM, r_x[p, None].load())
+        store_piece(image, e // HEAD_DIM, e % HEAD_DIM, r_x[p, None].load(), False)

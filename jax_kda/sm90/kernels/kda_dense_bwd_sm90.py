@@ -43,14 +43,13 @@ from jax_kda.constants import HEAD_DIM, SCAN_CHUNK
 from jax_kda.sm90.kernels.chunk_io import (
     NTHREADS,
     pair_at,
-    put_row_piece,
     store_pairs,
     to_image,
     token_rows_image,
     transposed_pairs_image,
 )
 from jax_kda.sm90.kernels.varlen import slot_rows
-from jax_kda.sm90.kernels.wgmma import bf16_tiled_mma, image_layout, vec4, view
+from jax_kda.sm90.kernels.wgmma import bf16_tiled_mma, image_layout, store_piece, vec4, view
 
 ROWS = SCAN_CHUNK
 WGS = 2  # warpgroups; each takes half of every product's columns
@@ -237,12 +236,12 @@ class DenseBwdSm90:
             i, n = c_half[e]
             two[0] = r_u[e] - acc_ws[e]
             two[1] = r_u[e + 1] - acc_ws[e + 1]
-            put_row_piece(s_vn, i, n0 + n, two.load().to(BFloat16))
+            store_piece(s_vn, i, n0 + n, two.load().to(BFloat16), False)
             two[0] = acc_dv[e]
             two[1] = acc_dv[e + 1]
             dv = two.load().to(BFloat16)
-            put_row_piece(s_dv, i, n0 + n, dv)
-            put_row_piece(s_ds, i, HEAD_DIM + n0 + n, dv)
+            store_piece(s_dv, i, n0 + n, dv, False)
+            store_piece(s_ds, i, HEAD_DIM + n0 + n, dv, False)
         cute.arch.fence_proxy("async.shared", space="cta")
         cute.arch.sync_threads()
 
@@ -284,7 +283,7 @@ class DenseBwdSm90:
             i, n = c_half[e]
             two[0] = -acc_w[e]
             two[1] = -acc_w[e + 1]
-            put_row_piece(s_ds, i, n0 + n, two.load().to(BFloat16))
+            store_piece(s_ds, i, n0 + n, two.load().to(BFloat16), False)
         store_pairs(acc_q, c_half, mDqg[slot, h, None, None], n0, False)
         cute.nvgpu.warpgroup.wait_group(0)
         store_pairs(acc_kd, c_half, mDkd[slot, h, None, None], n0, False)
@@ -309,7 +308,7 @@ class DenseBwdSm90:
             i, n = c_r[e]
             two[0] = acc_rhs[e]
             two[1] = acc_rhs[e + 1]
-            put_row_piece(s_rhs, i, r0 + n, two.load().to(BFloat16))
+            store_piece(s_rhs, i, r0 + n, two.load().to(BFloat16), False)
         store_pairs(acc_rhs, c_r, mDrhs[slot, h, None, None], r0, False)
         cute.arch.fence_proxy("async.shared", space="cta")
         cute.arch.sync_threads()
@@ -378,8 +377,8 @@ def _square_images(s_s, s_g, m_s: cute.Tensor, m_g: cute.Tensor, m_decay: cute.T
         e = (p * NTHREADS + tid) * 4
         row = e // HEAD_DIM
         col = e % HEAD_DIM
-        put_row_piece(s_s, row, col, r_s[p, None].load().to(BFloat16))
-        put_row_piece(s_g, row, col, r_g[p, None].load().to(BFloat16))
+        store_piece(s_s, row, col, r_s[p, None].load().to(BFloat16), False)
+        store_piece(s_g, row, col, r_g[p, None].load().to(BFloat16), False)
         dot = Float32(0.0)
         for x in cutlass.range_constexpr(4):
             dot = dot + r_s[p, x] * r_g[p, x]

@@ -137,21 +137,32 @@ def put_piece(image: cute.Tensor, row, col, x, along_rows: cutlass.Constexpr[boo
     hi = cute.make_rmem_tensor((n,), BFloat16)
     x_hi = x.to(BFloat16)
     hi.store(x_hi)
-    _store_piece(image, row, col, hi, along_rows)
+    _copy_piece(image, row, col, hi, along_rows)
     if cutlass.const_expr(passes == 3):
         lo = cute.make_rmem_tensor((n,), BFloat16)
         lo.store((x - x_hi.to(Float32)).to(BFloat16))
-        _store_piece(image, row, half + col, lo, along_rows)
+        _copy_piece(image, row, half + col, lo, along_rows)
 
 
 @cute.jit
-def _store_piece(image: cute.Tensor, row, col, values: cute.Tensor,
-                 along_rows: cutlass.Constexpr[bool]):  # fmt: skip
-    n = cute.size(values)
+def store_piece(image: cute.Tensor, row, col, values, along_rows: cutlass.Constexpr[bool]):
+    """n bf16 values (a vector; n = 2, 4 or 8) into an image, placed as put_piece places them:
+    one 4-, 8- or 16-byte store (element by element where an image's layout does not keep them
+    together)."""
+    n = cute.size(values.shape)
+    piece = cute.make_rmem_tensor((n,), BFloat16)
+    piece.store(values)
+    _copy_piece(image, row, col, piece, along_rows)
+
+
+@cute.jit
+def _copy_piece(image: cute.Tensor, row, col, piece: cute.Tensor,
+                along_rows: cutlass.Constexpr[bool]):  # fmt: skip
+    n = cute.size(piece)
     if cutlass.const_expr(along_rows):
-        cute.autovec_copy(values, cute.local_tile(image, (n, 1), (row // n, col))[None, 0])
+        cute.autovec_copy(piece, cute.local_tile(image, (n, 1), (row // n, col))[None, 0])
     else:
-        cute.autovec_copy(values, cute.local_tile(image, (1, n), (row, col // n))[0, None])
+        cute.autovec_copy(piece, cute.local_tile(image, (1, n), (row, col // n))[0, None])
 
 
 def image_k(k: int, passes: int) -> int:
