@@ -1171,26 +1171,52 @@ def training_residual_backward(saved, d_o, d_final, scale):
     return (*d_tokens, jnp.swapaxes(d_y0, -1, -2))
 
 
-def _training_chunks(num_heads, num_sequences, *, both_scans):
-    """differentiable_chunks with every kernel at training_forward's defaults."""
-    bwd_v_slice = None
-    if both_scans:
+DENSE_PRECISIONS = {
+    "bf16": jax.lax.DotAlgorithmPreset.BF16_BF16_F32,
+    "bf16x3": jax.lax.DotAlgorithmPreset.BF16_BF16_F32_X3,
+    "float32": jax.lax.Precision.HIGHEST,
+}
+"""training_forward's dense_precision choices and the dot precisions they stand for."""
+
+
+def _training_chunks(
+    num_heads, num_sequences, *, both_scans, chunk_core=True, decayed_bwd=True,
+    scan_v_slice=None, scan_tensor_cores=None, dense_precision="bf16", chunk_core_passes=1,
+    scan_passes=None, tokens_bwd=True,
+):  # fmt: skip
+    """training_forward's differentiable_chunks for these switches (its dense_bwd=True form);
+    the defaults are the training path's kernels, which training_residual_forward and
+    training_residual_backward run too."""
+    precision = DENSE_PRECISIONS[dense_precision]
+    bwd_v_slice = scan_v_slice
+    if both_scans and scan_v_slice is None and scan_tensor_cores is not False:
+        # the backward's scans (and the addend the state cotangent writes for them) take the
+        # width that suits both directions in one launch
         bwd_v_slice, _ = scan_variant(num_heads, num_sequences, both_directions=True)
     chunk_bwd = functools.partial(
-        xla_chunk_bwd, dense_bwd=dense_bwd_kernel, decayed_bwd=decayed_bwd_tokens_kernel,
-        tokens_bwd=tokens_bwd_kernel,
-    )  # fmt: skip
-    return differentiable_chunks(
-        functools.partial(chunk_core_kernel, passes=1),
-        state_scan_kernel,
-        chunk_bwd,
-        jax.lax.DotAlgorithmPreset.BF16_BF16_F32,
-        state_cotangent=functools.partial(state_cotangent_kernel, scan_v_slice=bwd_v_slice),
-        chunk_outputs=chunk_outputs_kernel,
-        both_scans=functools.partial(state_scans_kernel, v_slice=bwd_v_slice)
-        if both_scans
-        else None,
+        xla_chunk_bwd,
+        dense_bwd=dense_bwd_kernel if dense_precision == "bf16" else None,
+        decayed_bwd=decayed_bwd_tokens_kernel if decayed_bwd else None,
+        tokens_bwd=tokens_bwd_kernel if tokens_bwd else None,
     )
+    core = functools.partial(chunk_core_kernel, passes=chunk_core_passes)
+    return differentiable_chunks(
+        core if chunk_core else xla_chunk_core,
+        functools.partial(
+            state_scan_kernel, v_slice=scan_v_slice, tensor_cores=scan_tensor_cores,
+            passes=scan_passes,
+        ),
+        chunk_bwd,
+        precision,
+        state_cotangent=functools.partial(
+            state_cotangent_kernel, scan_v_slice=bwd_v_slice, scan_tensor_cores=scan_tensor_cores,
+        ) if dense_precision == "bf16" else None,
+        chunk_outputs=chunk_outputs_kernel if dense_precision == "bf16" else None,
+        both_scans=functools.partial(
+            state_scans_kernel, v_slice=bwd_v_slice, tensor_cores=scan_tensor_cores,
+            passes=scan_passes,
+        ) if both_scans else None,
+    )  # fmt: skip
 
 
 def training_forward(
@@ -1246,47 +1272,27 @@ def training_forward(
         tokens_bwd = dense_bwd
     if tokens_bwd and not dense_bwd:
         raise ValueError("tokens_bwd=True needs dense_bwd=True (the backward it ends)")
-    presets = {
-        "bf16": jax.lax.DotAlgorithmPreset.BF16_BF16_F32,
-        "bf16x3": jax.lax.DotAlgorithmPreset.BF16_BF16_F32_X3,
-        "float32": jax.lax.Precision.HIGHEST,
-    }
-    if dense_precision not in presets:
-        raise ValueError(f"dense_precision is one of {sorted(presets)}, not {dense_precision!r}")
-    precision = presets[dense_precision]
-    kernel = functools.partial(
-        state_scan_kernel, v_slice=scan_v_slice, tensor_cores=scan_tensor_cores,
-        passes=scan_passes,
-    )  # fmt: skip
-    core = functools.partial(chunk_core_kernel, passes=chunk_core_passes)
-    if dense_bwd:
-        bwd_v_slice = scan_v_slice
-        if both_scans and scan_v_slice is None and scan_tensor_cores is not False:
-            # the backward's scans (and the addend the state cotangent writes for them) take
-            # the width that suits both directions in one launch
-            bwd_v_slice, _ = scan_variant(q.shape[1], cu_seqlens.shape[0] - 1, both_directions=True)
-        chunk_bwd = functools.partial(
-            xla_chunk_bwd,
-            dense_bwd=dense_bwd_kernel if dense_precision == "bf16" else None,
-            decayed_bwd=decayed_bwd_tokens_kernel if decayed_bwd else None,
-            tokens_bwd=tokens_bwd_kernel if tokens_bwd else None,
+    if dense_precision not in DENSE_PRECISIONS:
+        raise ValueError(
+            f"dense_precision is one of {sorted(DENSE_PRECISIONS)}, not {dense_precision!r}"
         )
-        chunks = differentiable_chunks(
-            core if chunk_core else xla_chunk_core, kernel, chunk_bwd, precision,
-            state_cotangent=functools.partial(
-                state_cotangent_kernel, scan_v_slice=bwd_v_slice,
-                scan_tensor_cores=scan_tensor_cores,
-            ) if dense_precision == "bf16" else None,
-            chunk_outputs=chunk_outputs_kernel if dense_precision == "bf16" else None,
-            both_scans=functools.partial(
-                state_scans_kernel, v_slice=bwd_v_slice, tensor_cores=scan_tensor_cores,
-                passes=scan_passes,
-            ) if both_scans else None,
+    precision = DENSE_PRECISIONS[dense_precision]
+    if dense_bwd:
+        chunks = _training_chunks(
+            q.shape[1], cu_seqlens.shape[0] - 1, both_scans=both_scans, chunk_core=chunk_core,
+            decayed_bwd=decayed_bwd, scan_v_slice=scan_v_slice,
+            scan_tensor_cores=scan_tensor_cores, dense_precision=dense_precision,
+            chunk_core_passes=chunk_core_passes, scan_passes=scan_passes, tokens_bwd=tokens_bwd,
         )  # fmt: skip
         return xla.forward(
             q, k, v, g, beta, cu_seqlens, initial_state, scale, precision=precision,
             chunks=chunks,
         )  # fmt: skip
+    kernel = functools.partial(
+        state_scan_kernel, v_slice=scan_v_slice, tensor_cores=scan_tensor_cores,
+        passes=scan_passes,
+    )  # fmt: skip
+    core = functools.partial(chunk_core_kernel, passes=chunk_core_passes)
     scan = differentiable_state_scan(kernel, precision)
     if chunk_core:
         operands = differentiable_chunk_operands(
