@@ -259,17 +259,29 @@ def test_tokens_bwd_kernel_with_no_slots_returns_zeros_without_a_launch():
 
 
 def test_chunk_core_scan_image_offsets_are_the_scans_image_order():
-    """kda_chunk_operands_sm90.scan_image_offset (where the chunk core writes W and Kd's bf16
-    scan images) against state_scan_operands' single-pass image of the same [64, 128] array:
-    every element at its offset, once."""
-    from jax_kda.sm90.kernels.kda_chunk_operands_sm90 import scan_image_offset
+    """chunk_io.scan_order_offset (where the chunk core writes W and Kd's bf16 scan images)
+    against state_scan_operands' single-pass image of the same [64, 128] array: every element
+    at its offset, once; scan_order_position (where the other kernels read 16-byte pieces of
+    those images) is its inverse; backend.chunk_rows puts an image back into rows."""
+    from jax_kda.sm90.kernels.chunk_io import scan_order_offset, scan_order_position
 
     x = np.arange(64 * 128, dtype=np.float32).reshape(1, 1, 64, 128)  # element ids
     ids = jnp.asarray(x)
     image = np.asarray(sm90.backend._interleaved_image(ids))[0, 0]
-    offsets = np.array([[scan_image_offset(i, c) for c in range(128)] for i in range(64)])
+    offsets = np.array([[scan_order_offset(i, c) for c in range(128)] for i in range(64)])
     assert sorted(offsets.ravel().tolist()) == list(range(64 * 128))
     np.testing.assert_array_equal(image[offsets], x[0, 0])
+    for o in range(0, 64 * 128, 8):  # each 16-byte piece: 8 neighbouring columns of one row
+        i, c = scan_order_position(o)
+        assert c % 8 == 0 and [scan_order_offset(i, c + e) for e in range(8)] == list(
+            range(o, o + 8)
+        )
+    small = jnp.asarray(np.random.default_rng(0).integers(-100, 100, (2, 3, 64, 128)), jnp.float32)
+    packed = sm90.backend.chunk_image(small)  # integers: exact in bf16
+    assert packed.shape == (2, 3, 64 * 128) and packed.dtype == jnp.bfloat16
+    np.testing.assert_array_equal(np.asarray(sm90.backend.chunk_rows(packed)), np.asarray(small))
+    decay = jnp.ones((2, 3, 128), jnp.bfloat16)  # not an image: only cast
+    assert sm90.backend.chunk_rows(decay).shape == (2, 3, 128)
 
 
 def test_gate_floor_grad_is_the_vjp_of_the_floor():

@@ -366,6 +366,30 @@ def _interleaved_image(x):
     return x.reshape(*lead, r * c)
 
 
+def _image_rows(image, rows: int = SCAN_CHUNK, cols: int = HEAD_DIM):
+    """_interleaved_image's inverse: [..., rows * cols] in the interleaved images' order ->
+    [..., rows, cols] float32."""
+    *lead, _ = image.shape
+    n = len(lead)
+    x = image.reshape(*lead, cols // 8, rows // 8, 8, 8)
+    x = jnp.transpose(x, (*range(n), n + 1, n + 2, n, n + 3))
+    return x.reshape(*lead, rows, cols).astype(jnp.float32)
+
+
+def chunk_rows(x):
+    """A chunk core output as float32 [slots, H, 64, 128] rows: W or Kd from chunk_core_kernel
+    (bf16 [slots, H, 64 * 128] in the scan's operand order) unpacked, any other cast."""
+    if x.ndim == 3 and x.shape[-1] == SCAN_CHUNK * HEAD_DIM:
+        return _image_rows(x)
+    return x.astype(jnp.float32)
+
+
+def chunk_image(x):
+    """W or Kd as chunk_core_kernel gives it (bf16 in the scan's operand order), from the
+    stand-in's float32 [slots, H, 64, 128] rows where it comes as those."""
+    return x if x.ndim == 3 else _interleaved_image(x.astype(jnp.bfloat16))
+
+
 def state_scan_operands(a_op, b_op, addend, v_slice: int, passes: int = 3):
     """The tensor-core scan's inputs from xla.state_scan's a_op, b_op [slots, H, 64, K] and
     addend [slots, H, rows, V], each as one contiguous block per (slot, head) that a bulk copy
@@ -395,7 +419,8 @@ def addend_slices(addend, v_slice: int):
         return addend.slices
     slots, heads, rows, width = _unsliced(addend).shape
     slices = _unsliced(addend).reshape(slots, heads, rows, width // v_slice, v_slice)
-    return jnp.transpose(slices, (0, 1, 3, 2, 4)).reshape(slots, heads, -1, rows * v_slice)
+    slices = jnp.transpose(slices, (0, 1, 3, 2, 4)).reshape(slots, heads, -1, rows * v_slice)
+    return slices.astype(jnp.float32)
 
 
 class ImagedOperand(NamedTuple):
@@ -463,7 +488,8 @@ def state_scan_kernel(
     if tensor_cores:
         a_op, b_op, addend = state_scan_operands(a_op, b_op, addend, v_slice, passes)
     else:
-        a_op, b_op, addend = _values(a_op), _values(b_op), _unsliced(addend)
+        a_op, b_op = _values(a_op), _values(b_op)
+        addend = _unsliced(addend).astype(jnp.float32)
 
     results = [
         jax.ShapeDtypeStruct((a_op.shape[0], *y0.shape[1:]), jnp.float32),
@@ -536,10 +562,11 @@ def differentiable_chunks(
     outputs = chunk_outputs or xla_chunk_outputs
 
     def scan_operands(core_out):
-        # W and Kd, with their scan images where the core gives them (chunk_core_kernel)
+        # W and Kd; from chunk_core_kernel, their scan images with the values beside them
+        # (which only the variants that take float32 operands compute)
         w, kd = core_out[0], core_out[4]
-        if len(core_out) > 9:
-            return ImagedOperand(w, core_out[9]), ImagedOperand(kd, core_out[10])
+        if w.ndim == 3:
+            return ImagedOperand(chunk_rows(w), w), ImagedOperand(chunk_rows(kd), kd)
         return w, kd
 
     def forward(q, k, v, g, beta, cu_seqlens, rows, y0, num_slots, scale):
@@ -589,9 +616,11 @@ def differentiable_chunks(
 
 def xla_chunk_outputs(states, w, u, qg, attn, cu_seqlens, rows, precision):
     """Every chunk's outputs from the state entering it, O = Qg S + Aqk (U - W S), in the
-    tokens' rows ([T, H, V] float32; states [slots, H, K, V], w, u, qg [slots, H, 64, 128], attn
-    [slots, H, 64, 64]), products at `precision`: chunk_outputs_kernel's statement."""
+    tokens' rows ([T, H, V] float32; states [slots, H, K, V], w, u, qg [slots, H, 64, 128] (w
+    also as chunk_core_kernel gives it), attn [slots, H, 64, 64]), products at `precision`:
+    chunk_outputs_kernel's statement."""
     del cu_seqlens  # the rows say where each token sits
+    w, u, qg, attn = (chunk_rows(x) for x in (w, u, qg, attn))
     v_new = u - jnp.einsum("shik,shkv->shiv", w, states, precision=precision)
     return xla.from_chunks(xla._chunk_output(states, v_new, qg, attn, precision), rows)
 
@@ -602,11 +631,13 @@ def chunk_outputs_kernel(states, w, u, qg, attn, cu_seqlens, rows, precision=Non
     from jax_kda.sm90.ffi_call import cute_call
 
     del precision
-    slots, heads = w.shape[:2]
+    slots, heads = u.shape[:2]
     result = jax.ShapeDtypeStruct((rows.shape[0], heads, HEAD_DIM), jnp.bfloat16)
     if slots == 0 or rows.shape[0] == 0:  # nothing to launch or nothing to write
         return jnp.zeros(result.shape, result.dtype)
-    inputs = [x.astype(jnp.float32) for x in (states, w, u, qg, attn)]
+    bf16 = jnp.bfloat16
+    inputs = [states.astype(jnp.float32), chunk_image(w)]
+    inputs += [x.astype(bf16) for x in (u, qg, attn)]
     (o,) = cute_call(
         chunk_outputs_artifact(), [*inputs, jnp.asarray(cu_seqlens, jnp.int32)], [result]
     )
@@ -624,13 +655,13 @@ def chunk_outputs_artifact():
     from jax_kda.sm90.kernels.kda_chunk_outputs_sm90 import ChunkOutputsSm90
 
     tokens, heads, slots = cute.sym_int32(), cute.sym_int32(), cute.sym_int32()
-    chunk = row_major_fake(Float32, (slots, heads, SCAN_CHUNK, HEAD_DIM))
+    chunk = row_major_fake(BFloat16, (slots, heads, SCAN_CHUNK, HEAD_DIM))
     fakes = {
         "states": row_major_fake(Float32, (slots, heads, HEAD_DIM, HEAD_DIM)),
-        "w": chunk,
+        "w_img": row_major_fake(BFloat16, (slots, heads, SCAN_CHUNK * HEAD_DIM)),
         "u": chunk,
         "qg": chunk,
-        "attn": row_major_fake(Float32, (slots, heads, SCAN_CHUNK, SCAN_CHUNK)),
+        "attn": row_major_fake(BFloat16, (slots, heads, SCAN_CHUNK, SCAN_CHUNK)),
         "cu_seqlens": row_major_fake(Int32, (cute.sym_int32(),), align=4),
         "o": row_major_fake(BFloat16, (tokens, heads, HEAD_DIM)),
     }
@@ -642,6 +673,7 @@ def xla_state_cotangent(qg, w, attn, d_o, cu_seqlens, rows, precision=jax.lax.Pr
     ([slots, H, K, V]; qg, w [slots, H, 64, 128], attn [slots, H, 64, 64], d_o [T, H, V] in
     the tokens' rows), products at `precision`: state_cotangent_kernel's statement."""
     del cu_seqlens  # the rows say where each token sits
+    qg, w, attn = (chunk_rows(x) for x in (qg, w, attn))
     d_out = xla._to_chunks(d_o.astype(jnp.float32), rows, qg.shape[0])
     mm = functools.partial(jnp.einsum, precision=precision)
     return mm("shik,shiv->shkv", qg, d_out) - mm(
@@ -664,11 +696,10 @@ def state_cotangent_artifact(v_slice: int = 0):
     )
 
     slots, heads = cute.sym_int32(), cute.sym_int32()
-    chunk = row_major_fake(Float32, (slots, heads, SCAN_CHUNK, HEAD_DIM))
     fakes = {
-        "qg": chunk,
-        "w": chunk,
-        "attn": row_major_fake(Float32, (slots, heads, SCAN_CHUNK, SCAN_CHUNK)),
+        "qg": row_major_fake(BFloat16, (slots, heads, SCAN_CHUNK, HEAD_DIM)),
+        "w_img": row_major_fake(BFloat16, (slots, heads, SCAN_CHUNK * HEAD_DIM)),
+        "attn": row_major_fake(BFloat16, (slots, heads, SCAN_CHUNK, SCAN_CHUNK)),
         "d_out": row_major_fake(BFloat16, (cute.sym_int32(), heads, HEAD_DIM)),
         "cu_seqlens": row_major_fake(Int32, (cute.sym_int32(),), align=4),
         "d_states": row_major_fake(Float32, (slots, heads, HEAD_DIM, HEAD_DIM)),
@@ -698,8 +729,9 @@ def state_cotangent_kernel(
     if slots == 0:  # no chunk slots: nothing to launch (an empty grid)
         d_states = jnp.zeros(result.shape, result.dtype)
     else:
-        inputs = [x.astype(jnp.float32) for x in (qg, w, attn)]
-        inputs += [d_o.astype(jnp.bfloat16), jnp.asarray(cu_seqlens, jnp.int32)]
+        bf16 = jnp.bfloat16
+        inputs = [qg.astype(bf16), chunk_image(w), attn.astype(bf16)]
+        inputs += [d_o.astype(bf16), jnp.asarray(cu_seqlens, jnp.int32)]
         (d_states,) = cute_call(state_cotangent_artifact(v_slice), inputs, [result])
     if not v_slice:
         return d_states
@@ -713,7 +745,7 @@ def xla_chunk_bwd(
 ):  # fmt: skip
     """Every chunk's part of the backward, straight to the tokens: tokens = (q, k, v, g, beta)
     packed (g as given: dg goes through the gate floor here); core_out: the chunk core's
-    outputs (nine, or eleven with the scan images); states: the state entering each slot,
+    outputs (chunk_core_kernel's or its stand-in's nine); states: the state entering each slot,
     g_end the cotangent of the state leaving it (the reverse scan's), d_o the outputs'
     cotangent [T, H, V] in the tokens' rows. Returns (dq, dk, dv, dg, dbeta) in the tokens' rows,
     float32. Three stages, each by its kernel's contract or (None) its XLA statement: the dense
@@ -775,13 +807,12 @@ def chunk_operands_artifact(scale: float, passes: int = 3):
         "g": row_major_fake(Float32, token_shape),
         "beta": row_major_fake(Float32, (tokens, heads), align=4),
         "cu_seqlens": row_major_fake(Int32, (cute.sym_int32(),), align=4),
-        **{name: row_major_fake(Float32, chunk) for name in ("w", "u", "qg")},
-        "attn": row_major_fake(Float32, pairs),
-        "kd": row_major_fake(Float32, chunk),
+        **{name: row_major_fake(BFloat16, chunk) for name in ("u", "qg")},
+        "attn": row_major_fake(BFloat16, pairs),
         "decay": row_major_fake(Float32, (slots, heads, HEAD_DIM)),
         "gamma": row_major_fake(Float32, chunk),
         "kk": row_major_fake(Float32, pairs),
-        "tinv": row_major_fake(Float32, pairs),
+        "tinv": row_major_fake(BFloat16, pairs),
         "w_img": row_major_fake(BFloat16, (slots, heads, SCAN_CHUNK * HEAD_DIM)),
         "kd_img": row_major_fake(BFloat16, (slots, heads, SCAN_CHUNK * HEAD_DIM)),
     }
@@ -796,33 +827,39 @@ def chunk_operands_artifact(scale: float, passes: int = 3):
     )
 
 
-def chunk_core_kernel(q, k, v, g, beta, cu_seqlens, num_slots, scale, passes=3):
-    """The chunk-core kernel: (w, u, qg, attn, kd, decay, gamma, kk, tinv, w_img, kd_img) from
-    the packed tokens; tinv = T^-1, T = I + strictLower(beta kk); w_img, kd_img: W and Kd as the
-    single-pass tensor-core scan's bf16 images (state_scan_operands' a_img / bt_img of them),
-    for ImagedOperand. xla_chunk_core, its stand-in, gives the first nine."""
-    from jax_kda.sm90.ffi_call import cute_call
-
-    heads = q.shape[1]
+def chunk_core_results(num_slots: int, heads: int):
+    """The chunk-core artifact's results in its order: u, qg, attn, decay, gamma, kk, tinv,
+    w_img, kd_img (chunk_core_kernel says what they hold)."""
     chunk = (num_slots, heads, SCAN_CHUNK, HEAD_DIM)
     pairs = (num_slots, heads, SCAN_CHUNK, SCAN_CHUNK)
+    image = (num_slots, heads, SCAN_CHUNK * HEAD_DIM)
+    f32, bf16 = jnp.float32, jnp.bfloat16
+    shapes = [(chunk, bf16), (chunk, bf16), (pairs, bf16), ((num_slots, heads, HEAD_DIM), f32),
+              (chunk, f32), (pairs, f32), (pairs, bf16), (image, bf16), (image, bf16)]  # fmt: skip
+    return [jax.ShapeDtypeStruct(shape, dtype) for shape, dtype in shapes]
+
+
+def chunk_core_kernel(q, k, v, g, beta, cu_seqlens, num_slots, scale, passes=3):
+    """The chunk-core kernel: (w, u, qg, attn, kd, decay, gamma, kk, tinv) from the packed
+    tokens, xla_chunk_core's contract with tinv = T^-1, T = I + strictLower(beta kk), and
+    these types: w and kd bfloat16 [slots, H, 64 * 128] in the single-pass tensor-core scan's
+    operand order (state_scan_operands' a_img / bt_img of them; chunk_rows gives their
+    values), u, qg, attn and tinv bfloat16 (every consumer takes them as bf16 operands, U
+    as V_new's addend too), decay, gamma and kk float32."""
+    from jax_kda.sm90.ffi_call import cute_call
+
     f32 = jnp.float32
-    results = [
-        *(jax.ShapeDtypeStruct(chunk, f32) for _ in range(3)),  # w, u, qg
-        jax.ShapeDtypeStruct(pairs, f32),  # attn
-        jax.ShapeDtypeStruct(chunk, f32),  # kd
-        jax.ShapeDtypeStruct((num_slots, heads, HEAD_DIM), f32),  # decay
-        jax.ShapeDtypeStruct(chunk, f32),  # gamma
-        jax.ShapeDtypeStruct(pairs, f32),  # kk
-        jax.ShapeDtypeStruct(pairs, f32),  # tinv: T^-1
-        *(jax.ShapeDtypeStruct((num_slots, heads, SCAN_CHUNK * HEAD_DIM), jnp.bfloat16),) * 2,
-    ]
+    results = chunk_core_results(num_slots, q.shape[1])
     if any(x.dtype != jnp.bfloat16 for x in (q, k, v)):
         raise TypeError(f"the chunk-core kernel takes bfloat16 q, k, v; got {q.dtype}")
     if num_slots == 0:  # no tokens and no sequences: nothing to launch (an empty grid)
-        return tuple(jnp.zeros(r.shape, r.dtype) for r in results)
-    inputs = [q, k, v, g.astype(f32), beta.astype(f32), jnp.asarray(cu_seqlens, jnp.int32)]
-    return tuple(cute_call(chunk_operands_artifact(scale, passes), inputs, results))
+        u, qg, attn, decay, gamma, kk, tinv, w, kd = (jnp.zeros(r.shape, r.dtype) for r in results)
+    else:
+        inputs = [q, k, v, g.astype(f32), beta.astype(f32), jnp.asarray(cu_seqlens, jnp.int32)]
+        u, qg, attn, decay, gamma, kk, tinv, w, kd = cute_call(
+            chunk_operands_artifact(scale, passes), inputs, results
+        )
+    return w, u, qg, attn, kd, decay, gamma, kk, tinv
 
 
 @functools.cache
@@ -913,17 +950,19 @@ def dense_bwd_artifact():
     slots, heads, tokens = cute.sym_int32(), cute.sym_int32(), cute.sym_int32()
     chunk = row_major_fake(Float32, (slots, heads, SCAN_CHUNK, HEAD_DIM))
     pairs = row_major_fake(Float32, (slots, heads, SCAN_CHUNK, SCAN_CHUNK))
+    bf16_pairs = row_major_fake(BFloat16, (slots, heads, SCAN_CHUNK, SCAN_CHUNK))
+    image = row_major_fake(BFloat16, (slots, heads, SCAN_CHUNK * HEAD_DIM))
     square = row_major_fake(Float32, (slots, heads, HEAD_DIM, HEAD_DIM))
     rows = row_major_fake(Float32, (slots, heads, SCAN_CHUNK))
     fakes = {
-        "w": chunk,
-        "u": chunk,
-        "attn": pairs,
-        "kd": chunk,
+        "w_img": image,
+        "u": row_major_fake(BFloat16, (slots, heads, SCAN_CHUNK, HEAD_DIM)),
+        "attn": bf16_pairs,
+        "kd_img": image,
         "states": square,
         "g_end": square,
         "d_out": row_major_fake(BFloat16, (tokens, heads, HEAD_DIM)),
-        "tinv": pairs,
+        "tinv": bf16_pairs,
         "kk": pairs,
         "beta": row_major_fake(Float32, (tokens, heads), align=4),
         "cu_seqlens": row_major_fake(Int32, (cute.sym_int32(),), align=4),
@@ -946,21 +985,22 @@ def dense_bwd_kernel(
     from jax_kda.sm90.ffi_call import cute_call
 
     del rows, precision
-    f32 = jnp.float32
-    slots, heads = w.shape[:2]
+    f32, bf16 = jnp.float32, jnp.bfloat16
+    slots, heads = u.shape[:2]
     results = [
         jax.ShapeDtypeStruct((slots, heads, SCAN_CHUNK, 2 * HEAD_DIM), f32),  # d_rhs
-        jax.ShapeDtypeStruct(w.shape, f32),  # d_qg
+        jax.ShapeDtypeStruct(u.shape, f32),  # d_qg
         jax.ShapeDtypeStruct(attn.shape, f32),  # d_attn
-        jax.ShapeDtypeStruct(kd.shape, f32),  # d_kd
+        jax.ShapeDtypeStruct(u.shape, f32),  # d_kd
         jax.ShapeDtypeStruct((slots, heads, HEAD_DIM), f32),  # d_decay
         jax.ShapeDtypeStruct(attn.shape, f32),  # d_kk
         jax.ShapeDtypeStruct((slots, heads, SCAN_CHUNK), f32),  # d_beta_kk
     ]
     if slots == 0:  # no chunk slots: nothing to launch (an empty grid)
         return tuple(jnp.zeros(r.shape, r.dtype) for r in results)
-    inputs = [x.astype(f32) for x in (w, u, attn, kd, states, g_end)]
-    inputs += [d_o.astype(jnp.bfloat16), t_inverse.astype(f32), kk.astype(f32)]
+    inputs = [chunk_image(w), u.astype(bf16), attn.astype(bf16), chunk_image(kd)]
+    inputs += [states.astype(f32), g_end.astype(f32)]
+    inputs += [d_o.astype(bf16), t_inverse.astype(bf16), kk.astype(f32)]
     inputs += [beta.astype(f32), jnp.asarray(cu_seqlens, jnp.int32)]
     return tuple(cute_call(dense_bwd_artifact(), inputs, results))
 
@@ -993,6 +1033,7 @@ def xla_dense_bwd(
     tokens' rows. Returns (d_rhs [slots, H, 64, 256], d_qg, d_attn, d_kd, d_decay, d_kk,
     d_beta_kk)."""
     del cu_seqlens  # the rows say where each token sits
+    w, u, attn, kd, t_inverse = (chunk_rows(x) for x in (w, u, attn, kd, t_inverse))
     num_slots = w.shape[0]
     d_out, beta = (xla._to_chunks(x.astype(jnp.float32), rows, num_slots) for x in (d_o, beta))
     d_w, d_u, d_qg, d_attn, d_kd, d_decay = xla_dense_products_bwd(
@@ -1098,13 +1139,19 @@ def differentiable_chunk_operands(run, decayed_bwd=None, precision=jax.lax.Preci
     decayed products' part by `decayed_bwd` (decayed_bwd_kernel) where given, else in XLA;
     `precision` that of its dense products (with the chunk core's T^-1, the solve's too)."""
 
+    def float_outputs(*args):
+        # xla.chunk_operands's (w, u, qg, attn, kd, decay) as float32 values, and the rest
+        outputs = run(*args)
+        return (*(chunk_rows(x) for x in outputs[:5]), outputs[5]), outputs[6:]
+
     @functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8))
     def operands(q, k, v, g, beta, cu_seqlens, rows, num_slots, scale):
-        return run(q, k, v, g, beta, cu_seqlens, num_slots, scale)[:6]
+        return float_outputs(q, k, v, g, beta, cu_seqlens, num_slots, scale)[0]
 
     def operands_fwd(q, k, v, g, beta, cu_seqlens, rows, num_slots, scale):
-        outputs = run(q, k, v, g, beta, cu_seqlens, num_slots, scale)
-        w, u, _, _, _, _, gamma, kk, t_inverse = outputs[:9]
+        outputs, rest = float_outputs(q, k, v, g, beta, cu_seqlens, num_slots, scale)
+        w, u = outputs[:2]
+        gamma, kk, t_inverse = rest[0], rest[1], chunk_rows(rest[2])
         like = tuple(jnp.zeros((0,), x.dtype) for x in (q, k, v, g, beta))  # the dtypes
         # What xla._chunk_operands_bwd needs: the chunked inputs and the kernel's intermediates.
         f32 = jnp.float32
@@ -1115,7 +1162,7 @@ def differentiable_chunk_operands(run, decayed_bwd=None, precision=jax.lax.Preci
         lower = jnp.where(strict, beta_c[..., :, None] * kk, 0.0)
         solved = jnp.concatenate([w, u], axis=-1)
         residuals = (q_c, k_c, v_c, beta_c, gamma, kk, lower, solved)
-        return outputs[:6], (residuals, t_inverse, rows, like)
+        return outputs, (residuals, t_inverse, rows, like)
 
     def operands_bwd(num_slots, scale, saved, cotangents):
         residuals, t_inverse, rows, like = saved

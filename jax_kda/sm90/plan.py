@@ -53,9 +53,12 @@ class WorkspaceBuffer:
         return math.prod(self.shape) * itemsize
 
 
-CORE_ROWS = ("w", "u", "qg", "kd", "gamma")  # the chunk core's [64, 128] operands
-CORE_PAIRS = ("attn", "kk", "tinv")  # its [64, 64] ones
-SCAN_IMAGES = ("w", "kd")  # the single-pass scan's bf16 operand images (both directions')
+CORE_ROWS = {"u": "bfloat16", "qg": "bfloat16", "gamma": "float32"}
+"""The chunk core's [64, 128] operands and their dtypes."""
+CORE_PAIRS = {"attn": "bfloat16", "kk": "float32", "tinv": "bfloat16"}  # its [64, 64] ones
+SCAN_IMAGES = ("w", "kd")
+"""The chunk core's W and Kd, only as the single-pass scan's bf16 operand images (both
+directions' and the other kernels' operand)."""
 
 
 @dataclass(frozen=True)
@@ -73,12 +76,13 @@ class PrefillPlan:
     times segments): CUDA allows at most GRID_YZ_LIMIT."""
     backward_buffers: tuple[WorkspaceBuffer, ...]
     """What a training call's backward adds, per 64-token chunk slot and head: the chunk-core
-    kernel's operands (float32: w, u, qg, kd, gamma [64, 128]; attn, kk, tinv [64, 64]; decay
-    [128]), the tensor-core state scans' inputs (the bf16 images of W and Kd [64, 128] that
-    the chunk core writes and both directions read; the addends in V slices, float32: u's
-    forward, the state's cotangent from the outputs reverse), and the scans' results, the state
-    entering the slot and its cotangent at the slot's end (float32). XLA temporaries, not
-    residuals: the backward keeps only the inputs and recomputes these."""
+    kernel's operands (CORE_ROWS [64, 128]: u, qg bf16, gamma float32; CORE_PAIRS [64, 64]:
+    attn, tinv bf16, kk float32; decay [128] float32; W and Kd [64, 128] only as the bf16
+    images in the tensor-core state scans' order, which both directions and the other kernels
+    read), the scans' addends in V slices (float32: u's forward, the state's cotangent from
+    the outputs reverse), and the scans' results, the state entering the slot and its
+    cotangent at the slot's end (float32). XLA temporaries, not residuals: the backward keeps
+    only the inputs and recomputes these."""
 
     @property
     def workspace_bytes(self) -> int:
@@ -194,8 +198,8 @@ def plan_prefill(
             WorkspaceBuffer("segment_operators", operators, "float32"),
         ),
         backward_buffers=(
-            *(WorkspaceBuffer(f"chunk_{name}", chunk_rows, "float32") for name in CORE_ROWS),
-            *(WorkspaceBuffer(f"chunk_{name}", chunk_pairs, "float32") for name in CORE_PAIRS),
+            *(WorkspaceBuffer(f"chunk_{name}", chunk_rows, t) for name, t in CORE_ROWS.items()),
+            *(WorkspaceBuffer(f"chunk_{name}", chunk_pairs, t) for name, t in CORE_PAIRS.items()),
             WorkspaceBuffer("chunk_decay", (slots, num_heads, HEAD_DIM), "float32"),
             *(WorkspaceBuffer(f"scan_{name}_image", images, "bfloat16") for name in SCAN_IMAGES),
             WorkspaceBuffer("scan_forward_addend_slices", chunk_rows, "float32"),

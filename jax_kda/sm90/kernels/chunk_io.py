@@ -1,7 +1,8 @@
-"""Moving a chunk's float32 arrays between global memory and bf16 wgmma operand images, for the
-per-chunk kernels of two warpgroups (256 threads): matrices (as they are, or [64, 64] pair
-matrices transposed) into images 16 bytes a thread a pass (stored 8 or 16 bytes at a time where
-the image keeps them together), accumulators out as 8-byte pairs."""
+"""Moving a chunk's arrays between global memory and bf16 wgmma operand images, for the
+per-chunk kernels of two warpgroups (256 threads): float32 or bfloat16 matrices (row-major, in
+the state scan's operand order, or [64, 64] pair matrices transposed) into images 16 bytes a
+thread a pass (stored 8 or 16 bytes at a time where the image keeps them together),
+accumulators out as pairs."""
 
 from __future__ import annotations
 
@@ -17,8 +18,10 @@ NTHREADS = 256  # two warpgroups
 
 
 def pair_at(row: cute.Tensor, n):
-    """Elements n, n + 1 (n even) of a float32 row in global memory as one 8-byte vector."""
-    return cute.make_tensor((row.iterator + n).align(8), cute.make_layout(2))
+    """Elements n, n + 1 (n even) of a row in global memory (float32 or bf16) as one 8- or
+    4-byte vector."""
+    pair_bytes = 2 * row.element_type.width // 8
+    return cute.make_tensor((row.iterator + n).align(pair_bytes), cute.make_layout(2))
 
 
 @cute.jit
@@ -46,12 +49,10 @@ def to_image(
     cols: cutlass.Constexpr[int],
     col0: cutlass.Constexpr[int] = 0,
     negate: cutlass.Constexpr = False,
-    vector_stores: cutlass.Constexpr = True,
 ):
     """A [rows, cols] float32 row-major matrix, (-) its values, into columns [col0, col0 +
     cols) of its bf16 image, 16 bytes a thread a pass; stored 8 bytes at a time
-    (wgmma.store_piece), or element by element with vector_stores=False (the chunk-outputs kernel
-    until its vector stores have run on a GPU)."""
+    (wgmma.store_piece)."""
     passes = rows * cols // (NTHREADS * 4)
     r_x = cute.make_rmem_tensor((passes, 4), Float32)
     for p in cutlass.range_constexpr(passes):
@@ -59,32 +60,89 @@ def to_image(
         r_x[p, None].store(vec4(m_x[e // cols, None].iterator + e % cols).load())
     for p in cutlass.range_constexpr(passes):
         e = (p * NTHREADS + tid) * 4
-        if cutlass.const_expr(vector_stores):
-            values = r_x[p, None].load()
-            if cutlass.const_expr(negate):
-                values = -values
-            store_piece(image, e // cols, col0 + e % cols, values.to(BFloat16), False)
-        else:
-            for x in cutlass.range_constexpr(4):
-                value = r_x[p, x]
-                if cutlass.const_expr(negate):
-                    value = -value
-                image[e // cols, col0 + e % cols + x] = value.to(BFloat16)
+        values = r_x[p, None].load()
+        if cutlass.const_expr(negate):
+            values = -values
+        store_piece(image, e // cols, col0 + e % cols, values.to(BFloat16), False)
 
 
 @cute.jit
-def transposed_pairs_image(image, m_a: cute.Tensor, tid):
-    """A [64, 64] float32 row-major pair matrix, transposed, into its bf16 image:
+def bf16_image(
+    image,
+    m_x: cute.Tensor,
+    tid,
+    rows: cutlass.Constexpr[int],
+    cols: cutlass.Constexpr[int],
+    col0: cutlass.Constexpr[int] = 0,
+):
+    """A [rows, cols] bfloat16 row-major matrix into columns [col0, col0 + cols) of its image,
+    16 bytes a thread a pass, every load issued before the first store."""
+    per = 8  # bf16 elements in 16 bytes
+    passes = rows * cols // (NTHREADS * per)
+    r_x = cute.make_rmem_tensor((passes, per), BFloat16)
+    for p in cutlass.range_constexpr(passes):
+        e = (p * NTHREADS + tid) * per
+        r_x[p, None].store(row_piece(m_x[e // cols, None], e % cols, per).load())
+    for p in cutlass.range_constexpr(passes):
+        e = (p * NTHREADS + tid) * per
+        store_piece(image, e // cols, col0 + e % cols, r_x[p, None].load(), False)
+
+
+def scan_order_offset(i, c):
+    """Offset of element (row i, column c) of a [64, 128] chunk array in the tensor-core state
+    scan's operand order (backend.state_scan_operands, the chunk core's w_img and kd_img): 8 x 8
+    core matrices, rows within them, then down the rows, then across:
+    ((c // 8) 8 + i // 8) 64 + (i % 8) 8 + c % 8."""
+    return ((c // 8) * (ROWS // 8) + i // 8) * 64 + (i % 8) * 8 + c % 8
+
+
+def scan_order_position(o):
+    """(row i, column c) of the element at offset o (a multiple of 8) in the scan's operand
+    order: scan_order_offset's inverse for the first of 8 neighbouring columns."""
+    core = o // 64
+    return (core % (ROWS // 8)) * 8 + (o % 64) // 8, (core // (ROWS // 8)) * 8
+
+
+@cute.jit
+def scan_order_image(
+    image,
+    m_flat: cute.Tensor,
+    tid,
+    col0: cutlass.Constexpr[int] = 0,
+    negate: cutlass.Constexpr = False,
+):
+    """A [64, 128] bfloat16 chunk array stored in the scan's operand order (m_flat: its 8192
+    elements, scan_order_offset's order), (-) its values, into columns [col0, col0 + 128) of
+    a K-major image: each 16-byte piece is 8 neighbouring columns of one row; every load
+    issued before the first store."""
+    per = 8
+    passes = ROWS * HEAD_DIM // (NTHREADS * per)
+    r_x = cute.make_rmem_tensor((passes, per), BFloat16)
+    for p in cutlass.range_constexpr(passes):
+        o = (p * NTHREADS + tid) * per
+        r_x[p, None].store(row_piece(m_flat, o, per).load())
+    for p in cutlass.range_constexpr(passes):
+        i, c = scan_order_position((p * NTHREADS + tid) * per)
+        values = r_x[p, None].load()
+        if cutlass.const_expr(negate):
+            values = (-values.to(Float32)).to(BFloat16)
+        store_piece(image, i, col0 + c, values, False)
+
+
+@cute.jit
+def transposed_bf16_pairs_image(image, m_a: cute.Tensor, tid):
+    """A [64, 64] bfloat16 row-major pair matrix, transposed, into its image:
     image[i, j] = m_a[j, i]."""
-    passes = ROWS * ROWS // (NTHREADS * 4)
-    r_a = cute.make_rmem_tensor((passes, 4), Float32)
+    per = 8
+    passes = ROWS * ROWS // (NTHREADS * per)
+    r_a = cute.make_rmem_tensor((passes, per), BFloat16)
     for p in cutlass.range_constexpr(passes):
-        e = (p * NTHREADS + tid) * 4
-        r_a[p, None].store(vec4(m_a[e // ROWS, None].iterator + e % ROWS).load())
+        e = (p * NTHREADS + tid) * per
+        r_a[p, None].store(row_piece(m_a[e // ROWS, None], e % ROWS, per).load())
     for p in cutlass.range_constexpr(passes):
-        e = (p * NTHREADS + tid) * 4
-        for x in cutlass.range_constexpr(4):
-            image[e % ROWS + x, e // ROWS] = r_a[p, x].to(BFloat16)
+        e = (p * NTHREADS + tid) * per
+        for x in cutlass.range_constexpr(per):
+            image[e % ROWS + x, e // ROWS] = r_a[p, x]
 
 
 @cute.jit

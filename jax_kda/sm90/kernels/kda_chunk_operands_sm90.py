@@ -31,11 +31,14 @@ stamps: 33 us a CTA at two an SM against 28 at one an SM before (one warpgroup i
 product, 157 KiB); the kernel at 2048x12x1 / 8192x16x1 84 / 324 us against 95 / 459. Reading
 q from global memory at the operand's coordinates instead of keeping it in shared memory took
 the products from 4.5 to 15 us a CTA.
-Outputs, float32: w, u, qg, kd, gamma [slots, H, 64, 128]; attn, kk [slots, H, 64, 64] (zero
-above the diagonal); decay [slots, H, 128]; tinv = T^-1 [slots, H, 64, 64] (the backward's
-solve T^-T d[W | U] is then one product); and bf16 w_img, kd_img [slots, H, 64 * 128]: W and
-Kd rounded to bf16 in the single-pass tensor-core state scan's image order (scan_image_offset),
-which both scan directions bring into shared memory as they are (no XLA transpose between).
+Outputs: bfloat16 u, qg [slots, H, 64, 128], attn [slots, H, 64, 64] (zero above the
+diagonal) and tinv = T^-1 [slots, H, 64, 64] (the backward's solve T^-T d[W | U] is then one
+product); float32 gamma [slots, H, 64, 128], kk [slots, H, 64, 64], decay [slots, H, 128]; and
+bfloat16 w_img, kd_img [slots, H, 64 * 128]: W and Kd in the single-pass tensor-core state
+scan's operand order (chunk_io.scan_order_offset), which both scan directions bring into shared
+memory as they are, and the only form of W and Kd the other kernels read. Every consumer takes
+W, U, Qg, Aqk, Kd and T^-1 as bf16 operands (U as V_new's addend too), so they leave in bf16:
+96 KiB a (slot, head) against 240 in float32 (the kernel is bound by its stores).
 """
 
 from __future__ import annotations
@@ -62,6 +65,7 @@ from jax_kda.sm90.kernels.chunk64 import (
     put_right_factors,
     unit_lower_inverse,
 )
+from jax_kda.sm90.kernels.chunk_io import pair_at, scan_order_offset
 from jax_kda.sm90.kernels.varlen import slot_owner
 from jax_kda.sm90.kernels.wgmma import (
     bf16_tiled_mma,
@@ -102,13 +106,6 @@ def shared_bytes(passes: int) -> int:
     return region_bytes(passes)[2] + ROWS * PADDED_ROW * (2 + 2 + 4) + ROWS * 4 + 16
 
 
-def scan_image_offset(i, c):
-    """Offset of element (row i, column c) of a [64, 128] chunk array in the single-pass
-    tensor-core scan's operand image (backend.state_scan_operands: 8 x 8 core matrices, rows
-    within them, then down the rows, then across): ((c // 8) 8 + i // 8) 64 + (i % 8) 8 + c % 8."""
-    return ((c // 8) * (ROWS // 8) + i // 8) * 64 + (i % 8) * 8 + c % 8
-
-
 @dataclasses.dataclass(frozen=True)
 class ChunkOperandsConfig:
     scale: float
@@ -130,11 +127,9 @@ class ChunkOperandsSm90:
         g: cute.Tensor,
         beta: cute.Tensor,
         cu_seqlens: cute.Tensor,
-        w: cute.Tensor,
         u: cute.Tensor,
         qg: cute.Tensor,
         attn: cute.Tensor,
-        kd: cute.Tensor,
         decay: cute.Tensor,
         gamma: cute.Tensor,
         kk: cute.Tensor,
@@ -143,8 +138,8 @@ class ChunkOperandsSm90:
         kd_img: cute.Tensor,
         stream: cuda.CUstream,
     ):
-        n_slots = w.shape[0]
-        heads = w.shape[1]
+        n_slots = u.shape[0]
+        heads = u.shape[1]
         rmem = warpgroup.OperandSource.RMEM
         mma_pairs = bf16_tiled_mma((ROWS, PACKED), rmem)
         mma_solve = bf16_tiled_mma((ROWS, HEAD_DIM), rmem, b_mn_major=True)  # R^T by channel
@@ -152,8 +147,8 @@ class ChunkOperandsSm90:
         # take twice the registers and shared memory, one CTA an SM.
         per_sm = 2 if cutlass.const_expr(self.passes == 1) else 1
         self.kernel(
-            q, k, v, g, beta, cu_seqlens, w, u, qg, attn, kd, decay, gamma, kk, tinv, w_img,
-            kd_img, mma_pairs, mma_solve,
+            q, k, v, g, beta, cu_seqlens, u, qg, attn, decay, gamma, kk, tinv, w_img, kd_img,
+            mma_pairs, mma_solve,
         ).launch(
             grid=[n_slots, heads, 1], block=[NTHREADS, 1, 1], stream=stream,
             min_blocks_per_mp=per_sm, preferred_smem_carveout=100,
@@ -168,11 +163,9 @@ class ChunkOperandsSm90:
         mG: cute.Tensor,
         mBeta: cute.Tensor,
         mCu: cute.Tensor,
-        mW: cute.Tensor,
         mU: cute.Tensor,
         mQg: cute.Tensor,
         mAttn: cute.Tensor,
-        mKd: cute.Tensor,
         mDecay: cute.Tensor,
         mGamma: cute.Tensor,
         mKK: cute.Tensor,
@@ -217,6 +210,7 @@ class ChunkOperandsSm90:
 
         active, bos, seqlen, c = slot_owner(mCu, slot, SCAN_CHUNK)
         tokens = mQ.shape[0]
+        two_bf = cute.make_rmem_tensor((2,), BFloat16)  # 4-byte stores of bf16 pairs
 
         # ---- the chunk, thread (part, d) = channel d of rows [HALF part, HALF (part + 1)); Gamma
         # = cumsum g; zero past the end. The loads are unconditional (rows clamped into the
@@ -361,18 +355,23 @@ class ChunkOperandsSm90:
                         s_qk[i, j] = part_qk
             cute.arch.sync_threads()
 
-        # ---- Aqk and kk out (zero above the diagonal), coalesced
-        for it in cutlass.range_constexpr(ROWS * ROWS // NTHREADS):
-            e_idx = tid + it * NTHREADS
+        # ---- Aqk (bf16) and kk (float32) out (zero above the diagonal), coalesced; a thread
+        # takes two neighbouring columns
+        k_pair = cute.make_rmem_tensor((2,), Float32)
+        for it in cutlass.range_constexpr(ROWS * ROWS // (2 * NTHREADS)):
+            e_idx = 2 * (tid + it * NTHREADS)
             i = e_idx // ROWS
-            j = e_idx % ROWS
-            a_ij = Float32(0.0)
-            k_ij = Float32(0.0)
-            if j <= i:
-                a_ij = scale * s_qk[i, j]
-                k_ij = s_kk[i, j]
-            mAttn[slot, h, i, j] = a_ij
-            mKK[slot, h, i, j] = k_ij
+            for x in cutlass.range_constexpr(2):
+                j = e_idx % ROWS + x
+                a_ij = Float32(0.0)
+                k_ij = Float32(0.0)
+                if j <= i:
+                    a_ij = scale * s_qk[i, j]
+                    k_ij = s_kk[i, j]
+                two_bf[x] = a_ij.to(BFloat16)
+                k_pair[x] = k_ij
+            pair_at(mAttn[slot, h, i, None], e_idx % ROWS).store(two_bf.load())
+            pair_at(mKK[slot, h, i, None], e_idx % ROWS).store(k_pair.load())
         cute.arch.sync_threads()  # s_qk is T^-1 from here
 
         # v (channel d of this warpgroup's rows) loads now, in registers, so the T^-1 phase
@@ -391,11 +390,12 @@ class ChunkOperandsSm90:
         unit_lower_inverse(s_kk, s_beta, s_tinv, s_m, tid, NTHREADS)
 
         # ---- T^-1 out, and into registers as the solve's A operand (warpgroup 0: W, 1: U)
-        for it in cutlass.range_constexpr(ROWS * ROWS // NTHREADS):
-            e_idx = tid + it * NTHREADS
+        for it in cutlass.range_constexpr(ROWS * ROWS // (2 * NTHREADS)):
+            e_idx = 2 * (tid + it * NTHREADS)  # bf16 pairs: the backward's solve is one product
             i = e_idx // ROWS
-            j = e_idx % ROWS
-            mTinv[slot, h, i, j] = s_tinv[i, j]  # for the backward: its solve is then one product
+            for x in cutlass.range_constexpr(2):
+                two_bf[x] = s_tinv[i, e_idx % ROWS + x].to(BFloat16)
+            pair_at(mTinv[slot, h, i, None], e_idx % ROWS).store(two_bf.load())
         thr_s = mma_solve.get_slice(d)
         coords_t = bf16_tiled_mma((ROWS, ROWS), warpgroup.OperandSource.RMEM).get_slice(d)
         c_t = coords_t.partition_C(cute.make_identity_tensor((ROWS, ROWS)))
@@ -456,31 +456,27 @@ class ChunkOperandsSm90:
                 product_passes(mma_solve, acc_s, t_op, f_rt_w, ROWS // 16, False, 1)
             else:
                 product_passes(mma_solve, acc_s, t_op, f_rt_u, ROWS // 16, False, 1)
-        # out as 8-byte pairs: a thread's accumulator holds columns n, n + 1 (n even) at e, e + 1;
-        # W also as bf16 pairs into the scan's image
+        # out as bf16 pairs (a thread's accumulator holds columns n, n + 1, n even, at e, e + 1):
+        # W into the scan's image, U row-major
         pair = cute.make_rmem_tensor((2,), Float32)
         for e in cutlass.range_constexpr(0, cute.size(acc_s), 2):
             i, n = c_solve[e]
             pair[0] = acc_s[e]
             pair[1] = acc_s[e + 1]
             if part == 0:
-                row = mW[slot, h, i, None].iterator + n
-                cute.make_tensor(row.align(8), cute.make_layout(2)).store(pair.load())
-                at = mWImg[slot, h, None].iterator + scan_image_offset(i, n)
+                at = mWImg[slot, h, None].iterator + scan_order_offset(i, n)
                 cute.make_tensor(at.align(4), cute.make_layout(2)).store(pair.load().to(BFloat16))
             else:
-                row = mU[slot, h, i, None].iterator + n
-                cute.make_tensor(row.align(8), cute.make_layout(2)).store(pair.load())
+                pair_at(mU[slot, h, i, None], n).store(pair.load().to(BFloat16))
 
         # ---- the elementwise operands
         gam_last = s_gam[ROWS - 1, d]
         for r in cutlass.range(HALF, unroll=4):
             i = part * HALF + r
             gam_i = s_gam[i, d]
-            mQg[slot, h, i, d] = scale * Float32(s_q[i, d]) * exp_fast(gam_i)
+            mQg[slot, h, i, d] = (scale * Float32(s_q[i, d]) * exp_fast(gam_i)).to(BFloat16)
             kd_i = Float32(s_k[i, d]) * exp_fast(gam_last - gam_i)
-            mKd[slot, h, i, d] = kd_i
-            mKdImg[slot, h, scan_image_offset(i, d)] = kd_i.to(BFloat16)
+            mKdImg[slot, h, scan_order_offset(i, d)] = kd_i.to(BFloat16)
             mGamma[slot, h, i, d] = gam_i
         if part == 0:
             mDecay[slot, h, d] = exp_fast(gam_last)

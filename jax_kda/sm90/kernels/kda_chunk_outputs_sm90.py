@@ -11,9 +11,10 @@ token the N-major image of [V, tokens]. O goes out as bfloat16 to the rows of th
 slot holds (cu_seqlens; rows past a sequence's end and gap slots write nothing, bad boundaries
 never an out-of-bounds access).
 
-One CTA of two warpgroups a (slot, head). Inputs, float32: states [slots, H, 128, 128]; w, u,
-qg [slots, H, 64, 128]; attn [slots, H, 64, 64]; cu_seqlens [N + 1] int32. Output: o [T, H, 128]
-bfloat16.
+One CTA of two warpgroups a (slot, head). Inputs: states [slots, H, 128, 128] float32; the
+chunk core's bfloat16 w_img [slots, H, 64 * 128] (W in the scan's operand order,
+chunk_io.scan_order_offset), u, qg [slots, H, 64, 128] and attn [slots, H, 64, 64];
+cu_seqlens [N + 1] int32. Output: o [T, H, 128] bfloat16.
 """
 
 from __future__ import annotations
@@ -26,7 +27,14 @@ from cutlass import BFloat16, Float32, Int32
 from cutlass.memory import SmemAllocator
 
 from jax_kda.constants import HEAD_DIM, SCAN_CHUNK
-from jax_kda.sm90.kernels.chunk_io import NTHREADS, ROWS, pair_at, to_image
+from jax_kda.sm90.kernels.chunk_io import (
+    NTHREADS,
+    ROWS,
+    bf16_image,
+    pair_at,
+    scan_order_image,
+    to_image,
+)
 from jax_kda.sm90.kernels.varlen import slot_rows
 from jax_kda.sm90.kernels.wgmma import bf16_tiled_mma, image_layout, view
 
@@ -49,7 +57,7 @@ class ChunkOutputsSm90:
     def __call__(
         self,
         states: cute.Tensor,
-        w: cute.Tensor,
+        w_img: cute.Tensor,
         u: cute.Tensor,
         qg: cute.Tensor,
         attn: cute.Tensor,
@@ -58,15 +66,15 @@ class ChunkOutputsSm90:
         stream: cuda.CUstream,
     ):
         mma = bf16_tiled_mma((ROWS, HALF), warpgroup.OperandSource.SMEM, b_mn_major=True)
-        self.kernel(states, w, u, qg, attn, cu_seqlens, o, mma).launch(
-            grid=[w.shape[0], w.shape[1], 1], block=[NTHREADS, 1, 1], stream=stream
+        self.kernel(states, w_img, u, qg, attn, cu_seqlens, o, mma).launch(
+            grid=[u.shape[0], u.shape[1], 1], block=[NTHREADS, 1, 1], stream=stream
         )
 
     @cute.kernel
     def kernel(
         self,
         mS: cute.Tensor,
-        mW: cute.Tensor,
+        mWImg: cute.Tensor,
         mU: cute.Tensor,
         mQg: cute.Tensor,
         mAttn: cute.Tensor,
@@ -89,11 +97,10 @@ class ChunkOutputsSm90:
         s_vn_v = view(raw, OFF_VN, image_layout(HEAD_DIM, ROWS, mn_major=True))  # as [V, tokens]
         s_at = view(raw, OFF_AT, image_layout(ROWS, ROWS))
 
-        # element-by-element image stores: the vector ones have not yet run here on a GPU
-        to_image(s_s, mS[slot, h, None, None], tid, HEAD_DIM, HEAD_DIM, vector_stores=False)
-        to_image(s_w, mW[slot, h, None, None], tid, ROWS, HEAD_DIM, vector_stores=False)
-        to_image(s_qg, mQg[slot, h, None, None], tid, ROWS, HEAD_DIM, vector_stores=False)
-        to_image(s_at, mAttn[slot, h, None, None], tid, ROWS, ROWS, vector_stores=False)
+        to_image(s_s, mS[slot, h, None, None], tid, HEAD_DIM, HEAD_DIM)
+        scan_order_image(s_w, mWImg[slot, h, None], tid)
+        bf16_image(s_qg, mQg[slot, h, None, None], tid, ROWS, HEAD_DIM)
+        bf16_image(s_at, mAttn[slot, h, None, None], tid, ROWS, ROWS)
         cute.arch.fence_proxy("async.shared", space="cta")
         cute.arch.sync_threads()
 
@@ -125,7 +132,7 @@ class ChunkOutputsSm90:
         r_u = cute.make_rmem_tensor(acc_ws.shape, Float32)
         for e in cutlass.range_constexpr(0, cute.size(acc_ws), 2):
             i, n = c_half[e]
-            pair = pair_at(mU[slot, h, i, None], n0 + n).load()
+            pair = pair_at(mU[slot, h, i, None], n0 + n).load().to(Float32)
             r_u[e] = pair[0]
             r_u[e + 1] = pair[1]
         row0, count = slot_rows(mCu, slot, mO.shape[0], SCAN_CHUNK)

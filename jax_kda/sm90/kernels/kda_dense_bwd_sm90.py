@@ -22,8 +22,10 @@ dO V_new^T and B N-major of Aqk^T dO; [dW | dV] is B N-major of T^-T [dW | dV]; 
 first 128 columns) and B K-major of d_rhs R^T. V_new, dV, [dW | dV] and d_rhs go back into shared
 memory as bf16 images for the products after them.
 
-One CTA of two warpgroups a (slot, head), 192 KiB of shared memory. Inputs: float32 w, u, kd
-[slots, H, 64, 128]; attn, tinv, kk [slots, H, 64, 64]; states, g_end [slots, H, 128, 128];
+One CTA of two warpgroups a (slot, head), 192 KiB of shared memory. Inputs: the chunk core's
+bfloat16 w_img, kd_img [slots, H, 64 * 128] (W and Kd in the scan's operand order,
+chunk_io.scan_order_offset), u [slots, H, 64, 128], attn, tinv [slots, H, 64, 64]; float32 kk
+[slots, H, 64, 64], states, g_end [slots, H, 128, 128];
 and in the tokens' rows (cu_seqlens [N + 1] int32 says which a slot holds; the others are zero)
 dO [T, H, 128] bfloat16 and beta [T, H] float32. Outputs, float32: d_rhs [slots, H, 64, 256];
 d_qg, d_kd [slots, H, 64, 128]; d_attn, d_kk [slots, H, 64, 64]; d_decay [slots, H, 128];
@@ -42,11 +44,12 @@ from cutlass.memory import SmemAllocator
 from jax_kda.constants import HEAD_DIM, SCAN_CHUNK
 from jax_kda.sm90.kernels.chunk_io import (
     NTHREADS,
+    bf16_image,
     pair_at,
+    scan_order_image,
     store_pairs,
-    to_image,
     token_rows_image,
-    transposed_pairs_image,
+    transposed_bf16_pairs_image,
 )
 from jax_kda.sm90.kernels.varlen import slot_rows
 from jax_kda.sm90.kernels.wgmma import bf16_tiled_mma, image_layout, store_piece, vec4, view
@@ -79,10 +82,10 @@ class DenseBwdSm90:
     @cute.jit
     def __call__(
         self,
-        w: cute.Tensor,
+        w_img: cute.Tensor,
         u: cute.Tensor,
         attn: cute.Tensor,
-        kd: cute.Tensor,
+        kd_img: cute.Tensor,
         states: cute.Tensor,
         g_end: cute.Tensor,
         d_out: cute.Tensor,
@@ -99,25 +102,25 @@ class DenseBwdSm90:
         d_beta_kk: cute.Tensor,
         stream: cuda.CUstream,
     ):
-        n_slots = w.shape[0]
-        heads = w.shape[1]
+        n_slots = u.shape[0]
+        heads = u.shape[1]
         smem = warpgroup.OperandSource.SMEM
         mma_n = bf16_tiled_mma((ROWS, HALF_N), smem, b_mn_major=True)  # N = V
         mma_k = bf16_tiled_mma((ROWS, HALF_N), smem)  # N = K (the transposed products)
         mma_t = bf16_tiled_mma((ROWS, HALF_T), smem)  # d_attn, d_lower: N = tokens
         mma_r = bf16_tiled_mma((ROWS, HEAD_DIM), smem, b_mn_major=True)  # d_rhs: N = R's columns
         self.kernel(
-            w, u, attn, kd, states, g_end, d_out, tinv, kk, beta, cu_seqlens, d_rhs, d_qg, d_attn,
-            d_kd, d_decay, d_kk, d_beta_kk, mma_n, mma_k, mma_t, mma_r,
+            w_img, u, attn, kd_img, states, g_end, d_out, tinv, kk, beta, cu_seqlens, d_rhs, d_qg,
+            d_attn, d_kd, d_decay, d_kk, d_beta_kk, mma_n, mma_k, mma_t, mma_r,
         ).launch(grid=[n_slots, heads, 1], block=[NTHREADS, 1, 1], stream=stream)  # fmt: skip
 
     @cute.kernel
     def kernel(
         self,
-        mW: cute.Tensor,
+        mWImg: cute.Tensor,
         mU: cute.Tensor,
         mAttn: cute.Tensor,
-        mKd: cute.Tensor,
+        mKdImg: cute.Tensor,
         mS: cute.Tensor,
         mG: cute.Tensor,
         mDo: cute.Tensor,
@@ -168,13 +171,13 @@ class DenseBwdSm90:
         # ---- the operands into their images; d_decay from S and G as they pass
         _square_images(s_s, s_g, mS[slot, h, None, None], mG[slot, h, None, None],
                        mDdecay[slot, h, None], tid)  # fmt: skip
-        to_image(s_r, mW[slot, h, None, None], tid, ROWS, HEAD_DIM, 0)
-        to_image(s_r, mU[slot, h, None, None], tid, ROWS, HEAD_DIM, HEAD_DIM)
-        to_image(s_kd, mKd[slot, h, None, None], tid, ROWS, HEAD_DIM, 0)
+        scan_order_image(s_r, mWImg[slot, h, None], tid, 0)
+        bf16_image(s_r, mU[slot, h, None, None], tid, ROWS, HEAD_DIM, HEAD_DIM)
+        scan_order_image(s_kd, mKdImg[slot, h, None], tid, 0)
         row0, count = slot_rows(mCu, slot, mDo.shape[0], SCAN_CHUNK)
         token_rows_image(s_do, mDo[None, h, None], row0, count, tid)
-        transposed_pairs_image(s_at, mAttn[slot, h, None, None], tid)
-        transposed_pairs_image(s_tt, mTinv[slot, h, None, None], tid)
+        transposed_bf16_pairs_image(s_at, mAttn[slot, h, None, None], tid)
+        transposed_bf16_pairs_image(s_tt, mTinv[slot, h, None, None], tid)
         if tid < ROWS:
             b = Float32(0.0)
             if tid < count:
@@ -225,7 +228,7 @@ class DenseBwdSm90:
         r_u = cute.make_rmem_tensor(acc_ws.shape, Float32)
         for e in cutlass.range_constexpr(0, cute.size(acc_ws), 2):
             i, n = c_half[e]
-            pair = pair_at(mU[slot, h, i, None], n0 + n).load()
+            pair = pair_at(mU[slot, h, i, None], n0 + n).load().to(Float32)
             r_u[e] = pair[0]
             r_u[e + 1] = pair[1]
         cute.nvgpu.warpgroup.wait_group(0)

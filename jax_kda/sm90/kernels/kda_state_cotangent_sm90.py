@@ -11,12 +11,14 @@ as A operands M-major: their images written by token ([tokens, channels], K-majo
 M-major images of [channels, tokens] (the same bytes), as dO's and X's are the N-major images of
 B = [V, tokens].
 
-One CTA of two warpgroups a (slot, head). Inputs: float32 qg, w [slots, H, 64, 128], attn
-[slots, H, 64, 64]; dO [T, H, 128] bfloat16 in the tokens' rows (cu_seqlens [N + 1] int32 says
-which a slot holds; the others are zero). Output, float32: d_states [slots, H, 128, 128], each
-slot's [K, V] row-major, or (StateCotangentConfig.v_slice = VS) in the order the tensor-core
-scan's bulk copies take its addend (kda_state_scan_tc_sm90.py): V slice by V slice, each
-[K, VS] row-major, so that no transpose stands between this kernel and the reverse scan.
+One CTA of two warpgroups a (slot, head). Inputs, the chunk core's bfloat16 arrays: qg [slots,
+H, 64, 128], w_img [slots, H, 64 * 128] (W in the scan's operand order,
+chunk_io.scan_order_offset), attn [slots, H, 64, 64]; dO [T, H, 128] bfloat16 in the tokens'
+rows (cu_seqlens [N + 1] int32 says which a slot holds; the others are zero). Output, float32:
+d_states [slots, H, 128, 128], each slot's [K, V] row-major, or (StateCotangentConfig.v_slice =
+VS) in the order the tensor-core scan's bulk copies take its addend (kda_state_scan_tc_sm90.py):
+V slice by V slice, each [K, VS] row-major, so that no transpose stands between this kernel
+and the reverse scan.
 """
 
 from __future__ import annotations
@@ -34,11 +36,12 @@ from jax_kda.constants import HEAD_DIM, SCAN_CHUNK
 from jax_kda.sm90.kernels.chunk_io import (
     NTHREADS,
     ROWS,
+    bf16_image,
     pair_at,
+    scan_order_image,
     store_pairs,
-    to_image,
     token_rows_image,
-    transposed_pairs_image,
+    transposed_bf16_pairs_image,
 )
 from jax_kda.sm90.kernels.varlen import slot_rows
 from jax_kda.sm90.kernels.wgmma import bf16_tiled_mma, image_layout, view
@@ -71,7 +74,7 @@ class StateCotangentSm90:
     def __call__(
         self,
         qg: cute.Tensor,
-        w: cute.Tensor,
+        w_img: cute.Tensor,
         attn: cute.Tensor,
         d_out: cute.Tensor,
         cu_seqlens: cute.Tensor,
@@ -81,7 +84,7 @@ class StateCotangentSm90:
         smem = warpgroup.OperandSource.SMEM
         mma_x = bf16_tiled_mma((ROWS, HALF), smem, b_mn_major=True)  # X: N = V
         mma_s = bf16_tiled_mma((HALF, HEAD_DIM), smem, b_mn_major=True, a_mn_major=True)
-        self.kernel(qg, w, attn, d_out, cu_seqlens, d_states, mma_x, mma_s).launch(
+        self.kernel(qg, w_img, attn, d_out, cu_seqlens, d_states, mma_x, mma_s).launch(
             grid=[qg.shape[0], qg.shape[1], 1], block=[NTHREADS, 1, 1], stream=stream
         )
 
@@ -89,7 +92,7 @@ class StateCotangentSm90:
     def kernel(
         self,
         mQg: cute.Tensor,
-        mW: cute.Tensor,
+        mWImg: cute.Tensor,
         mAttn: cute.Tensor,
         mDo: cute.Tensor,
         mCu: cute.Tensor,
@@ -116,11 +119,11 @@ class StateCotangentSm90:
         s_x_n = view(raw, OFF_X, by_channel)
         s_at = view(raw, OFF_AT, image_layout(ROWS, ROWS))  # Aqk^T
 
-        to_image(s_qg, mQg[slot, h, None, None], tid, ROWS, HEAD_DIM)
-        to_image(s_w, mW[slot, h, None, None], tid, ROWS, HEAD_DIM, 0, True)
+        bf16_image(s_qg, mQg[slot, h, None, None], tid, ROWS, HEAD_DIM)
+        scan_order_image(s_w, mWImg[slot, h, None], tid, 0, True)
         row0, count = slot_rows(mCu, slot, mDo.shape[0], SCAN_CHUNK)
         token_rows_image(s_do, mDo[None, h, None], row0, count, tid)
-        transposed_pairs_image(s_at, mAttn[slot, h, None, None], tid)
+        transposed_bf16_pairs_image(s_at, mAttn[slot, h, None, None], tid)
         cute.arch.fence_proxy("async.shared", space="cta")
         cute.arch.sync_threads()
 
