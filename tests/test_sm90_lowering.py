@@ -228,7 +228,7 @@ def test_chunk_core_exports_for_sm90a():
     """The tensor-core chunk core compiles and exports for sm_90a (symbolic slots and heads)."""
     artifact = sm90.chunk_operands_artifact(0.3)
     assert artifact.object_bytes[:4] == b"\x7fELF"
-    assert len(artifact.tensors) == 17  # q, k, v, g, beta, cu_seqlens, 9 outputs, 2 images
+    assert len(artifact.tensors) == 15  # q, k, v, g, beta, cu_seqlens, 7 outputs, W and Kd images
 
 
 def test_tokens_bwd_exports_for_sm90a():
@@ -243,7 +243,7 @@ def test_chunk_outputs_exports_for_sm90a():
     """The forward's outputs after the scan compile and export for sm_90a."""
     artifact = sm90.chunk_outputs_artifact()
     assert artifact.object_bytes[:4] == b"\x7fELF"
-    assert len(artifact.tensors) == 7  # states, w, u, qg, attn, cu_seqlens and o
+    assert len(artifact.tensors) == 7  # states, w_img, u, qg, attn, cu_seqlens and o
 
 
 @pytest.mark.parametrize("v_slice", [0, *SCAN_TC_V_SLICES])
