@@ -1282,7 +1282,10 @@ def training_forward(
     (A_hi B_hi + A_lo B_hi + A_hi B_lo, about 2^-16 relative, three times the tensor-core work,
     twice the operand images), dense_precision="float32" runs the dense products at HIGHEST.
     scan_passes=None: one on the tensor-core scan, and float32 where the plan or
-    scan_tensor_cores picks a SIMT scan (which has no bf16 passes to choose).
+    scan_tensor_cores picks a SIMT scan (which has no bf16 passes to choose). Whatever the
+    passes, the chunk-core kernel stores W, U, Qg, Aqk, Kd and T^-1 in bfloat16 (its
+    consumers' operand precision at one pass): the three-pass choices make the products
+    themselves about float32-accurate, not what flows between the kernels.
     The decayed products' backward keeps three passes: with one, dg missed the float64 oracle
     on production data (rms_ratio 2.4e-2 at [300, 0, 77, 130], 4.9e-2 at 16384 tokens, H200):
     dg there is a small difference of large terms. One pass with the diagonal blocks pair by
