@@ -38,7 +38,7 @@ bfloat16 w_img, kd_img [slots, H, 64 * 128]: W and Kd in the single-pass tensor-
 scan's operand order (chunk_io.scan_order_offset), which both scan directions bring into shared
 memory as they are, and the only form of W and Kd the other kernels read. Every consumer takes
 W, U, Qg, Aqk, Kd and T^-1 as bf16 operands (U as V_new's addend too), so they leave in bf16:
-96 KiB a (slot, head) against 240 in float32 (the kernel is bound by its stores).
+128 KiB a (slot, head) against 240 before (the kernel is bound by its stores).
 """
 
 from __future__ import annotations
