@@ -11,7 +11,7 @@ import cutlass.cute as cute
 from cutlass import BFloat16, Float32
 
 from jax_kda.constants import HEAD_DIM, SCAN_CHUNK
-from jax_kda.sm90.kernels.wgmma import row_piece, store_piece, vec4
+from jax_kda.sm90.kernels.wgmma import row_piece, store_piece
 
 ROWS = SCAN_CHUNK
 NTHREADS = 256  # two warpgroups
@@ -50,42 +50,21 @@ def to_image(
     col0: cutlass.Constexpr[int] = 0,
     negate: cutlass.Constexpr = False,
 ):
-    """A [rows, cols] float32 row-major matrix, (-) its values, into columns [col0, col0 +
-    cols) of its bf16 image, 16 bytes a thread a pass; stored 8 bytes at a time
-    (wgmma.store_piece)."""
-    passes = rows * cols // (NTHREADS * 4)
-    r_x = cute.make_rmem_tensor((passes, 4), Float32)
-    for p in cutlass.range_constexpr(passes):
-        e = (p * NTHREADS + tid) * 4
-        r_x[p, None].store(vec4(m_x[e // cols, None].iterator + e % cols).load())
-    for p in cutlass.range_constexpr(passes):
-        e = (p * NTHREADS + tid) * 4
-        values = r_x[p, None].load()
-        if cutlass.const_expr(negate):
-            values = -values
-        store_piece(image, e // cols, col0 + e % cols, values.to(BFloat16), False)
-
-
-@cute.jit
-def bf16_image(
-    image,
-    m_x: cute.Tensor,
-    tid,
-    rows: cutlass.Constexpr[int],
-    cols: cutlass.Constexpr[int],
-    col0: cutlass.Constexpr[int] = 0,
-):
-    """A [rows, cols] bfloat16 row-major matrix into columns [col0, col0 + cols) of its image,
-    16 bytes a thread a pass, every load issued before the first store."""
-    per = 8  # bf16 elements in 16 bytes
+    """A [rows, cols] row-major matrix (float32 or bfloat16), (-) its values, into columns
+    [col0, col0 + cols) of its bf16 image, 16 bytes a thread a pass, every load issued before
+    the first store (wgmma.store_piece: 8 or 16 bytes a store)."""
+    per = 16 * 8 // m_x.element_type.width  # elements in 16 bytes: 4 float32 or 8 bf16
     passes = rows * cols // (NTHREADS * per)
-    r_x = cute.make_rmem_tensor((passes, per), BFloat16)
+    r_x = cute.make_rmem_tensor((passes, per), m_x.element_type)
     for p in cutlass.range_constexpr(passes):
         e = (p * NTHREADS + tid) * per
         r_x[p, None].store(row_piece(m_x[e // cols, None], e % cols, per).load())
     for p in cutlass.range_constexpr(passes):
         e = (p * NTHREADS + tid) * per
-        store_piece(image, e // cols, col0 + e % cols, r_x[p, None].load(), False)
+        values = r_x[p, None].load().to(Float32)
+        if cutlass.const_expr(negate):
+            values = -values
+        store_piece(image, e // cols, col0 + e % cols, values.to(BFloat16), False)
 
 
 def scan_order_offset(i, c):

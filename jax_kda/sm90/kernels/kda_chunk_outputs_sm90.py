@@ -30,7 +30,6 @@ from jax_kda.constants import HEAD_DIM, SCAN_CHUNK
 from jax_kda.sm90.kernels.chunk_io import (
     NTHREADS,
     ROWS,
-    bf16_image,
     pair_at,
     scan_order_image,
     to_image,
@@ -99,8 +98,8 @@ class ChunkOutputsSm90:
 
         to_image(s_s, mS[slot, h, None, None], tid, HEAD_DIM, HEAD_DIM)
         scan_order_image(s_w, mWImg[slot, h, None], tid)
-        bf16_image(s_qg, mQg[slot, h, None, None], tid, ROWS, HEAD_DIM)
-        bf16_image(s_at, mAttn[slot, h, None, None], tid, ROWS, ROWS)
+        to_image(s_qg, mQg[slot, h, None, None], tid, ROWS, HEAD_DIM)
+        to_image(s_at, mAttn[slot, h, None, None], tid, ROWS, ROWS)
         cute.arch.fence_proxy("async.shared", space="cta")
         cute.arch.sync_threads()
 

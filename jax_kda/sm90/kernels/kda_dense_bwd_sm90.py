@@ -44,10 +44,10 @@ from cutlass.memory import SmemAllocator
 from jax_kda.constants import HEAD_DIM, SCAN_CHUNK
 from jax_kda.sm90.kernels.chunk_io import (
     NTHREADS,
-    bf16_image,
     pair_at,
     scan_order_image,
     store_pairs,
+    to_image,
     token_rows_image,
     transposed_bf16_pairs_image,
 )
@@ -172,7 +172,7 @@ class DenseBwdSm90:
         _square_images(s_s, s_g, mS[slot, h, None, None], mG[slot, h, None, None],
                        mDdecay[slot, h, None], tid)  # fmt: skip
         scan_order_image(s_r, mWImg[slot, h, None], tid, 0)
-        bf16_image(s_r, mU[slot, h, None, None], tid, ROWS, HEAD_DIM, HEAD_DIM)
+        to_image(s_r, mU[slot, h, None, None], tid, ROWS, HEAD_DIM, HEAD_DIM)
         scan_order_image(s_kd, mKdImg[slot, h, None], tid, 0)
         row0, count = slot_rows(mCu, slot, mDo.shape[0], SCAN_CHUNK)
         token_rows_image(s_do, mDo[None, h, None], row0, count, tid)

@@ -36,10 +36,10 @@ from jax_kda.constants import HEAD_DIM, SCAN_CHUNK
 from jax_kda.sm90.kernels.chunk_io import (
     NTHREADS,
     ROWS,
-    bf16_image,
     pair_at,
     scan_order_image,
     store_pairs,
+    to_image,
     token_rows_image,
     transposed_bf16_pairs_image,
 )
@@ -119,7 +119,7 @@ class StateCotangentSm90:
         s_x_n = view(raw, OFF_X, by_channel)
         s_at = view(raw, OFF_AT, image_layout(ROWS, ROWS))  # Aqk^T
 
-        bf16_image(s_qg, mQg[slot, h, None, None], tid, ROWS, HEAD_DIM)
+        to_image(s_qg, mQg[slot, h, None, None], tid, ROWS, HEAD_DIM)
         scan_order_image(s_w, mWImg[slot, h, None], tid, 0, True)
         row0, count = slot_rows(mCu, slot, mDo.shape[0], SCAN_CHUNK)
         token_rows_image(s_do, mDo[None, h, None], row0, count, tid)
