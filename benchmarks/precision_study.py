@@ -26,10 +26,12 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import types
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 import jax_kda
 from jax_kda import xla
@@ -196,13 +198,16 @@ def _rounded_bf16(x):
     return x.astype(jnp.bfloat16).astype(jnp.float32)
 
 
-def bf16_intermediates(core_outputs: bool, states: bool, state_cotangents: bool):
+def bf16_intermediates(
+    core_outputs: bool, states: bool, state_cotangents: bool, dense_outputs: bool = False
+):
     """prefill's signature on the sm90 training path's structure in XLA (differentiable_chunks
     around xla_chunk_core, xla.state_scan and xla_chunk_bwd) with stored arrays rounded to
     bfloat16: core_outputs, the chunk core's W, U, Qg, Aqk and Kd (the element-wise backward,
     xla._elementwise_bwd, recomputes its float32 Qg and Kd from the tokens and Gamma); states,
     the chunk states the forward scan writes; state_cotangents, those the reverse scan writes
-    (G)."""
+    (G); dense_outputs, the dense backward's d_rhs, d_qg, d_attn, d_kd and d_kk (what
+    sm90.dense_bwd_results stores in bf16)."""
 
     def core(*args):
         out = list(sm90_backend.xla_chunk_core(*args))
@@ -216,7 +221,14 @@ def bf16_intermediates(core_outputs: bool, states: bool, state_cotangents: bool)
             per_slot = _rounded_bf16(per_slot)
         return per_slot, final
 
-    chunks = sm90_backend.differentiable_chunks(core, scan, sm90_backend.xla_chunk_bwd)
+    def dense(*args):
+        out = list(sm90_backend.xla_dense_bwd(*args))
+        if dense_outputs:  # d_decay (4) and d_beta_kk (6) stay float32
+            out = [x if i in (4, 6) else _rounded_bf16(x) for i, x in enumerate(out)]
+        return tuple(out)
+
+    chunk_bwd = functools.partial(sm90_backend.xla_chunk_bwd, dense_bwd=dense)
+    chunks = sm90_backend.differentiable_chunks(core, scan, chunk_bwd)
 
     def forward(q, k, v, g, beta, cu_seqlens=None, initial_state=None, scale=None, backend=None):
         del backend
@@ -226,15 +238,25 @@ def bf16_intermediates(core_outputs: bool, states: bool, state_cotangents: bool)
 
 
 def _intermediates_study(lengths, heads: int, scale: float) -> None:
-    """Production and long-memory data; every product one bf16 pass (the sm90 default)."""
+    """Production, long-memory and harsh-gate data (g = -30 on every other channel); every
+    product one bf16 pass (the sm90 default)."""
     variants = {
         "all float32": (False, False, False),
         "core outputs bf16": (True, False, False),
         "states bf16": (False, True, False),
         "state cotangents bf16": (False, False, True),
-        "all three bf16": (True, True, True),
+        "core and dense bf16": (True, False, False, True),
+        "all four bf16": (True, True, True, True),
     }
-    for data, make in (("production", production_inputs), ("long-memory", long_memory_inputs)):
+
+    def harsh(lengths, heads, seed):
+        x = production_inputs(lengths, heads, seed=seed)
+        g = np.array(x.g)
+        g[:, :, ::2] = -30.0
+        return x._replace(g=g)
+
+    data_sets = (("production", production_inputs), ("long-memory", long_memory_inputs))
+    for data, make in (*data_sets, ("g -30", harsh)):
         x = make(lengths, heads, seed=5)
         for name, options in variants.items():
             with single_pass_bf16_products():

@@ -771,12 +771,14 @@ def xla_tokens_bwd(scale, tokens, cu_seqlens, rows, gamma, d_decayed, cotangents
     """tokens_bwd_kernel's contract in XLA: xla._elementwise_bwd on the chunked tokens (q, k,
     v, beta of tokens = (q, k, v, g, beta)), gamma [slots, H, 64, 128] and the decayed
     products' backward (dq_c, dk_c, dgamma_c), cotangents (d_rhs, d_beta_kk, d_qg, d_kd,
-    d_decay) as dense_bwd_kernel gives them; dg through the gate floor (xla.gate_floor_grad of
-    the tokens' g); returns (dq, dk, dv, dg, dbeta) float32 in the tokens' rows."""
+    d_decay) as dense_bwd_kernel gives them (any float dtype); dg through the gate floor
+    (xla.gate_floor_grad of the tokens' g); returns (dq, dk, dv, dg, dbeta) float32 in the
+    tokens' rows."""
     del cu_seqlens  # the rows say where each token sits
     num_slots = gamma.shape[0]
     q, k, v, g, beta = tokens
     chunked = [xla._to_chunks(x.astype(jnp.float32), rows, num_slots) for x in (q, k, v, beta)]
+    cotangents = tuple(x.astype(jnp.float32) for x in cotangents)  # the kernel's are bf16 in part
     d_chunked = xla._elementwise_bwd(scale, (*chunked, gamma), d_decayed, cotangents)
     dq, dk, dv, dg, dbeta = (xla.from_chunks(d, rows) for d in d_chunked)
     return dq, dk, dv, xla.gate_floor_grad(g, dg), dbeta
@@ -865,8 +867,9 @@ def chunk_core_kernel(q, k, v, g, beta, cu_seqlens, num_slots, scale, passes=3):
 @functools.cache
 def decayed_bwd_artifact(from_tokens: bool = False, qk_scale: float = 1.0):
     """The exported backward of the in-chunk decayed products (kernels/kda_decayed_bwd_sm90.py)
-    on chunked q and k or (from_tokens) on the tokens' rows, d_qk scaled by qk_scale as it
-    loads; slots, heads (and tokens and sequences) symbolic."""
+    on chunked q and k with float32 cotangents or (from_tokens) on the tokens' rows with
+    bfloat16 cotangents (the dense kernel's), d_qk scaled by qk_scale as it loads; slots,
+    heads (and tokens and sequences) symbolic."""
     import cutlass.cute as cute
     from cutlass import BFloat16, Float32, Int32
 
@@ -877,13 +880,14 @@ def decayed_bwd_artifact(from_tokens: bool = False, qk_scale: float = 1.0):
     chunk = (slots, heads, SCAN_CHUNK, HEAD_DIM)
     pairs = (slots, heads, SCAN_CHUNK, SCAN_CHUNK)
     rows = (cute.sym_int32(), heads, HEAD_DIM) if from_tokens else chunk
+    cotangent = BFloat16 if from_tokens else Float32  # the tokens' variant: the dense kernel's
     fakes = {
         "q": row_major_fake(BFloat16, rows),
         "k": row_major_fake(BFloat16, rows),
         "cu_seqlens": row_major_fake(Int32, (cute.sym_int32(),), align=4),
         "gamma": row_major_fake(Float32, chunk),
-        "d_kk": row_major_fake(Float32, pairs),
-        "d_qk": row_major_fake(Float32, pairs),
+        "d_kk": row_major_fake(cotangent, pairs),
+        "d_qk": row_major_fake(cotangent, pairs),
         **{name: row_major_fake(Float32, chunk) for name in ("dq", "dk", "dgamma")},
     }
     prefix = "kda_decayed_bwd_sm90"
@@ -900,11 +904,13 @@ def _decayed_bwd_call(q, k, cu_seqlens, gamma, d_kk, d_qk, from_tokens: bool, qk
 
     if gamma.shape[0] == 0:
         return tuple(jnp.zeros(gamma.shape, jnp.float32) for _ in range(3))
+    cotangent = jnp.bfloat16 if from_tokens else jnp.float32  # decayed_bwd_artifact's
     inputs = [
         q.astype(jnp.bfloat16),
         k.astype(jnp.bfloat16),
         jnp.asarray(cu_seqlens, jnp.int32),
-        *(x.astype(jnp.float32) for x in (gamma, d_kk, d_qk)),
+        gamma.astype(jnp.float32),
+        *(x.astype(cotangent) for x in (d_kk, d_qk)),
     ]
     results = [jax.ShapeDtypeStruct(gamma.shape, jnp.float32) for _ in range(3)]
     return tuple(cute_call(decayed_bwd_artifact(from_tokens, qk_scale), inputs, results))
@@ -921,16 +927,18 @@ def decayed_bwd_kernel(residuals, cotangents):
 def xla_decayed_bwd_tokens(scale, q, k, cu_seqlens, rows, gamma, d_kk, d_attn):
     """decayed_bwd_tokens_kernel's contract in XLA: xla._decayed_products_bwd on the chunks of
     q and k [T, H, 128] (the tokens' rows), gamma and the cotangents d_kk and d_qk = scale
-    d_attn [slots, H, 64, 64] (j <= i read); returns float32 (dq, dk, dgamma) chunks."""
+    d_attn [slots, H, 64, 64] (j <= i read; float32 or bfloat16); returns float32 (dq, dk,
+    dgamma) chunks."""
     del cu_seqlens  # the rows say where each token sits
     num_slots = gamma.shape[0]
     q_c, k_c = (xla._to_chunks(x.astype(jnp.float32), rows, num_slots) for x in (q, k))
+    d_kk, d_attn = (x.astype(jnp.float32) for x in (d_kk, d_attn))
     return xla._decayed_products_bwd((q_c, k_c, gamma), (d_kk, scale * d_attn))
 
 
 def decayed_bwd_tokens_kernel(scale, q, k, cu_seqlens, rows, gamma, d_kk, d_attn):
-    """xla_decayed_bwd_tokens's contract on the kernel (q and k read from the tokens' rows as
-    bfloat16, d_attn scaled as it loads; rows unused)."""
+    """xla_decayed_bwd_tokens's contract on the kernel (q, k, d_kk and d_attn taken as
+    bfloat16, q and k read from the tokens' rows, d_attn scaled as it loads; rows unused)."""
     del rows
     return _decayed_bwd_call(
         q, k, cu_seqlens, gamma, d_kk, d_attn, from_tokens=True, qk_scale=float(scale)
@@ -948,7 +956,7 @@ def dense_bwd_artifact():
     from jax_kda.sm90.kernels.kda_dense_bwd_sm90 import DenseBwdSm90
 
     slots, heads, tokens = cute.sym_int32(), cute.sym_int32(), cute.sym_int32()
-    chunk = row_major_fake(Float32, (slots, heads, SCAN_CHUNK, HEAD_DIM))
+    bf16_chunk = row_major_fake(BFloat16, (slots, heads, SCAN_CHUNK, HEAD_DIM))
     pairs = row_major_fake(Float32, (slots, heads, SCAN_CHUNK, SCAN_CHUNK))
     bf16_pairs = row_major_fake(BFloat16, (slots, heads, SCAN_CHUNK, SCAN_CHUNK))
     image = row_major_fake(BFloat16, (slots, heads, SCAN_CHUNK * HEAD_DIM))
@@ -966,36 +974,43 @@ def dense_bwd_artifact():
         "kk": pairs,
         "beta": row_major_fake(Float32, (tokens, heads), align=4),
         "cu_seqlens": row_major_fake(Int32, (cute.sym_int32(),), align=4),
-        "d_rhs": row_major_fake(Float32, (slots, heads, SCAN_CHUNK, 2 * HEAD_DIM)),
-        "d_qg": chunk,
-        "d_attn": pairs,
-        "d_kd": chunk,
+        "d_rhs": row_major_fake(BFloat16, (slots, heads, SCAN_CHUNK, 2 * HEAD_DIM)),
+        "d_qg": bf16_chunk,
+        "d_attn": bf16_pairs,
+        "d_kd": bf16_chunk,
         "d_decay": row_major_fake(Float32, (slots, heads, HEAD_DIM)),
-        "d_kk": pairs,
+        "d_kk": bf16_pairs,
         "d_beta_kk": rows,
     }
     return export(DenseBwdSm90(), fakes, prefix="kda_dense_bwd_sm90", config={})
+
+
+def dense_bwd_results(num_slots: int, heads: int):
+    """The dense kernel's results in order: d_rhs [slots, H, 64, 256], d_qg, d_attn, d_kd,
+    d_decay, d_kk, d_beta_kk (xla_dense_bwd's shapes); d_decay and d_beta_kk float32 (sums
+    over a row), the rest bfloat16 (the operands of the decayed and tokens kernels' products
+    and element-wise terms; benchmarks.precision_study --intermediates measures the cost)."""
+    f32, bf16 = jnp.float32, jnp.bfloat16
+    chunk = (num_slots, heads, SCAN_CHUNK, HEAD_DIM)
+    pairs = (num_slots, heads, SCAN_CHUNK, SCAN_CHUNK)
+    shapes = [((num_slots, heads, SCAN_CHUNK, 2 * HEAD_DIM), bf16), (chunk, bf16),
+              (pairs, bf16), (chunk, bf16), ((num_slots, heads, HEAD_DIM), f32), (pairs, bf16),
+              ((num_slots, heads, SCAN_CHUNK), f32)]  # fmt: skip
+    return [jax.ShapeDtypeStruct(shape, dtype) for shape, dtype in shapes]
 
 
 def dense_bwd_kernel(
     w, u, attn, kd, states, g_end, d_o, t_inverse, kk, beta, cu_seqlens, rows, precision=None
 ):  # fmt: skip
     """xla_dense_bwd's contract on the kernel (one bf16 pass a product, d_o taken as bfloat16;
-    rows and `precision` are xla_dense_bwd's and unused here)."""
+    rows and `precision` are xla_dense_bwd's and unused here), with d_rhs, d_qg, d_attn, d_kd
+    and d_kk in bfloat16 (dense_bwd_results)."""
     from jax_kda.sm90.ffi_call import cute_call
 
     del rows, precision
     f32, bf16 = jnp.float32, jnp.bfloat16
     slots, heads = u.shape[:2]
-    results = [
-        jax.ShapeDtypeStruct((slots, heads, SCAN_CHUNK, 2 * HEAD_DIM), f32),  # d_rhs
-        jax.ShapeDtypeStruct(u.shape, f32),  # d_qg
-        jax.ShapeDtypeStruct(attn.shape, f32),  # d_attn
-        jax.ShapeDtypeStruct(u.shape, f32),  # d_kd
-        jax.ShapeDtypeStruct((slots, heads, HEAD_DIM), f32),  # d_decay
-        jax.ShapeDtypeStruct(attn.shape, f32),  # d_kk
-        jax.ShapeDtypeStruct((slots, heads, SCAN_CHUNK), f32),  # d_beta_kk
-    ]
+    results = dense_bwd_results(slots, heads)
     if slots == 0:  # no chunk slots: nothing to launch (an empty grid)
         return tuple(jnp.zeros(r.shape, r.dtype) for r in results)
     inputs = [chunk_image(w), u.astype(bf16), attn.astype(bf16), chunk_image(kd)]
@@ -1064,8 +1079,8 @@ def tokens_bwd_artifact(scale: float):
         "beta": row_major_fake(Float32, (tokens, heads), align=4),
         "cu_seqlens": row_major_fake(Int32, (cute.sym_int32(),), align=4),
         **{name: row_major_fake(Float32, chunk) for name in ("gamma", "dq_c", "dk_c", "dgamma_c")},
-        "d_rhs": row_major_fake(Float32, (slots, heads, SCAN_CHUNK, 2 * HEAD_DIM)),
-        **{name: row_major_fake(Float32, chunk) for name in ("d_qg", "d_kd")},
+        "d_rhs": row_major_fake(BFloat16, (slots, heads, SCAN_CHUNK, 2 * HEAD_DIM)),
+        **{name: row_major_fake(BFloat16, chunk) for name in ("d_qg", "d_kd")},
         "d_decay": row_major_fake(Float32, (slots, heads, HEAD_DIM)),
         "d_beta_kk": row_major_fake(Float32, (slots, heads, SCAN_CHUNK)),
         **{name: row_major_fake(BFloat16, token_shape) for name in ("dq", "dk", "dv")},
@@ -1090,20 +1105,23 @@ def tokens_bwd_call(scale, tokens, cu_seqlens, gamma, d_decayed, cotangents):
     token_shape = (*q.shape[:2], HEAD_DIM)
     results = [jax.ShapeDtypeStruct(token_shape, jnp.bfloat16) for _ in range(3)]
     results += [jax.ShapeDtypeStruct(token_shape, f32), jax.ShapeDtypeStruct(q.shape[:2], f32)]
-    chunked = (gamma, *d_decayed, d_rhs, d_qg, d_kd, d_decay, d_beta_kk)
+    bf16 = jnp.bfloat16
     inputs = [
-        *(x.astype(jnp.bfloat16) for x in (q, k, v)),
+        *(x.astype(bf16) for x in (q, k, v)),
         g.astype(f32),
         beta.astype(f32),
         jnp.asarray(cu_seqlens, jnp.int32),
-        *(x.astype(f32) for x in chunked),
+        *(x.astype(f32) for x in (gamma, *d_decayed)),
+        *(x.astype(bf16) for x in (d_rhs, d_qg, d_kd)),  # the dense kernel's dtype
+        *(x.astype(f32) for x in (d_decay, d_beta_kk)),
     ]
     return tokens_bwd_artifact(scale), inputs, results
 
 
 def tokens_bwd_kernel(scale, tokens, cu_seqlens, rows, gamma, d_decayed, cotangents):
-    """xla_tokens_bwd's contract on the kernel (rows: unused, the kernel reads cu_seqlens; q, k
-    and v taken as bfloat16, as the sm90 path has them), dq, dk, dv returned in bfloat16 (the
+    """xla_tokens_bwd's contract on the kernel (rows: unused, the kernel reads cu_seqlens; q, k,
+    v and the cotangents d_rhs, d_qg, d_kd taken as bfloat16, as the sm90 path has them), dq,
+    dk, dv returned in bfloat16 (the
     float32 sums rounded once: what the caller's cast to the tokens' dtype gives)."""
     from jax_kda.sm90.ffi_call import cute_call
 

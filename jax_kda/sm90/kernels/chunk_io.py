@@ -26,9 +26,9 @@ def pair_at(row: cute.Tensor, n):
 
 @cute.jit
 def store_pairs(acc: cute.Tensor, coords: cute.Tensor, out: cute.Tensor, col0, negate: bool):
-    """A warpgroup's float32 accumulator into out[i, col0 + n] (float32 [rows, cols] in global
-    memory), (-) its values; a thread holds columns n, n + 1 (n even) at e, e + 1, stored as
-    one 8-byte pair."""
+    """A warpgroup's float32 accumulator into out[i, col0 + n] ([rows, cols] in global memory,
+    float32 or bfloat16: the values rounded once), (-) its values; a thread holds columns n,
+    n + 1 (n even) at e, e + 1, stored as one 8- or 4-byte pair."""
     pair = cute.make_rmem_tensor((2,), Float32)
     for e in cutlass.range_constexpr(0, cute.size(acc), 2):
         i, n = coords[e]
@@ -37,7 +37,7 @@ def store_pairs(acc: cute.Tensor, coords: cute.Tensor, out: cute.Tensor, col0, n
         if cutlass.const_expr(negate):
             pair[0] = -acc[e]
             pair[1] = -acc[e + 1]
-        pair_at(out[i, None], col0 + n).store(pair.load())
+        pair_at(out[i, None], col0 + n).store(pair.load().to(out.element_type))
 
 
 @cute.jit

@@ -21,7 +21,8 @@ Where the chunk's decay forbids middle anchors, the diagonal blocks are taken pa
 Inputs: q, k bfloat16, chunked ([slots, H, 64, 128]) or, with DecayedBwdConfig.from_tokens, in
 the tokens' rows ([T, H, 128]; cu_seqlens [N + 1] int32 says which a slot holds, the other rows
 zero; the chunked variant takes a cu_seqlens it does not read), gamma [slots, H, 64, 128]
-float32, d_kk, d_qk [slots, H, 64, 64] float32. Outputs: dq, dk, dgamma [slots, H, 64, 128]
+float32, d_kk, d_qk [slots, H, 64, 64] float32 or (the tokens' variant as exported: the dense
+kernel's) bfloat16. Outputs: dq, dk, dgamma [slots, H, 64, 128]
 float32. One CTA of two warpgroups a (slot, head): each issues the products for its half of the
 128 channels (m64n64) and finishes them; the element-wise phases split the rows between them.
 """
@@ -331,18 +332,20 @@ def _load_rows(s_q, s_k, s_gam, m_q, m_k, m_gam, m_kk, m_qk, s_dkk, s_dqk, row0,
                qk_scale: cutlass.Constexpr[float]):  # fmt: skip
     """The chunk into shared memory: rows i < count of q and k from rows row0 + i of m_q, m_k
     ([rows, 128] bf16; the other rows zero), Gamma from m_gam [64, 128], and d_kk and
-    qk_scale * m_qk ([64, 64] float32) for j <= i only (zero above the diagonal). Every thread
-    issues all of its 16-byte loads before its first store."""
+    qk_scale * m_qk ([64, 64], float32 or bfloat16, both the same) for j <= i only (zero above
+    the diagonal), float32 in shared memory. Every thread issues all of its 16-byte loads
+    before its first store."""
     per_bf = 8  # bf16 elements in 16 bytes
     per_f = 4  # float32 elements in 16 bytes
+    per_w = 128 // m_kk.element_type.width  # cotangent elements in 16 bytes
     tok_passes = ROWS * HEAD_DIM // (NTHREADS * per_bf)
     gam_passes = ROWS * HEAD_DIM // (NTHREADS * per_f)
-    pair_passes = ROWS * ROWS // (NTHREADS * per_f)
+    pair_passes = ROWS * ROWS // (NTHREADS * per_w)
     r_q = cute.make_rmem_tensor((tok_passes, per_bf), BFloat16)
     r_k = cute.make_rmem_tensor((tok_passes, per_bf), BFloat16)
     r_gam = cute.make_rmem_tensor((gam_passes, per_f), Float32)
-    r_kk = cute.make_rmem_tensor((pair_passes, per_f), Float32)
-    r_qk = cute.make_rmem_tensor((pair_passes, per_f), Float32)
+    r_kk = cute.make_rmem_tensor((pair_passes, per_w), m_kk.element_type)
+    r_qk = cute.make_rmem_tensor((pair_passes, per_w), m_kk.element_type)
     for p in cutlass.range_constexpr(tok_passes):
         e = (p * NTHREADS + tid) * per_bf
         i = e // HEAD_DIM
@@ -356,9 +359,9 @@ def _load_rows(s_q, s_k, s_gam, m_q, m_k, m_gam, m_kk, m_qk, s_dkk, s_dqk, row0,
         e = (p * NTHREADS + tid) * per_f
         r_gam[p, None].store(vec4(m_gam[e // HEAD_DIM, None].iterator + e % HEAD_DIM).load())
     for p in cutlass.range_constexpr(pair_passes):
-        e = (p * NTHREADS + tid) * per_f
-        r_kk[p, None].store(vec4(m_kk[e // ROWS, None].iterator + e % ROWS).load())
-        r_qk[p, None].store(vec4(m_qk[e // ROWS, None].iterator + e % ROWS).load())
+        e = (p * NTHREADS + tid) * per_w
+        r_kk[p, None].store(row_piece(m_kk[e // ROWS, None], e % ROWS, per_w).load())
+        r_qk[p, None].store(row_piece(m_qk[e // ROWS, None], e % ROWS, per_w).load())
     for p in cutlass.range_constexpr(tok_passes):
         e = (p * NTHREADS + tid) * per_bf
         i = e // HEAD_DIM
@@ -369,15 +372,17 @@ def _load_rows(s_q, s_k, s_gam, m_q, m_k, m_gam, m_kk, m_qk, s_dkk, s_dqk, row0,
         e = (p * NTHREADS + tid) * per_f
         vec4(s_gam[e // HEAD_DIM, None].iterator + e % HEAD_DIM).store(r_gam[p, None].load())
     for p in cutlass.range_constexpr(pair_passes):
-        e = (p * NTHREADS + tid) * per_f
+        e = (p * NTHREADS + tid) * per_w
         i = e // ROWS
-        for x in cutlass.range_constexpr(per_f):
+        for x in cutlass.range_constexpr(per_w):
             j = e % ROWS + x
             w_kk = Float32(0.0)
             w_qk = Float32(0.0)
+            kk_ij = Float32(r_kk[p, x])  # taken out of the vector before the branch
+            qk_ij = Float32(r_qk[p, x])
             if j <= i:
-                w_kk = r_kk[p, x]
-                w_qk = r_qk[p, x]
+                w_kk = kk_ij
+                w_qk = qk_ij
                 if cutlass.const_expr(qk_scale != 1.0):
                     w_qk = w_qk * Float32(qk_scale)
             s_dkk[i, j] = w_kk

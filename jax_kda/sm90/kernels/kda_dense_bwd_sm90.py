@@ -27,9 +27,12 @@ bfloat16 w_img, kd_img [slots, H, 64 * 128] (W and Kd in the scan's operand orde
 chunk_io.scan_order_offset), u [slots, H, 64, 128], attn, tinv [slots, H, 64, 64]; float32 kk
 [slots, H, 64, 64], states, g_end [slots, H, 128, 128];
 and in the tokens' rows (cu_seqlens [N + 1] int32 says which a slot holds; the others are zero)
-dO [T, H, 128] bfloat16 and beta [T, H] float32. Outputs, float32: d_rhs [slots, H, 64, 256];
-d_qg, d_kd [slots, H, 64, 128]; d_attn, d_kk [slots, H, 64, 64]; d_decay [slots, H, 128];
-d_beta_kk [slots, H, 64].
+dO [T, H, 128] bfloat16 and beta [T, H] float32. Outputs: d_rhs [slots, H, 64, 256]; d_qg,
+d_kd [slots, H, 64, 128]; d_attn, d_kk [slots, H, 64, 64], in the exported artifact bfloat16
+(each float32 result rounded once: half the bytes written here and read by the decayed and
+tokens kernels; benchmarks.precision_study puts the gradients' cost at about 5e-4 of rms_ratio)
+or float32 (the kernel stores whichever its tensors hold); d_decay [slots, H, 128] and d_beta_kk
+[slots, H, 64] float32.
 """
 
 from __future__ import annotations
@@ -349,7 +352,7 @@ class DenseBwdSm90:
                     sum_a = sum_a + low * kk_ij
                 else:
                     sum_b = sum_b + low * kk_ij
-            pair_at(mDkk[slot, h, i, None], j0 + n).store(pair.load())
+            pair_at(mDkk[slot, h, i, None], j0 + n).store(pair.load().to(mDkk.element_type))
         for offset in cutlass.range_constexpr(2):
             sum_a = sum_a + cute.arch.shuffle_sync_bfly(sum_a, 1 << offset)
             sum_b = sum_b + cute.arch.shuffle_sync_bfly(sum_b, 1 << offset)

@@ -22,8 +22,9 @@ access).
 
 Inputs: q, k, v [T, H, 128] bfloat16, g [T, H, 128] and beta [T, H] float32 (the tokens; g
 only for dg's gate-floor rule, xla.gate_floor_grad), cu_seqlens [N + 1]
-int32; float32 per slot and head: gamma, dq_c, dk_c, dgamma_c, d_qg, d_kd [64, 128], d_rhs
-[64, 256], d_decay [128], d_beta_kk [64]. Outputs: dq, dk, dv [T, H, 128] bfloat16 (the
+int32; per slot and head, float32: gamma, dq_c, dk_c, dgamma_c [64, 128], d_decay [128],
+d_beta_kk [64]; bfloat16 in the exported artifact (the dense kernel's; float32 taken as well):
+d_qg, d_kd [64, 128], d_rhs [64, 256]. Outputs: dq, dk, dv [T, H, 128] bfloat16 (the
 tokens' dtype: the float32 sums rounded once, as the caller's cast would), dg [T, H, 128] and
 dbeta [T, H] float32.
 """
@@ -155,10 +156,10 @@ class TokensBwdSm90:
                 r_in[r, 1] = mDqC[slot, h, i, d]
                 r_in[r, 2] = mDkC[slot, h, i, d]
                 r_in[r, 3] = mDgamC[slot, h, i, d]
-                r_in[r, 4] = mDrhs[slot, h, i, d]
-                r_in[r, 5] = mDrhs[slot, h, i, HEAD_DIM + d]
-                r_in[r, 6] = mDqg[slot, h, i, d]
-                r_in[r, 7] = mDkd[slot, h, i, d]
+                r_in[r, 4] = Float32(mDrhs[slot, h, i, d])
+                r_in[r, 5] = Float32(mDrhs[slot, h, i, HEAD_DIM + d])
+                r_in[r, 6] = Float32(mDqg[slot, h, i, d])
+                r_in[r, 7] = Float32(mDkd[slot, h, i, d])
                 qv = BFloat16(0.0)
                 kv = BFloat16(0.0)
                 vv = BFloat16(0.0)
