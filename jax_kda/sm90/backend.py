@@ -1027,10 +1027,14 @@ def xla_dense_products_bwd(
     V]), G = g_end (the cotangent of the state leaving it) and dO = d_out ([slots, H, 64, V]):
     V_new = U - W S, dV = Aqk^T dO + Kd G; returns (d_w = -dV S^T, d_u = dV, d_qg = dO S^T,
     d_attn = dO V_new^T, d_kd = V_new G^T, d_decay = rowsum(S * G)). Products at
-    `precision`."""
+    `precision`, Kd G as Kd G_hi + Kd G_lo (G split into bf16 hi and the rest: the dense
+    kernel's two passes, since G's rounding alone costs dbeta up to 1.1e-2 rms; at float32
+    precision the same product)."""
     mm = functools.partial(jnp.einsum, precision=precision)
     v_new = u - mm("shik,shkv->shiv", w, states)
-    d_v = mm("shji,shjv->shiv", attn, d_out) + mm("shik,shkv->shiv", kd, g_end)
+    g_hi = g_end.astype(jnp.bfloat16).astype(g_end.dtype)
+    d_v = mm("shji,shjv->shiv", attn, d_out) + mm("shik,shkv->shiv", kd, g_hi)
+    d_v = d_v + mm("shik,shkv->shiv", kd, g_end - g_hi)
     d_w = -mm("shiv,shkv->shik", d_v, states)
     d_qg = mm("shiv,shkv->shik", d_out, states)
     d_attn = mm("shiv,shjv->shij", d_out, v_new)
