@@ -203,16 +203,18 @@ def bf16_intermediates(
 ):
     """prefill's signature on the sm90 training path's structure in XLA (differentiable_chunks
     around xla_chunk_core, xla.state_scan and xla_chunk_bwd) with stored arrays rounded to
-    bfloat16: core_outputs, the chunk core's W, U, Qg, Aqk and Kd (the element-wise backward,
-    xla._elementwise_bwd, recomputes its float32 Qg and Kd from the tokens and Gamma); states,
+    bfloat16: core_outputs, the chunk core's W, U, Qg, Aqk, Kd and T^-1 (the element-wise
+    backward, xla._elementwise_bwd, recomputes its float32 Qg and Kd from the tokens and
+    Gamma); states,
     the chunk states the forward scan writes; state_cotangents, those the reverse scan writes
     (G); dense_outputs, the dense backward's d_rhs, d_qg, d_attn, d_kd and d_kk (what
     sm90.dense_bwd_results stores in bf16)."""
 
     def core(*args):
         out = list(sm90_backend.xla_chunk_core(*args))
-        if core_outputs:
+        if core_outputs:  # W, U, Qg, Aqk, Kd and T^-1: what the kernel stores in bf16
             out[:5] = [_rounded_bf16(x) for x in out[:5]]
+            out[8] = _rounded_bf16(out[8])
         return tuple(out)
 
     def scan(*args, reverse):

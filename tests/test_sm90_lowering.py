@@ -231,12 +231,25 @@ def test_chunk_core_exports_for_sm90a():
     assert len(artifact.tensors) == 15  # q, k, v, g, beta, cu_seqlens, 7 outputs, W and Kd images
 
 
-def test_tokens_bwd_exports_for_sm90a():
+@pytest.mark.parametrize("bf16_cotangents", [True, False], ids=["bf16", "f32"])
+def test_tokens_bwd_exports_for_sm90a(bf16_cotangents):
     """The backward into the tokens' rows compiles and exports for sm_90a (symbolic tokens,
-    heads, slots and sequences)."""
-    artifact = sm90.tokens_bwd_artifact(0.3)
+    heads, slots and sequences), for the dense kernel's bf16 cotangents and XLA's float32."""
+    artifact = sm90.tokens_bwd_artifact(0.3, bf16_cotangents)
     assert artifact.object_bytes[:4] == b"\x7fELF"
     assert len(artifact.tensors) == 20  # 15 inputs and 5 results
+    assert artifact.prefix.startswith("kda_tokens_bwd_sm90_" + ("" if bf16_cotangents else "f32_"))
+
+
+@pytest.mark.parametrize("bf16_cotangents", [True, False], ids=["bf16", "f32"])
+def test_decayed_bwd_tokens_variant_exports_for_both_cotangent_dtypes(bf16_cotangents):
+    artifact = sm90.decayed_bwd_artifact(True, 0.3, bf16_cotangents)
+    assert artifact.object_bytes[:4] == b"\x7fELF"
+    assert artifact.prefix.startswith(
+        "kda_decayed_bwd_tokens_sm90_" + ("" if bf16_cotangents else "f32_")
+    )
+    with pytest.raises(ValueError, match="tokens' variant"):
+        sm90.decayed_bwd_artifact(False, 1.0, True)
 
 
 def test_chunk_outputs_exports_for_sm90a():
@@ -485,12 +498,13 @@ def test_training_forward_variants_lower_to_their_kernels():
 
     text = _lower(step, *x)
     prefixes = set(re.findall(r'prefix = "(\w+)"', text))
+    # the XLA dense backward's float32 outputs: the float32 variants of the kernels after it
     assert {p.rsplit("_", 1)[0] for p in prefixes} == {
         "kda_chunk_operands_sm90",
-        "kda_decayed_bwd_tokens_sm90",
+        "kda_decayed_bwd_tokens_sm90_f32",
         "kda_state_scan_sm90_fwd",
         "kda_state_scan_sm90_rev",
-        "kda_tokens_bwd_sm90",
+        "kda_tokens_bwd_sm90_f32",
     }, prefixes
     assert {"kda_state_scan_sm90_fwd_v64", "kda_state_scan_sm90_rev_v64"} <= prefixes
     assert "stablehlo.while" not in text

@@ -865,11 +865,14 @@ def chunk_core_kernel(q, k, v, g, beta, cu_seqlens, num_slots, scale, passes=3):
 
 
 @functools.cache
-def decayed_bwd_artifact(from_tokens: bool = False, qk_scale: float = 1.0):
+def decayed_bwd_artifact(
+    from_tokens: bool = False, qk_scale: float = 1.0, bf16_cotangents: bool | None = None
+):
     """The exported backward of the in-chunk decayed products (kernels/kda_decayed_bwd_sm90.py)
-    on chunked q and k with float32 cotangents or (from_tokens) on the tokens' rows with
-    bfloat16 cotangents (the dense kernel's), d_qk scaled by qk_scale as it loads; slots,
-    heads (and tokens and sequences) symbolic."""
+    on chunked q and k or (from_tokens) on the tokens' rows, d_qk scaled by qk_scale as it
+    loads; cotangents d_kk and d_qk bfloat16 (the dense kernel's; the default from the tokens)
+    or float32 (the chunked variant's, and the XLA dense backward's at a dense_precision above
+    bf16); slots, heads (and tokens and sequences) symbolic."""
     import cutlass.cute as cute
     from cutlass import BFloat16, Float32, Int32
 
@@ -880,7 +883,11 @@ def decayed_bwd_artifact(from_tokens: bool = False, qk_scale: float = 1.0):
     chunk = (slots, heads, SCAN_CHUNK, HEAD_DIM)
     pairs = (slots, heads, SCAN_CHUNK, SCAN_CHUNK)
     rows = (cute.sym_int32(), heads, HEAD_DIM) if from_tokens else chunk
-    cotangent = BFloat16 if from_tokens else Float32  # the tokens' variant: the dense kernel's
+    if bf16_cotangents is None:
+        bf16_cotangents = from_tokens
+    if bf16_cotangents and not from_tokens:
+        raise ValueError("bf16 cotangents are the tokens' variant's (from_tokens=True)")
+    cotangent = BFloat16 if bf16_cotangents else Float32
     fakes = {
         "q": row_major_fake(BFloat16, rows),
         "k": row_major_fake(BFloat16, rows),
@@ -893,9 +900,12 @@ def decayed_bwd_artifact(from_tokens: bool = False, qk_scale: float = 1.0):
     prefix = "kda_decayed_bwd_sm90"
     if from_tokens:  # one export a scale, as the tokens' backward
         tag = hashlib.sha256(repr(qk_scale).encode()).hexdigest()[:8]
-        prefix = f"kda_decayed_bwd_tokens_sm90_{tag}"
+        dtype_tag = "" if bf16_cotangents else "_f32"
+        prefix = f"kda_decayed_bwd_tokens_sm90{dtype_tag}_{tag}"
     config = DecayedBwdConfig(from_tokens=from_tokens, qk_scale=qk_scale)
     options = {"from_tokens": from_tokens, "qk_scale": repr(qk_scale)}
+    if not bf16_cotangents and from_tokens:
+        options["cotangents"] = "float32"
     return export(DecayedBwdSm90(config), fakes, prefix=prefix, config=options)
 
 
@@ -904,7 +914,10 @@ def _decayed_bwd_call(q, k, cu_seqlens, gamma, d_kk, d_qk, from_tokens: bool, qk
 
     if gamma.shape[0] == 0:
         return tuple(jnp.zeros(gamma.shape, jnp.float32) for _ in range(3))
-    cotangent = jnp.bfloat16 if from_tokens else jnp.float32  # decayed_bwd_artifact's
+    # the tokens' variant takes the cotangents in their dtype: bf16 from the dense kernel,
+    # float32 from xla_dense_bwd (never rounded on the way in)
+    bf16 = from_tokens and d_kk.dtype == jnp.bfloat16 and d_qk.dtype == jnp.bfloat16
+    cotangent = jnp.bfloat16 if bf16 else jnp.float32
     inputs = [
         q.astype(jnp.bfloat16),
         k.astype(jnp.bfloat16),
@@ -913,7 +926,8 @@ def _decayed_bwd_call(q, k, cu_seqlens, gamma, d_kk, d_qk, from_tokens: bool, qk
         *(x.astype(cotangent) for x in (d_kk, d_qk)),
     ]
     results = [jax.ShapeDtypeStruct(gamma.shape, jnp.float32) for _ in range(3)]
-    return tuple(cute_call(decayed_bwd_artifact(from_tokens, qk_scale), inputs, results))
+    artifact = decayed_bwd_artifact(from_tokens, qk_scale, bf16)
+    return tuple(cute_call(artifact, inputs, results))
 
 
 def decayed_bwd_kernel(residuals, cotangents):
@@ -937,8 +951,9 @@ def xla_decayed_bwd_tokens(scale, q, k, cu_seqlens, rows, gamma, d_kk, d_attn):
 
 
 def decayed_bwd_tokens_kernel(scale, q, k, cu_seqlens, rows, gamma, d_kk, d_attn):
-    """xla_decayed_bwd_tokens's contract on the kernel (q, k, d_kk and d_attn taken as
-    bfloat16, q and k read from the tokens' rows, d_attn scaled as it loads; rows unused)."""
+    """xla_decayed_bwd_tokens's contract on the kernel (q and k taken as bfloat16 and read from
+    the tokens' rows, d_kk and d_attn in their dtype: both bf16, or else float32; d_attn scaled
+    as it loads; rows unused)."""
     del rows
     return _decayed_bwd_call(
         q, k, cu_seqlens, gamma, d_kk, d_attn, from_tokens=True, qk_scale=float(scale)
@@ -1002,9 +1017,9 @@ def dense_bwd_results(num_slots: int, heads: int):
 def dense_bwd_kernel(
     w, u, attn, kd, states, g_end, d_o, t_inverse, kk, beta, cu_seqlens, rows, precision=None
 ):  # fmt: skip
-    """xla_dense_bwd's contract on the kernel (one bf16 pass a product, d_o taken as bfloat16;
-    rows and `precision` are xla_dense_bwd's and unused here), with d_rhs, d_qg, d_attn, d_kd
-    and d_kk in bfloat16 (dense_bwd_results)."""
+    """xla_dense_bwd's contract on the kernel (one bf16 pass a product, Kd G two, d_o taken as
+    bfloat16; rows and `precision` are xla_dense_bwd's and unused here), with d_rhs, d_qg,
+    d_attn, d_kd and d_kk in bfloat16 (dense_bwd_results)."""
     from jax_kda.sm90.ffi_call import cute_call
 
     del rows, precision
@@ -1032,7 +1047,7 @@ def xla_dense_products_bwd(
     precision the same product)."""
     mm = functools.partial(jnp.einsum, precision=precision)
     v_new = u - mm("shik,shkv->shiv", w, states)
-    g_hi = g_end.astype(jnp.bfloat16).astype(g_end.dtype)
+    g_hi = jax.lax.reduce_precision(g_end, exponent_bits=8, mantissa_bits=7)  # bf16, kept by XLA
     d_v = mm("shji,shjv->shiv", attn, d_out) + mm("shik,shkv->shiv", kd, g_hi)
     d_v = d_v + mm("shik,shkv->shiv", kd, g_end - g_hi)
     d_w = -mm("shiv,shkv->shik", d_v, states)
@@ -1064,10 +1079,10 @@ def xla_dense_bwd(
 
 
 @functools.cache
-def tokens_bwd_artifact(scale: float):
+def tokens_bwd_artifact(scale: float, bf16_cotangents: bool = True):
     """The exported backward from the chunk core's products' cotangents to the tokens
-    (kernels/kda_tokens_bwd_sm90.py) for this scale; tokens, heads, slots and sequences
-    symbolic."""
+    (kernels/kda_tokens_bwd_sm90.py) for this scale, d_rhs, d_qg and d_kd bfloat16 (the dense
+    kernel's) or float32 (xla_dense_bwd's); tokens, heads, slots and sequences symbolic."""
     import cutlass.cute as cute
     from cutlass import BFloat16, Float32, Int32
 
@@ -1077,14 +1092,15 @@ def tokens_bwd_artifact(scale: float):
     tokens, heads, slots = cute.sym_int32(), cute.sym_int32(), cute.sym_int32()
     token_shape = (tokens, heads, HEAD_DIM)
     chunk = (slots, heads, SCAN_CHUNK, HEAD_DIM)
+    cotangent = BFloat16 if bf16_cotangents else Float32
     fakes = {
         **{name: row_major_fake(BFloat16, token_shape) for name in ("q", "k", "v")},
         "g": row_major_fake(Float32, token_shape),
         "beta": row_major_fake(Float32, (tokens, heads), align=4),
         "cu_seqlens": row_major_fake(Int32, (cute.sym_int32(),), align=4),
         **{name: row_major_fake(Float32, chunk) for name in ("gamma", "dq_c", "dk_c", "dgamma_c")},
-        "d_rhs": row_major_fake(BFloat16, (slots, heads, SCAN_CHUNK, 2 * HEAD_DIM)),
-        **{name: row_major_fake(BFloat16, chunk) for name in ("d_qg", "d_kd")},
+        "d_rhs": row_major_fake(cotangent, (slots, heads, SCAN_CHUNK, 2 * HEAD_DIM)),
+        **{name: row_major_fake(cotangent, chunk) for name in ("d_qg", "d_kd")},
         "d_decay": row_major_fake(Float32, (slots, heads, HEAD_DIM)),
         "d_beta_kk": row_major_fake(Float32, (slots, heads, SCAN_CHUNK)),
         **{name: row_major_fake(BFloat16, token_shape) for name in ("dq", "dk", "dv")},
@@ -1092,11 +1108,15 @@ def tokens_bwd_artifact(scale: float):
         "dbeta": row_major_fake(Float32, (tokens, heads), align=4),
     }
     scale_tag = hashlib.sha256(repr(scale).encode()).hexdigest()[:8]
+    dtype_tag = "" if bf16_cotangents else "_f32"
+    config = {"scale": repr(scale)}
+    if not bf16_cotangents:
+        config["cotangents"] = "float32"
     return export(
         TokensBwdSm90(TokensBwdConfig(scale=scale)),
         fakes,
-        prefix=f"kda_tokens_bwd_sm90_{scale_tag}",
-        config={"scale": repr(scale)},
+        prefix=f"kda_tokens_bwd_sm90{dtype_tag}_{scale_tag}",
+        config=config,
     )
 
 
@@ -1110,23 +1130,27 @@ def tokens_bwd_call(scale, tokens, cu_seqlens, gamma, d_decayed, cotangents):
     results = [jax.ShapeDtypeStruct(token_shape, jnp.bfloat16) for _ in range(3)]
     results += [jax.ShapeDtypeStruct(token_shape, f32), jax.ShapeDtypeStruct(q.shape[:2], f32)]
     bf16 = jnp.bfloat16
+    # d_rhs, d_qg, d_kd in their dtype: all bf16 (the dense kernel's), or else float32
+    # (xla_dense_bwd's, never rounded on the way in)
+    bf16_cotangents = all(x.dtype == bf16 for x in (d_rhs, d_qg, d_kd))
+    cotangent = bf16 if bf16_cotangents else f32
     inputs = [
         *(x.astype(bf16) for x in (q, k, v)),
         g.astype(f32),
         beta.astype(f32),
         jnp.asarray(cu_seqlens, jnp.int32),
         *(x.astype(f32) for x in (gamma, *d_decayed)),
-        *(x.astype(bf16) for x in (d_rhs, d_qg, d_kd)),  # the dense kernel's dtype
+        *(x.astype(cotangent) for x in (d_rhs, d_qg, d_kd)),
         *(x.astype(f32) for x in (d_decay, d_beta_kk)),
     ]
-    return tokens_bwd_artifact(scale), inputs, results
+    return tokens_bwd_artifact(scale, bf16_cotangents), inputs, results
 
 
 def tokens_bwd_kernel(scale, tokens, cu_seqlens, rows, gamma, d_decayed, cotangents):
-    """xla_tokens_bwd's contract on the kernel (rows: unused, the kernel reads cu_seqlens; q, k,
-    v and the cotangents d_rhs, d_qg, d_kd taken as bfloat16, as the sm90 path has them), dq,
-    dk, dv returned in bfloat16 (the
-    float32 sums rounded once: what the caller's cast to the tokens' dtype gives)."""
+    """xla_tokens_bwd's contract on the kernel (rows: unused, the kernel reads cu_seqlens; q, k
+    and v taken as bfloat16, as the sm90 path has them; d_rhs, d_qg, d_kd in their dtype: all
+    bf16, or else float32), dq, dk, dv returned in bfloat16 (the float32 sums rounded once:
+    what the caller's cast to the tokens' dtype gives)."""
     from jax_kda.sm90.ffi_call import cute_call
 
     del rows
@@ -1307,7 +1331,10 @@ def training_forward(
     scan_tensor_cores picks a SIMT scan (which has no bf16 passes to choose). Whatever the
     passes, the chunk-core kernel stores W, U, Qg, Aqk, Kd and T^-1 in bfloat16 (its
     consumers' operand precision at one pass): the three-pass choices make the products
-    themselves about float32-accurate, not what flows between the kernels.
+    themselves about float32-accurate, not what flows between the kernels (a three-pass scan
+    then splits W and Kd whose low parts are zero), and the dense kernel (dense_precision
+    "bf16") stores its outputs in bf16 too; at "bf16x3" or "float32" the XLA dense backward's
+    float32 outputs reach the decayed and tokens kernels unrounded (their float32 variants).
     The decayed products' backward keeps three passes: with one, dg missed the float64 oracle
     on production data (rms_ratio 2.4e-2 at [300, 0, 77, 130], 4.9e-2 at 16384 tokens, H200):
     dg there is a small difference of large terms. One pass with the diagonal blocks pair by
