@@ -456,6 +456,41 @@ def test_chunk_core_kernel_matches_xla(case, passes):
         assert error <= bar, (name, error)
 
 
+@pytest.mark.parametrize("case", CORE_CASES)
+def test_forward_alone_chunk_core_equals_the_training_one(case):
+    """The chunk core's forward-alone variant (residuals=False: what a call that is not
+    differentiated runs) against the training variant on the same NaN-poisoned buffers: the
+    six outputs the forward reads bit for bit equal, and gamma, kk and tinv left as they were
+    (poison), so that the variant writes nothing it was not asked to."""
+    register()
+    lengths, x = _core_case(case, SEED + 41 + len(case))
+    tokens, heads = x.q.shape[0], x.q.shape[1]
+    num_slots = xla.chunk_slot_count(tokens, len(lengths))
+    results = sm90.backend.chunk_core_results(num_slots, heads)
+    inputs = (*x[:5], jnp.asarray(x.cu_seqlens, jnp.int32))
+
+    def run(residuals):
+        artifact = sm90.chunk_operands_artifact(0.3, 1, residuals)
+
+        @jax.jit
+        def call(*inputs):
+            poison = [jnp.full(r.shape, jnp.nan, r.dtype) for r in results]
+            aliases = {6 + i: i for i in range(len(results))}
+            return cute_call(artifact, [*inputs, *poison], results, aliases=aliases)
+
+        return [np.asarray(a) for a in call(*inputs)]
+
+    full, alone = run(True), run(False)
+    names = ("u", "qg", "attn", "decay", "gamma", "kk", "tinv", "w_img", "kd_img")
+    for name, a, b in zip(names, full, alone, strict=True):
+        assert not np.isnan(a.astype(np.float32)).any(), name
+        if name in ("gamma", "kk", "tinv"):
+            assert np.isnan(b.astype(np.float32)).all(), name
+        else:
+            np.testing.assert_array_equal(a, b, err_msg=name)
+    print(f"forward-alone chunk core {case}: {num_slots} slots equal")
+
+
 @pytest.mark.parametrize("from_tokens", [False, True], ids=["chunks", "tokens"])
 @pytest.mark.parametrize("case", CORE_CASES)
 def test_decayed_bwd_kernel_matches_xla(case, from_tokens):

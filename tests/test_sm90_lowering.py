@@ -106,14 +106,18 @@ def test_new_tokens_or_sequences_do_not_compile_again():
 def test_auto_picks_sm90_for_bf16_and_xla_for_float32():
     x = production_inputs([20], 2, seed=3)
     assert TARGET in _lower(_prefill(), *x)
-    # Without a gate bound: the exact forward (the chunk-core kernel, the state scan and the
-    # outputs after it), no forward kernel.
+    # Without a gate bound: the exact forward (the chunk-core kernel's forward-alone variant,
+    # the state scan and the outputs after it), no forward kernel.
     for backend in ("auto", "sm90"):
         prefixes = re.findall(
             r'prefix = "(\w+)"', _lower(_prefill(backend=backend, gate_lower_bound=None), *x)
         )
         kinds = {p.rsplit("_", 1)[0] for p in prefixes}
-        expected = {"kda_chunk_operands_sm90_x1", "kda_state_scan_sm90_fwd", "kda_chunk_outputs"}
+        expected = {
+            "kda_chunk_operands_sm90_x1_fwd",
+            "kda_state_scan_sm90_fwd",
+            "kda_chunk_outputs",
+        }
         assert kinds == expected, prefixes
     x32 = production_inputs([20], 2, seed=3, dtype=jnp.float32)
     assert TARGET not in _lower(_prefill(), *x32)
@@ -224,10 +228,18 @@ def test_state_scan_variants_export_for_sm90a(reverse, variant):
     assert len(artifact.tensors) == 8  # A, B, decay, addend, cu_seqlens, y0, states, final
 
 
-def test_chunk_core_exports_for_sm90a():
-    """The tensor-core chunk core compiles and exports for sm_90a (symbolic slots and heads)."""
-    artifact = sm90.chunk_operands_artifact(0.3)
+@pytest.mark.parametrize(
+    "passes, residuals, kind",
+    [(3, True, "kda_chunk_operands_sm90_"), (1, True, "kda_chunk_operands_sm90_x1_"),
+     (1, False, "kda_chunk_operands_sm90_x1_fwd_")],
+    ids=["bf16x3", "bf16x1", "bf16x1-forward-alone"],
+)  # fmt: skip
+def test_chunk_core_exports_for_sm90a(passes, residuals, kind):
+    """The tensor-core chunk core compiles and exports for sm_90a (symbolic slots and heads):
+    three passes, one, and one for a forward alone (gamma, kk and tinv left unwritten)."""
+    artifact = sm90.chunk_operands_artifact(0.3, passes, residuals)
     assert artifact.object_bytes[:4] == b"\x7fELF"
+    assert artifact.prefix.startswith(kind) and artifact.prefix.count("_") == kind.count("_")
     assert len(artifact.tensors) == 15  # q, k, v, g, beta, cu_seqlens, 7 outputs, W and Kd images
 
 

@@ -540,7 +540,7 @@ def differentiable_state_scan(run, precision=jax.lax.Precision.HIGHEST):
 
 def differentiable_chunks(
     core, scan, chunk_bwd, precision=jax.lax.Precision.HIGHEST, state_cotangent=None,
-    chunk_outputs=None, both_scans=None,
+    chunk_outputs=None, both_scans=None, primal_core=None,
 ):  # fmt: skip
     """xla.forward's `chunks`: the packed tokens to (o [T, H, V] in the tokens' rows, final)
     through the chunk core (`core`: chunk_core_kernel's contract), the forward state scan
@@ -558,7 +558,11 @@ def differentiable_chunks(
     both_scans (state_scans_kernel's contract): the backward runs the forward scan again beside
     the reverse one, in one launch, and the chunk states are no residual: in a training step
     whose primal outputs come from elsewhere (the forward kernels), the recompute's forward
-    scan and outputs are then dead code that XLA drops, and the two serial chains overlap."""
+    scan and outputs are then dead code that XLA drops, and the two serial chains overlap.
+
+    primal_core: the core a call that is not differentiated runs (`core`'s contract for what
+    the forward reads: w, u, qg, attn, kd, decay; chunk_core_kernel(residuals=False), which
+    leaves the backward's arrays unwritten); None: `core`."""
     outputs = chunk_outputs or xla_chunk_outputs
 
     def scan_operands(core_out):
@@ -569,8 +573,8 @@ def differentiable_chunks(
             return ImagedOperand(chunk_rows(w), w), ImagedOperand(chunk_rows(kd), kd)
         return w, kd
 
-    def forward(q, k, v, g, beta, cu_seqlens, rows, y0, num_slots, scale):
-        core_out = core(q, k, v, g, beta, cu_seqlens, num_slots, scale)
+    def forward(q, k, v, g, beta, cu_seqlens, rows, y0, num_slots, scale, run_core=core):
+        core_out = run_core(q, k, v, g, beta, cu_seqlens, num_slots, scale)
         w, u, qg, attn, _, decay = core_out[:6]
         w_op, kd_op = scan_operands(core_out)
         states, final = scan(w_op, kd_op, decay, u, cu_seqlens, y0, reverse=False)
@@ -579,7 +583,8 @@ def differentiable_chunks(
 
     @functools.partial(jax.custom_vjp, nondiff_argnums=(8, 9))
     def chunks(q, k, v, g, beta, cu_seqlens, rows, y0, num_slots, scale):
-        return forward(q, k, v, g, beta, cu_seqlens, rows, y0, num_slots, scale)[0]
+        args = (q, k, v, g, beta, cu_seqlens, rows, y0, num_slots, scale)
+        return forward(*args, run_core=primal_core or core)[0]
 
     def chunks_fwd(q, k, v, g, beta, cu_seqlens, rows, y0, num_slots, scale):
         primal, core_out, states = forward(q, k, v, g, beta, cu_seqlens, rows, y0, num_slots, scale)
@@ -785,10 +790,11 @@ def xla_tokens_bwd(scale, tokens, cu_seqlens, rows, gamma, d_decayed, cotangents
 
 
 @functools.cache
-def chunk_operands_artifact(scale: float, passes: int = 3):
+def chunk_operands_artifact(scale: float, passes: int = 3, residuals: bool = True):
     """The exported exact 64-token chunk core (kernels/kda_chunk_operands_sm90.py) for this
     scale; tokens, heads, slots and sequences symbolic; `passes` bf16 passes a product (3:
-    bf16x3; 1: one)."""
+    bf16x3; 1: one); residuals=False: the forward-alone variant, which leaves gamma, kk and tinv
+    (the backward's) unwritten."""
     import cutlass.cute as cute
     from cutlass import BFloat16, Float32, Int32
 
@@ -819,10 +825,12 @@ def chunk_operands_artifact(scale: float, passes: int = 3):
         "kd_img": row_major_fake(BFloat16, (slots, heads, SCAN_CHUNK * HEAD_DIM)),
     }
     scale_tag = hashlib.sha256(repr(scale).encode()).hexdigest()[:8]
-    suffix = "" if passes == 3 else f"_x{passes}"
+    suffix = ("" if passes == 3 else f"_x{passes}") + ("" if residuals else "_fwd")
     config = {"scale": repr(scale)} if passes == 3 else {"scale": repr(scale), "passes": passes}
+    if not residuals:
+        config["residuals"] = False
     return export(
-        ChunkOperandsSm90(ChunkOperandsConfig(scale=scale, passes=passes)),
+        ChunkOperandsSm90(ChunkOperandsConfig(scale=scale, passes=passes, residuals=residuals)),
         fakes,
         prefix=f"kda_chunk_operands_sm90{suffix}_{scale_tag}",
         config=config,
@@ -841,13 +849,15 @@ def chunk_core_results(num_slots: int, heads: int):
     return [jax.ShapeDtypeStruct(shape, dtype) for shape, dtype in shapes]
 
 
-def chunk_core_kernel(q, k, v, g, beta, cu_seqlens, num_slots, scale, passes=3):
+def chunk_core_kernel(q, k, v, g, beta, cu_seqlens, num_slots, scale, passes=3, residuals=True):
     """The chunk-core kernel: (w, u, qg, attn, kd, decay, gamma, kk, tinv) from the packed
     tokens, xla_chunk_core's contract with tinv = T^-1, T = I + strictLower(beta kk), and
     these types: w and kd bfloat16 [slots, H, 64 * 128] in the single-pass tensor-core scan's
     operand order (state_scan_operands' a_img / bt_img of them; chunk_rows gives their
     values), u, qg, attn and tinv bfloat16 (every consumer takes them as bf16 operands, U
-    as V_new's addend too), decay, gamma and kk float32."""
+    as V_new's addend too), decay, gamma and kk float32. residuals=False (a forward alone):
+    gamma, kk and tinv, which only the backward reads, are not written and come back as
+    None."""
     from jax_kda.sm90.ffi_call import cute_call
 
     f32 = jnp.float32
@@ -859,8 +869,10 @@ def chunk_core_kernel(q, k, v, g, beta, cu_seqlens, num_slots, scale, passes=3):
     else:
         inputs = [q, k, v, g.astype(f32), beta.astype(f32), jnp.asarray(cu_seqlens, jnp.int32)]
         u, qg, attn, decay, gamma, kk, tinv, w, kd = cute_call(
-            chunk_operands_artifact(scale, passes), inputs, results
+            chunk_operands_artifact(scale, passes, residuals), inputs, results
         )
+    if not residuals:
+        gamma = kk = tinv = None
     return w, u, qg, attn, kd, decay, gamma, kk, tinv
 
 
@@ -1293,6 +1305,7 @@ def _training_chunks(
         tokens_bwd=tokens_bwd_kernel if tokens_bwd else None,
     )
     core = functools.partial(chunk_core_kernel, passes=chunk_core_passes)
+    primal_core = functools.partial(chunk_core_kernel, passes=chunk_core_passes, residuals=False)
     return differentiable_chunks(
         core if chunk_core else xla_chunk_core,
         functools.partial(
@@ -1309,6 +1322,7 @@ def _training_chunks(
             state_scans_kernel, v_slice=bwd_v_slice, tensor_cores=scan_tensor_cores,
             passes=scan_passes,
         ) if both_scans else None,
+        primal_core=primal_core if chunk_core else None,
     )  # fmt: skip
 
 

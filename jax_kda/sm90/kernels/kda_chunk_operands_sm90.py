@@ -110,6 +110,7 @@ def shared_bytes(passes: int) -> int:
 class ChunkOperandsConfig:
     scale: float
     passes: int = 3  # bf16 passes a product: 3 (bf16x3) or 1
+    residuals: bool = True  # store gamma, kk and tinv (the backward's); False: a forward alone
 
 
 class ChunkOperandsSm90:
@@ -117,6 +118,7 @@ class ChunkOperandsSm90:
         self.scale = float(config.scale)
         image_k(1, config.passes)  # 1 or 3
         self.passes = config.passes
+        self.residuals = config.residuals
 
     @cute.jit
     def __call__(
@@ -371,7 +373,8 @@ class ChunkOperandsSm90:
                 two_bf[x] = a_ij.to(BFloat16)
                 k_pair[x] = k_ij
             pair_at(mAttn[slot, h, i, None], e_idx % ROWS).store(two_bf.load())
-            pair_at(mKK[slot, h, i, None], e_idx % ROWS).store(k_pair.load())
+            if cutlass.const_expr(self.residuals):
+                pair_at(mKK[slot, h, i, None], e_idx % ROWS).store(k_pair.load())
         cute.arch.sync_threads()  # s_qk is T^-1 from here
 
         # v (channel d of this warpgroup's rows) loads now, in registers, so the T^-1 phase
@@ -390,12 +393,13 @@ class ChunkOperandsSm90:
         unit_lower_inverse(s_kk, s_beta, s_tinv, s_m, tid, NTHREADS)
 
         # ---- T^-1 out, and into registers as the solve's A operand (warpgroup 0: W, 1: U)
-        for it in cutlass.range_constexpr(ROWS * ROWS // (2 * NTHREADS)):
-            e_idx = 2 * (tid + it * NTHREADS)  # bf16 pairs: the backward's solve is one product
-            i = e_idx // ROWS
-            for x in cutlass.range_constexpr(2):
-                two_bf[x] = s_tinv[i, e_idx % ROWS + x].to(BFloat16)
-            pair_at(mTinv[slot, h, i, None], e_idx % ROWS).store(two_bf.load())
+        if cutlass.const_expr(self.residuals):
+            for it in cutlass.range_constexpr(ROWS * ROWS // (2 * NTHREADS)):
+                e_idx = 2 * (tid + it * NTHREADS)  # bf16 pairs: the backward's solve is one product
+                i = e_idx // ROWS
+                for x in cutlass.range_constexpr(2):
+                    two_bf[x] = s_tinv[i, e_idx % ROWS + x].to(BFloat16)
+                pair_at(mTinv[slot, h, i, None], e_idx % ROWS).store(two_bf.load())
         thr_s = mma_solve.get_slice(d)
         coords_t = bf16_tiled_mma((ROWS, ROWS), warpgroup.OperandSource.RMEM).get_slice(d)
         c_t = coords_t.partition_C(cute.make_identity_tensor((ROWS, ROWS)))
@@ -477,6 +481,7 @@ class ChunkOperandsSm90:
             mQg[slot, h, i, d] = (scale * Float32(s_q[i, d]) * exp_fast(gam_i)).to(BFloat16)
             kd_i = Float32(s_k[i, d]) * exp_fast(gam_last - gam_i)
             mKdImg[slot, h, scan_order_offset(i, d)] = kd_i.to(BFloat16)
-            mGamma[slot, h, i, d] = gam_i
+            if cutlass.const_expr(self.residuals):
+                mGamma[slot, h, i, d] = gam_i
         if part == 0:
             mDecay[slot, h, d] = exp_fast(gam_last)
