@@ -11,12 +11,16 @@ pool of 2N rows of which the step gathers and scatters N by index. GPU time come
 harness's jitted loop of chained steps (benchmarks/jax_measure.py: the state carried in place
 from step to step, the token inputs tied to it); accuracy from the float64 oracle.
 
-    python -m benchmarks.decode [--only 64x32,pool] [--quick] [--seed N]
+    python -m benchmarks.decode [--only 64x32,pool] [--backends auto,xla] [--quick] [--seed N]
+
+--backends: the decode backends to time, each a row per shape and layout ("auto": the sm90
+kernel on a Hopper GPU for these bf16 inputs, plain JAX elsewhere).
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 
 import jax
 import numpy as np
@@ -34,12 +38,12 @@ POOL_ROWS_PER_SEQUENCE = 2
 LAYOUTS = ("dense", "pool")
 
 
-def step(args, state):
+def step(args, state, backend="auto"):
     """One decode step in the harness's form: (next state, outputs)."""
     tied = tied_to_state(args, state)
     o, new_state = jax_kda.decode(
         tied["q"], tied["k"], tied["v"], tied["g"], tied["beta"], state,
-        state_indices=args.get("state_indices"),
+        state_indices=args.get("state_indices"), backend=backend,
     )  # fmt: skip
     return new_state, (o,)
 
@@ -59,12 +63,15 @@ def decode_inputs(num_sequences: int, heads: int, pooled: bool, seed: int):
     return {**args, "state_indices": rows}, pool, rows
 
 
-def measure_decode(num_sequences: int, heads: int, layout: str, settings, seed: int) -> dict:
+def measure_decode(
+    num_sequences: int, heads: int, layout: str, settings, seed: int, backend: str = "auto"
+) -> dict:
     pooled = layout == "pool"
     args, state, rows = decode_inputs(num_sequences, heads, pooled, seed)
     timings, (new_state, (o,)) = measure(
-        step, jax.device_put(args), jax.device_put(state), settings
-    )
+        functools.partial(step, backend=backend), jax.device_put(args), jax.device_put(state),
+        settings,
+    )  # fmt: skip
     cu = np.arange(num_sequences + 1, dtype=np.int32)
     ref_o, ref_state = recurrent_oracle(
         args["q"], args["k"], args["v"], args["g"], args["beta"], cu, state[rows]
@@ -73,6 +80,7 @@ def measure_decode(num_sequences: int, heads: int, layout: str, settings, seed: 
     return {
         "shape": f"{num_sequences}x{heads}",
         "layout": layout,
+        "backend": backend,
         "bytes": decode_bytes(num_sequences, heads, pooled=pooled),
         "floor_us": floor,
         "gpu_us": timings.gpu_us,
@@ -88,7 +96,9 @@ def main(argv=None) -> list[dict]:
     parser.add_argument("--only", default="", help="comma-separated shapes (64x32) or layouts")
     parser.add_argument("--quick", action="store_true", help="tiny shapes, few calls (CPU)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--backends", default="auto", help="comma-separated: auto, sm90, xla")
     options = parser.parse_args(argv)
+    backends = [b for b in options.backends.split(",") if b]
     terms = {t for t in options.only.split(",") if t}
     shapes = QUICK_SHAPES if options.quick else DECODE_SHAPES
     settings = QUICK if options.quick else FULL
@@ -99,22 +109,25 @@ def main(argv=None) -> list[dict]:
         f"{'' if device.platform == 'gpu' else '; meaningless off the GPU'})",
         flush=True,
     )
-    print("| N x H | states | MB moved | floor us | gpu us | x floor | o rms | state rms |")
-    print("|---|---|---|---|---|---|---|---|")
+    columns = ("N x H", "states", "backend", "MB moved", "floor us", "gpu us", "x floor", "o rms",
+               "state rms")  # fmt: skip
+    print("| " + " | ".join(columns) + " |")
+    print("|---|---|---|---|---|---|---|---|---|")
     rows = []
     for num_sequences, heads in shapes:
         for layout in LAYOUTS:
             name = f"{num_sequences}x{heads}"
             if terms and not terms & {name, layout}:
                 continue
-            row = measure_decode(num_sequences, heads, layout, settings, options.seed)
-            rows.append(row)
-            print(
-                f"| {name} | {layout} | {row['bytes'] / 1e6:.2f} | {row['floor_us']:.2f} | "
-                f"{row['gpu_us']:.2f} | {row['floor_ratio']:.2f} | {row['o_rms_ratio']:.1e} | "
-                f"{row['state_rms_ratio']:.1e} |",
-                flush=True,
-            )
+            for backend in backends:
+                row = measure_decode(num_sequences, heads, layout, settings, options.seed, backend)
+                rows.append(row)
+                print(
+                    f"| {name} | {layout} | {backend} | {row['bytes'] / 1e6:.2f} | "
+                    f"{row['floor_us']:.2f} | {row['gpu_us']:.2f} | {row['floor_ratio']:.2f} | "
+                    f"{row['o_rms_ratio']:.1e} | {row['state_rms_ratio']:.1e} |",
+                    flush=True,
+                )
     return rows
 
 

@@ -9,15 +9,22 @@ stored state St = S^T ([V, K]):
     St <- St + beta (v - St k) k^T            (delta rule on the decayed state)
     o = scale * St q
 
-which is prefill's recurrence for a one-token sequence.
+which is prefill's recurrence for a one-token sequence. On a Hopper GPU (backend "auto" or
+"sm90") one CuTe DSL kernel (jax_kda/sm90/kernels/kda_decode_sm90.py) reads and writes each
+state once; elsewhere, and with backend="xla", the step is plain JAX.
 """
 
 from __future__ import annotations
 
+import functools
+
+import jax
 import jax.numpy as jnp
 from jax import lax
 
+from jax_kda import sm90
 from jax_kda.api import (
+    BackendUnavailableError,
     _describe,
     _require_array,
     _validate_scale,
@@ -30,7 +37,7 @@ _PRECISION = lax.Precision.HIGHEST
 """float32 products: on GPUs the default runs float32 matmuls as TF32, far coarser than prefill."""
 
 
-def decode(q, k, v, g, beta, state, *, scale=None, state_indices=None):
+def decode(q, k, v, g, beta, state, *, scale=None, state_indices=None, backend="auto"):
     """One KDA decode step: a token per sequence, the state updated; jittable, differentiable.
 
     Args:
@@ -46,6 +53,9 @@ def decode(q, k, v, g, beta, state, *, scale=None, state_indices=None):
       state_indices: None, or [N] int32: sequence n reads and writes pool row
         state_indices[n]. An index outside [0, P) (vLLM's padding slot, -1) reads a zero state
         and writes nothing. Valid indices must be distinct (two writes to one row leave either).
+      backend: "auto" (the sm90 kernel where it can serve the call: a Hopper GPU, bfloat16 q,
+        k, v, concrete sizes; else plain JAX), "sm90" (the kernel, or BackendUnavailableError
+        saying why not) or "xla" (plain JAX everywhere).
 
     Returns:
       (o, new_state): o [N, HV, 128] in q's dtype; new_state the state (or the pool) after the
@@ -54,18 +64,36 @@ def decode(q, k, v, g, beta, state, *, scale=None, state_indices=None):
     In-place update: under ``jax.jit`` with the state donated (``jax.jit(decode_fn,
     donate_argnums=...)``), XLA writes the new state (or the pool's updated rows) into the
     donated buffer, and the input array is deleted; without donation each call copies the whole
-    state or pool. Gradients are plain JAX autodiff (no custom VJP).
+    state or pool. Gradients: plain JAX autodiff of the XLA step (on the kernel path, its
+    custom VJP pulls the cotangents back through the XLA step).
     """
     _validate_tokens(q, k, v, g, beta, layouts={3: "[N, H, 128]"})
     scale = _validate_scale(scale)
+    if backend not in ("auto", "sm90", "xla"):
+        raise ValueError(f"backend: got {backend!r}, expected 'auto', 'sm90' or 'xla'")
     num_sequences, heads = v.shape[:2]
-    if heads != q.shape[1]:  # grouped value heads: value head j reads q and k head j // G
-        q, k = (jnp.repeat(x, heads // q.shape[1], axis=1) for x in (q, k))
-    if state_indices is None:
+    if state_indices is not None:
+        _check_pool(state, state_indices, num_sequences, heads)
+    else:
         _validate_state("state", state, num_sequences, heads)
-        new_state, o = _step(q, k, v, g, beta, state, scale)
-        return o, new_state
+    if _kernel_serves(backend, q.dtype, state):
+        return _kernel_step(scale, q, k, v, g, beta, state, state_indices)
+    return _xla_decode(q, k, v, g, beta, state, scale, state_indices)
 
+
+def _kernel_serves(backend, dtype, state) -> bool:
+    """Whether the decode kernel runs this call: 'auto' where it can, 'sm90' or raise."""
+    if backend == "xla":
+        return False
+    reason = sm90.decode_unavailable_reason(dtype, state.shape)
+    if reason is None:
+        return True
+    if backend == "auto":
+        return False
+    raise BackendUnavailableError(f"backend='sm90' cannot serve this decode step: {reason}")
+
+
+def _check_pool(state, state_indices, num_sequences, heads):
     _require_array("state_indices", state_indices)
     if state_indices.shape != (num_sequences,):
         raise ValueError(
@@ -77,6 +105,67 @@ def decode(q, k, v, g, beta, state, *, scale=None, state_indices=None):
     _validate_state("state", state, None, heads, rows_name="P")
     if state.shape[0] == 0:
         raise ValueError(f"state: got {_describe(state)}, expected a pool of at least one row")
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _kernel_step(scale, q, k, v, g, beta, state, state_indices):
+    return _folded_kernel(scale, q, k, v, g, beta, state, state_indices)
+
+
+def _kernel_step_fwd(scale, q, k, v, g, beta, state, state_indices):
+    out = _folded_kernel(scale, q, k, v, g, beta, state, state_indices)
+    return out, (q, k, v, g, beta, state, state_indices)
+
+
+def _kernel_step_bwd(scale, saved, cotangents):
+    *tokens, state, state_indices = saved
+    step = lambda *a: _xla_decode(*a, scale, state_indices)  # noqa: E731
+    _, pull = jax.vjp(step, *tokens, state)
+    return (*pull(cotangents), None)
+
+
+_kernel_step.defvjp(_kernel_step_fwd, _kernel_step_bwd)
+
+
+def _folded_kernel(scale, q, k, v, g, beta, state, state_indices):
+    """sm90.decode_kernel, run once under jax.vmap: a batch of V steps is one step of V * N
+    sequences (pool rows offset by v * P, out-of-range indices kept out of range)."""
+    pooled = state_indices is not None
+
+    @jax.custom_batching.custom_vmap
+    def run(*args):
+        *tokens, state = args[:6]
+        return sm90.decode_kernel(*tokens, state, scale, args[6] if pooled else None)
+
+    @run.def_vmap
+    def rule(axis_size, in_batched, *args):
+        args = [
+            a if batched else jnp.broadcast_to(a, (axis_size, *a.shape))
+            for a, batched in zip(args, in_batched, strict=True)
+        ]
+        merge = lambda x: x.reshape(axis_size * x.shape[1], *x.shape[2:])  # noqa: E731
+        merged = [merge(a) for a in args[:6]]
+        if pooled:
+            indices, rows = args[6], args[5].shape[1]
+            inside = (indices >= 0) & (indices < rows)
+            offsets = rows * jnp.arange(axis_size, dtype=jnp.int32)[:, None]
+            merged.append(merge(jnp.where(inside, indices + offsets, -1)))
+        o, new_state = run(*merged)
+        split = lambda x: x.reshape(axis_size, x.shape[0] // axis_size, *x.shape[1:])  # noqa: E731
+        return (split(o), split(new_state)), (True, True)
+
+    args = (q, k, v, g, beta, state) + ((state_indices,) if pooled else ())
+    return run(*args)
+
+
+def _xla_decode(q, k, v, g, beta, state, scale, state_indices):
+    """The step in plain JAX (grouped heads repeated, the pool gathered and scattered)."""
+    heads = v.shape[1]
+    if heads != q.shape[1]:  # grouped value heads: value head j reads q and k head j // G
+        q, k = (jnp.repeat(x, heads // q.shape[1], axis=1) for x in (q, k))
+    if state_indices is None:
+        new_state, o = _step(q, k, v, g, beta, state, scale)
+        return o, new_state
     # Out-of-range indices (negative ones too: no wrapping) read zeros and write nothing.
     pool = state.at[state_indices]
     rows = pool.get(mode="fill", fill_value=0.0, wrap_negative_indices=False)

@@ -1420,3 +1420,92 @@ def training_forward(
     return xla.forward(
         q, k, v, g, beta, cu_seqlens, initial_state, scale, scan=scan, precision=precision
     )
+
+
+@functools.cache
+def decode_artifact(scale: float, pooled: bool):
+    """The exported decode step (kernels/kda_decode_sm90.py) for this scale, on a dense state
+    [N, HV, 128, 128] or (pooled) a pool [P, HV, 128, 128] read and written at indices [N];
+    N, H, HV and P symbolic."""
+    import cutlass.cute as cute
+    from cutlass import BFloat16, Float32, Int32
+
+    from jax_kda.sm90.export import export, row_major_fake
+    from jax_kda.sm90.kernels.kda_decode_sm90 import DecodeConfig, DecodeSm90
+
+    n, heads, value_heads = cute.sym_int32(), cute.sym_int32(), cute.sym_int32()
+    rows = cute.sym_int32() if pooled else n
+    token = (n, value_heads, HEAD_DIM)
+    fakes = {
+        "q": row_major_fake(BFloat16, (n, heads, HEAD_DIM), align=16),
+        "k": row_major_fake(BFloat16, (n, heads, HEAD_DIM), align=16),
+        "v": row_major_fake(BFloat16, token),
+        "g": row_major_fake(Float32, token),
+        "beta": row_major_fake(Float32, (n, value_heads), align=4),
+        "indices": row_major_fake(Int32, (cute.sym_int32(),), align=4),
+        "state": row_major_fake(Float32, (rows, value_heads, HEAD_DIM, HEAD_DIM)),
+        "o": row_major_fake(BFloat16, token),
+    }
+    scale_tag = hashlib.sha256(repr(scale).encode()).hexdigest()[:8]
+    return export(
+        DecodeSm90(DecodeConfig(scale=scale, pooled=pooled)),
+        fakes,
+        prefix=f"kda_decode_sm90{'_pool' if pooled else ''}_{scale_tag}",
+        config={"scale": repr(scale), "pooled": pooled},
+    )
+
+
+def decode_unavailable_reason(q_dtype, state_shape) -> str | None:
+    """Why the decode kernel cannot serve a step here (state_shape: the state's or the pool's
+    [N or P, HV, 128, 128]), or None if it can."""
+    if jnp.dtype(q_dtype) != jnp.bfloat16:
+        return f"the decode kernel takes bfloat16 q, k, v; got {jnp.dtype(q_dtype)}"
+    if not (has_hopper() or os.environ.get(ASSUME_SM90_ENV) == "1"):
+        device = _default_device()
+        return (
+            f"JAX's default device is {device.device_kind} ({device.platform}), not a Hopper "
+            f"(sm90) GPU; set {ASSUME_SM90_ENV}=1 to lower for Hopper from this machine anyway"
+        )
+    if not all(isinstance(d, (int, np.integer)) for d in state_shape):
+        return f"the state's shape {tuple(state_shape)} is symbolic: export with backend='xla'"
+    if math.prod(state_shape) >= INDEX_LIMIT:
+        return (
+            f"a state of {tuple(state_shape)} has {math.prod(state_shape)} elements, beyond the "
+            f"kernel's 32-bit indexing (< {INDEX_LIMIT}); split the call"
+        )
+    if state_shape[1] > GRID_YZ_LIMIT:
+        return f"HV={state_shape[1]} passes CUDA's grid extent {GRID_YZ_LIMIT}; split the call"
+    try:
+        import cutlass  # noqa: F401
+    except ImportError as error:
+        return f"nvidia-cutlass-dsl cannot be imported: {error}"
+    if has_hopper():
+        from jax_kda.sm90.ffi_call import register
+
+        try:
+            register()
+        except (OSError, RuntimeError) as error:
+            return f"the FFI handler (ffi/cute_call.cc) could not be built or loaded: {error}"
+    return None
+
+
+def decode_kernel(q, k, v, g, beta, state, scale, state_indices=None):
+    """One decode step on the kernel: (o [N, HV, 128] bfloat16, the new state or pool), the
+    state's buffer updated in place (the call aliases it to its result: donate it, or XLA
+    copies it first). q, k, v bfloat16; g, beta and the state float32; state_indices None
+    (the state is [N, HV, 128, 128]) or [N] int32 into a pool."""
+    from jax_kda.sm90.ffi_call import cute_call
+
+    pooled = state_indices is not None
+    if any(x.dtype != jnp.bfloat16 for x in (q, k, v)):
+        raise TypeError(f"the decode kernel takes bfloat16 q, k, v; got {q.dtype}")
+    indices = state_indices if pooled else jnp.zeros((1,), jnp.int32)
+    o_shape = jax.ShapeDtypeStruct(v.shape, jnp.bfloat16)
+    state_shape = jax.ShapeDtypeStruct(state.shape, jnp.float32)
+    if v.shape[0] == 0 or v.shape[1] == 0:  # nothing to launch (an empty grid)
+        return jnp.zeros(v.shape, jnp.bfloat16), state
+    inputs = [q, k, v, g.astype(jnp.float32), beta.astype(jnp.float32),
+              jnp.asarray(indices, jnp.int32), state.astype(jnp.float32)]  # fmt: skip
+    new_state, o = cute_call(decode_artifact(scale, pooled), inputs, [state_shape, o_shape],
+                             aliases={6: 0})  # fmt: skip
+    return o, new_state
