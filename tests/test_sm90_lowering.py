@@ -721,6 +721,58 @@ def test_grad_under_shard_map_with_check_vma_lowers():
     _run_on_host_devices(script, 4)
 
 
+def test_decode_under_shard_map_with_check_vma_lowers():
+    """The decode kernel under shard_map over value heads and over sequences (a pool's rows by
+    index; default check_vma), with its gradient, four host devices lowering for CUDA in a
+    fresh process: the kernel runs inside the per-device computation, its outputs typed
+    varying like its inputs."""
+    script = textwrap.dedent(
+        """
+        import jax, jax.numpy as jnp, numpy as np
+        from jax.sharding import Mesh, PartitionSpec as P
+        import jax_kda
+
+        mesh = Mesh(np.array(jax.devices()), ("x",))
+        rng = np.random.default_rng(5)
+        n, heads = 8, 4
+        q, k, v = (jnp.asarray(rng.standard_normal((n, heads, 128)), jnp.bfloat16)
+                   for _ in range(3))
+        g = jnp.asarray(-rng.random((n, heads, 128)), jnp.float32)
+        beta = jnp.asarray(rng.random((n, heads)), jnp.float32)
+        state = jnp.asarray(rng.standard_normal((n, heads, 128, 128)), jnp.float32)
+
+        def step(q, k, v, g, beta, state):
+            return jax_kda.decode(q, k, v, g, beta, state, backend="sm90")
+
+        spec = P(None, "x")
+        by_heads = jax.shard_map(step, mesh=mesh, in_specs=(spec,) * 6, out_specs=(spec, spec))
+
+        def loss(*a):
+            o, new_state = by_heads(*a)
+            return jnp.sum(o.astype(jnp.float32) ** 2) + jnp.sum(new_state ** 2)
+
+        text = jax.jit(jax.value_and_grad(loss, argnums=range(6))).trace(
+            q, k, v, g, beta, state).lower(lowering_platforms=("cuda",)).as_text()
+        assert "kda_decode_sm90_" in text
+
+        # sequences sharded, each device with its own pool of 3 rows per sequence it holds
+        pool = jnp.zeros((3 * n, heads, 128, 128), jnp.float32)
+        rows = jnp.asarray(np.tile([2, 0], n // 2), jnp.int32)  # rows of each device's pool
+
+        def pooled(q, k, v, g, beta, pool, rows):
+            return jax_kda.decode(q, k, v, g, beta, pool, state_indices=rows, backend="sm90")
+
+        by_rows = jax.shard_map(pooled, mesh=mesh, in_specs=(P("x"),) * 7,
+                                out_specs=(P("x"), P("x")))
+        text = jax.jit(by_rows).trace(q, k, v, g, beta, pool, rows).lower(
+            lowering_platforms=("cuda",)).as_text()
+        assert "kda_decode_sm90_pool_" in text
+        print("ok")
+        """
+    )
+    _run_on_host_devices(script, 4)
+
+
 def test_grad_under_explicit_sharding_lowers_per_device():
     """jax.grad of the sm90 path under jax.set_mesh with Explicit axes, rows sharded, lowering
     for CUDA on two host devices in a fresh process: every kernel inside the per-device
