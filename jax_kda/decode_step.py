@@ -26,6 +26,7 @@ from jax_kda import sm90
 from jax_kda.api import (
     BackendUnavailableError,
     _describe,
+    _prepare_inputs,
     _require_array,
     _validate_scale,
     _validate_state,
@@ -37,7 +38,11 @@ _PRECISION = lax.Precision.HIGHEST
 """float32 products: on GPUs the default runs float32 matmuls as TF32, far coarser than prefill."""
 
 
-def decode(q, k, v, g, beta, state, *, scale=None, state_indices=None, backend="auto"):
+def decode(
+    q, k, v, g, beta, state, *, scale=None, state_indices=None, backend="auto",
+    use_qk_l2norm_in_kernel=False, use_gate_in_kernel=False, A_log=None, dt_bias=None,
+    lower_bound=None, use_beta_sigmoid_in_kernel=False,
+):  # fmt: skip
     """One KDA decode step: a token per sequence, the state updated; jittable, differentiable.
 
     Args:
@@ -56,6 +61,10 @@ def decode(q, k, v, g, beta, state, *, scale=None, state_indices=None, backend="
       backend: "auto" (the sm90 kernel where it can serve the call: a Hopper GPU, bfloat16 q,
         k, v, concrete sizes; else plain JAX), "sm90" (the kernel, or BackendUnavailableError
         saying why not) or "xla" (plain JAX everywhere).
+      use_qk_l2norm_in_kernel, use_gate_in_kernel (with A_log, dt_bias, lower_bound) and
+        use_beta_sigmoid_in_kernel: prefill's input preparation with fla's names (read
+        prefill's docstring; g then holds the raw gate projection, beta the logits), in plain
+        JAX before the step, differentiable for the raw inputs.
 
     Returns:
       (o, new_state): o [N, HV, 128] in q's dtype; new_state the state (or the pool) after the
@@ -67,10 +76,24 @@ def decode(q, k, v, g, beta, state, *, scale=None, state_indices=None, backend="
     state or pool. Gradients: plain JAX autodiff of the XLA step (on the kernel path, its
     custom VJP pulls the cotangents back through the XLA step).
     """
-    _validate_tokens(q, k, v, g, beta, layouts={3: "[N, H, 128]"})
+    for name, flag in (
+        ("use_qk_l2norm_in_kernel", use_qk_l2norm_in_kernel),
+        ("use_gate_in_kernel", use_gate_in_kernel),
+        ("use_beta_sigmoid_in_kernel", use_beta_sigmoid_in_kernel),
+    ):
+        if not isinstance(flag, bool):
+            raise TypeError(f"{name}: got {flag!r}, expected a bool")
+    _validate_tokens(
+        q, k, v, g, beta, layouts={3: "[N, H, 128]"}, raw_gate=use_gate_in_kernel,
+        beta_logits=use_beta_sigmoid_in_kernel,
+    )  # fmt: skip
     scale = _validate_scale(scale)
     if backend not in ("auto", "sm90", "xla"):
         raise ValueError(f"backend: got {backend!r}, expected 'auto', 'sm90' or 'xla'")
+    q, k, g, beta, _ = _prepare_inputs(
+        q, k, g, beta, None, use_qk_l2norm_in_kernel, use_gate_in_kernel, A_log, dt_bias,
+        lower_bound, use_beta_sigmoid_in_kernel,
+    )  # fmt: skip
     num_sequences, heads = v.shape[:2]
     if state_indices is not None:
         _check_pool(state, state_indices, num_sequences, heads)

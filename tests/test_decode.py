@@ -212,6 +212,17 @@ BAD = {
     ),
     "indices-list": (dict(state_indices=[0, 1]), TypeError, r"state_indices: got list"),
     "scale-nan": (dict(scale=float("nan")), ValueError, r"scale: got nan"),
+    "backend": (dict(backend="cuda"), ValueError, r"backend: got 'cuda'"),
+    "flag-not-bool": (
+        dict(use_qk_l2norm_in_kernel=1),
+        TypeError,
+        r"use_qk_l2norm_in_kernel: got 1, expected",
+    ),
+    "a-log-without-gate": (
+        dict(A_log=np.zeros(2, np.float32)),
+        ValueError,
+        r"A_log: given without use_gate_in_kernel",
+    ),
 }
 
 
@@ -222,3 +233,45 @@ def test_bad_input_is_named(case):
     positional = [args.pop(n) for n in ("q", "k", "v", "g", "beta", "state")]
     with pytest.raises(error, match=message):
         jax_kda.decode(*positional, **args)
+
+
+@pytest.mark.parametrize("lower_bound", [-5.0, None], ids=["safe-gate", "softplus-gate"])
+def test_prepared_flags_step_by_step_equal_prefill(lower_bound):
+    """fla's input flags on decode (q/k L2 norm, the gate from the raw a with A_log and
+    dt_bias, beta logits; grouped value heads H = 1, HV = 2): the steps of each packed sequence
+    against one prefill call with the same flags (float32 inputs), and the step itself against
+    decode on inputs prepared by hand."""
+    from oracle_gradients import raw_inputs
+
+    x = raw_inputs([9, 4], 1, 2, seed=12, dtype=jnp.float32)
+    flags = dict(
+        use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, A_log=jnp.asarray(x.a_log),
+        dt_bias=jnp.asarray(x.dt_bias), lower_bound=lower_bound, use_beta_sigmoid_in_kernel=True,
+    )  # fmt: skip
+    ref_o, ref_final = jax_kda.prefill(
+        *(jnp.asarray(a) for a in x[:5]), cu_seqlens=jnp.asarray(x.cu_seqlens),
+        initial_state=jnp.asarray(x.initial_state), backend="xla", **flags,
+    )  # fmt: skip
+    step = jax.jit(lambda *a: jax_kda.decode(*a, **flags))
+    state = jnp.asarray(x.initial_state)
+    starts, lengths = x.cu_seqlens[:-1], np.diff(x.cu_seqlens)
+    o = np.zeros(np.shape(x.v), np.float32)
+    for t in range(int(lengths.max())):
+        rows = np.minimum(starts + t, starts + lengths - 1)
+        o_t, new_state = step(*(jnp.asarray(a[rows]) for a in x[:5]), state)
+        live = t < lengths
+        state = jnp.where(live[:, None, None, None], new_state, state)
+        o[rows[live]] = np.asarray(o_t)[live]
+    assert rms_ratio(o, ref_o) <= STEP_BAR and rms_ratio(state, ref_final) <= STEP_BAR
+
+    rows = starts
+    q, k, v, a, b = (jnp.asarray(arr[rows]) for arr in x[:5])
+    by_hand = (
+        jax_kda.l2_normalize(q), jax_kda.l2_normalize(k), v,
+        jax_kda.kda_gate(a, flags["A_log"], flags["dt_bias"], lower_bound=lower_bound),
+        jax.nn.sigmoid(b),
+    )  # fmt: skip
+    got = jax_kda.decode(q, k, v, a, b, jnp.asarray(x.initial_state), **flags)
+    want = jax_kda.decode(*by_hand, jnp.asarray(x.initial_state))
+    for a_got, a_want in zip(got, want, strict=True):
+        np.testing.assert_array_equal(np.asarray(a_got), np.asarray(a_want))
