@@ -110,13 +110,7 @@ def prefill(
       (o, final_state): o has v's shape and q's dtype (q's shape without grouped value heads);
       final_state is [N, HV, 128, 128] float32 ([V, K]) or None.
     """
-    for name, flag in (
-        ("use_qk_l2norm_in_kernel", use_qk_l2norm_in_kernel),
-        ("use_gate_in_kernel", use_gate_in_kernel),
-        ("use_beta_sigmoid_in_kernel", use_beta_sigmoid_in_kernel),
-    ):
-        if not isinstance(flag, bool):
-            raise TypeError(f"{name}: got {flag!r}, expected a bool")
+    _check_flags(use_qk_l2norm_in_kernel, use_gate_in_kernel, use_beta_sigmoid_in_kernel)
     batched = _validate(
         q, k, v, g, beta, cu_seqlens, initial_state, raw_gate=use_gate_in_kernel,
         beta_logits=use_beta_sigmoid_in_kernel,
@@ -467,6 +461,17 @@ def _check_float_dtype(name, x, any_float: bool, raw: str, meaning: str) -> None
         )
     if not any_float and x.dtype != jnp.float32:
         raise TypeError(f"{name}: got dtype {x.dtype}, expected float32{meaning}")
+
+
+def _check_flags(use_qk_l2norm_in_kernel, use_gate_in_kernel, use_beta_sigmoid_in_kernel):
+    """The input-preparation flags are bools (a truthy array or string would be ambiguous)."""
+    for name, flag in (
+        ("use_qk_l2norm_in_kernel", use_qk_l2norm_in_kernel),
+        ("use_gate_in_kernel", use_gate_in_kernel),
+        ("use_beta_sigmoid_in_kernel", use_beta_sigmoid_in_kernel),
+    ):
+        if not isinstance(flag, bool):
+            raise TypeError(f"{name}: got {flag!r}, expected a bool")
 
 
 def _prepare_inputs(

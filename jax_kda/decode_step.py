@@ -25,6 +25,7 @@ from jax import lax
 from jax_kda import sm90
 from jax_kda.api import (
     BackendUnavailableError,
+    _check_flags,
     _describe,
     _prepare_inputs,
     _require_array,
@@ -76,13 +77,7 @@ def decode(
     state or pool. Gradients: plain JAX autodiff of the XLA step (on the kernel path, its
     custom VJP pulls the cotangents back through the XLA step).
     """
-    for name, flag in (
-        ("use_qk_l2norm_in_kernel", use_qk_l2norm_in_kernel),
-        ("use_gate_in_kernel", use_gate_in_kernel),
-        ("use_beta_sigmoid_in_kernel", use_beta_sigmoid_in_kernel),
-    ):
-        if not isinstance(flag, bool):
-            raise TypeError(f"{name}: got {flag!r}, expected a bool")
+    _check_flags(use_qk_l2norm_in_kernel, use_gate_in_kernel, use_beta_sigmoid_in_kernel)
     _validate_tokens(
         q, k, v, g, beta, layouts={3: "[N, H, 128]"}, raw_gate=use_gate_in_kernel,
         beta_logits=use_beta_sigmoid_in_kernel,

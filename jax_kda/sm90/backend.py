@@ -85,16 +85,41 @@ def scan_unavailable_reason(total_tokens, num_heads, num_sequences) -> str | Non
     return None
 
 
+def _device_reason() -> str | None:
+    """Why JAX's default device is not one the kernels lower for (None: a Hopper GPU, or
+    ASSUME_SM90_ENV set)."""
+    if has_hopper() or os.environ.get(ASSUME_SM90_ENV) == "1":
+        return None
+    device = _default_device()
+    return (
+        f"JAX's default device is {device.device_kind} ({device.platform}), not a Hopper "
+        f"(sm90) GPU; set {ASSUME_SM90_ENV}=1 to lower for Hopper from this machine anyway"
+    )
+
+
+def _toolchain_reason() -> str | None:
+    """Why the kernels cannot be built or called here (the DSL, on a Hopper the FFI handler),
+    or None."""
+    try:
+        import cutlass  # noqa: F401
+    except ImportError as error:
+        return f"nvidia-cutlass-dsl cannot be imported: {error}"
+    if has_hopper():
+        from jax_kda.sm90.ffi_call import register
+
+        try:
+            register()
+        except (OSError, RuntimeError) as error:
+            return f"the FFI handler (ffi/cute_call.cc) could not be built or loaded: {error}"
+    return None
+
+
 def unavailable_reason(q_dtype, total_tokens, num_heads, num_sequences) -> str | None:
     """Why the sm90 kernels cannot serve this call here, or None if they can."""
     if jnp.dtype(q_dtype) != jnp.bfloat16:
         return f"the sm90 kernels take bfloat16 q, k, v; got {jnp.dtype(q_dtype)}"
-    if not (has_hopper() or os.environ.get(ASSUME_SM90_ENV) == "1"):
-        device = _default_device()
-        return (
-            f"JAX's default device is {device.device_kind} ({device.platform}), not a Hopper "
-            f"(sm90) GPU; set {ASSUME_SM90_ENV}=1 to lower for Hopper from this machine anyway"
-        )
+    if (reason := _device_reason()) is not None:
+        return reason
     symbolic = [
         f"{name}={value}"
         for name, value in (("T", total_tokens), ("H", num_heads), ("N", num_sequences))
@@ -125,18 +150,7 @@ def unavailable_reason(q_dtype, total_tokens, num_heads, num_sequences) -> str |
             f"a launch grid extent of {plan.largest_grid_yz}, beyond CUDA's {GRID_YZ_LIMIT}; "
             "split the call"
         )
-    try:
-        import cutlass  # noqa: F401
-    except ImportError as error:
-        return f"nvidia-cutlass-dsl cannot be imported: {error}"
-    if has_hopper():
-        from jax_kda.sm90.ffi_call import register
-
-        try:
-            register()
-        except (OSError, RuntimeError) as error:
-            return f"the FFI handler (ffi/cute_call.cc) could not be built or loaded: {error}"
-    return None
+    return _toolchain_reason()
 
 
 @functools.cache
@@ -1460,12 +1474,8 @@ def decode_unavailable_reason(q_dtype, state_shape) -> str | None:
     [N or P, HV, 128, 128]), or None if it can."""
     if jnp.dtype(q_dtype) != jnp.bfloat16:
         return f"the decode kernel takes bfloat16 q, k, v; got {jnp.dtype(q_dtype)}"
-    if not (has_hopper() or os.environ.get(ASSUME_SM90_ENV) == "1"):
-        device = _default_device()
-        return (
-            f"JAX's default device is {device.device_kind} ({device.platform}), not a Hopper "
-            f"(sm90) GPU; set {ASSUME_SM90_ENV}=1 to lower for Hopper from this machine anyway"
-        )
+    if (reason := _device_reason()) is not None:
+        return reason
     if not all(isinstance(d, (int, np.integer)) for d in state_shape):
         return f"the state's shape {tuple(state_shape)} is symbolic: export with backend='xla'"
     if math.prod(state_shape) >= INDEX_LIMIT:
@@ -1475,18 +1485,7 @@ def decode_unavailable_reason(q_dtype, state_shape) -> str | None:
         )
     if state_shape[1] > GRID_YZ_LIMIT:
         return f"HV={state_shape[1]} passes CUDA's grid extent {GRID_YZ_LIMIT}; split the call"
-    try:
-        import cutlass  # noqa: F401
-    except ImportError as error:
-        return f"nvidia-cutlass-dsl cannot be imported: {error}"
-    if has_hopper():
-        from jax_kda.sm90.ffi_call import register
-
-        try:
-            register()
-        except (OSError, RuntimeError) as error:
-            return f"the FFI handler (ffi/cute_call.cc) could not be built or loaded: {error}"
-    return None
+    return _toolchain_reason()
 
 
 def decode_kernel(q, k, v, g, beta, state, scale, state_indices=None):
