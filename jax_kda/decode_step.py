@@ -58,7 +58,8 @@ def decode(
       scale: finite Python float; None means 128 ** -0.5.
       state_indices: None, or [N] int32: sequence n reads and writes pool row
         state_indices[n]. An index outside [0, P) (vLLM's padding slot, -1) reads a zero state
-        and writes nothing. Valid indices must be distinct (two writes to one row leave either).
+        and writes nothing. Valid indices must be distinct (two sequences on one row leave it
+        undefined).
       backend: "auto" (the sm90 kernel where it can serve the call: a Hopper GPU, bfloat16 q,
         k, v, concrete sizes; else plain JAX), "sm90" (the kernel, or BackendUnavailableError
         saying why not) or "xla" (plain JAX everywhere).
@@ -74,8 +75,10 @@ def decode(
     In-place update: under ``jax.jit`` with the state donated (``jax.jit(decode_fn,
     donate_argnums=...)``), XLA writes the new state (or the pool's updated rows) into the
     donated buffer, and the input array is deleted; without donation each call copies the whole
-    state or pool. Gradients: plain JAX autodiff of the XLA step (on the kernel path, its
-    custom VJP pulls the cotangents back through the XLA step).
+    state or pool. Gradients: reverse mode (jax.grad, jax.vjp) on both backends (on the
+    kernel path its custom VJP pulls the cotangents back through the XLA step); forward mode
+    (jax.jvp, jax.jacfwd) only on the XLA one: the kernel path raises JAX's custom_vjp error
+    there, so pass backend="xla" for it.
     """
     _check_flags(use_qk_l2norm_in_kernel, use_gate_in_kernel, use_beta_sigmoid_in_kernel)
     _validate_tokens(
@@ -94,16 +97,16 @@ def decode(
         _check_pool(state, state_indices, num_sequences, heads)
     else:
         _validate_state("state", state, num_sequences, heads)
-    if _kernel_serves(backend, q.dtype, state):
+    if _kernel_serves(backend, q.dtype, num_sequences, state.shape):
         return _kernel_step(scale, q, k, v, g, beta, state, state_indices)
     return _xla_decode(q, k, v, g, beta, state, scale, state_indices)
 
 
-def _kernel_serves(backend, dtype, state) -> bool:
+def _kernel_serves(backend, dtype, num_sequences, state_shape) -> bool:
     """Whether the decode kernel runs this call: 'auto' where it can, 'sm90' or raise."""
     if backend == "xla":
         return False
-    reason = sm90.decode_unavailable_reason(dtype, state.shape)
+    reason = sm90.decode_unavailable_reason(dtype, num_sequences, state_shape)
     if reason is None:
         return True
     if backend == "auto":
@@ -147,7 +150,9 @@ _kernel_step.defvjp(_kernel_step_fwd, _kernel_step_bwd)
 
 def _folded_kernel(scale, q, k, v, g, beta, state, state_indices):
     """sm90.decode_kernel, run once under jax.vmap: a batch of V steps is one step of V * N
-    sequences (pool rows offset by v * P, out-of-range indices kept out of range)."""
+    sequences (pool rows offset by v * P, out-of-range indices kept out of range); a batch
+    whose folded sizes would pass the kernel's limits (32-bit indexing), or an empty one, runs
+    the kernel once per element instead."""
     pooled = state_indices is not None
 
     @jax.custom_batching.custom_vmap
@@ -161,15 +166,22 @@ def _folded_kernel(scale, q, k, v, g, beta, state, state_indices):
             a if batched else jnp.broadcast_to(a, (axis_size, *a.shape))
             for a, batched in zip(args, in_batched, strict=True)
         ]
+        v, state = args[2], args[5]
+        folded = (axis_size * state.shape[1], *state.shape[2:])
+        if axis_size == 0 or sm90.decode_unavailable_reason(
+            v.dtype, axis_size * v.shape[1], folded
+        ):  # fmt: skip
+            out = jax.lax.map(lambda xs: run(*xs), tuple(args))
+            return out, (True, True)
         merge = lambda x: x.reshape(axis_size * x.shape[1], *x.shape[2:])  # noqa: E731
         merged = [merge(a) for a in args[:6]]
         if pooled:
-            indices, rows = args[6], args[5].shape[1]
+            indices, rows = args[6], state.shape[1]
             inside = (indices >= 0) & (indices < rows)
             offsets = rows * jnp.arange(axis_size, dtype=jnp.int32)[:, None]
             merged.append(merge(jnp.where(inside, indices + offsets, -1)))
         o, new_state = run(*merged)
-        split = lambda x: x.reshape(axis_size, x.shape[0] // axis_size, *x.shape[1:])  # noqa: E731
+        split = lambda x: x.reshape(axis_size, -1, *x.shape[1:])  # noqa: E731
         return (split(o), split(new_state)), (True, True)
 
     args = (q, k, v, g, beta, state) + ((state_indices,) if pooled else ())

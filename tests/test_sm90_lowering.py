@@ -1024,3 +1024,30 @@ def test_decode_backend_choice_and_errors():
         jax_kda.decode(*x32, backend="sm90")
     with pytest.raises(ValueError, match="backend: got 'cuda'"):
         jax_kda.decode(*x, backend="cuda")
+
+
+def test_decode_limits_under_vmap_and_for_the_tokens():
+    """The decode kernel's 32-bit limits: a vmapped batch whose folded pool would pass them runs
+    the kernel once per element (a loop), an empty batch lowers too, and a pooled step whose
+    tokens alone pass them (N * HV * 128 elements, whatever the pool) is refused by name."""
+    spec = jax.ShapeDtypeStruct
+    bf16, f32 = jnp.bfloat16, jnp.float32
+
+    def step(q, k, v, g, beta, pool, rows):
+        return jax_kda.decode(q, k, v, g, beta, pool, state_indices=rows, backend="sm90")
+
+    def batch(size, rows_per_pool):
+        token = [spec((size, 2, 2, 128), dtype) for dtype in (bf16, bf16, bf16, f32)]
+        return (*token, spec((size, 2, 2), f32), spec((size, rows_per_pool, 2, 128, 128), f32),
+                spec((size, 2), jnp.int32))  # fmt: skip
+
+    big = batch(2, 40000)  # each pool 2.6e9 / 2 elements: one fits, the two folded do not
+    text = jax.jit(jax.vmap(step)).trace(*big).lower(lowering_platforms=("cuda",)).as_text()
+    assert text.count('prefix = "kda_decode_sm90_pool') == 1 and "stablehlo.while" in text
+    small = batch(3, 5)
+    text = jax.jit(jax.vmap(step)).trace(*small).lower(lowering_platforms=("cuda",)).as_text()
+    assert text.count('prefix = "kda_decode_sm90_pool') == 1 and "stablehlo.while" not in text
+    jax.jit(jax.vmap(step)).trace(*batch(0, 5)).lower(lowering_platforms=("cuda",))
+    reason = sm90.decode_unavailable_reason(bf16, 2**24, (4, 1, 128, 128))
+    assert reason is not None and "'v'" in reason and "split the call" in reason
+    assert sm90.decode_unavailable_reason(bf16, 2**23, (4, 1, 128, 128)) is None

@@ -19,7 +19,7 @@ import numpy as np
 
 from jax_kda import xla
 from jax_kda.constants import GATE_FLOOR, HEAD_DIM, SCAN_CHUNK
-from jax_kda.sm90.kernels.layout import SCAN_TC_V_SLICES
+from jax_kda.sm90.kernels.layout import DECODE_CTAS_PER_HEAD, SCAN_TC_V_SLICES
 from jax_kda.sm90.plan import GRID_YZ_LIMIT, plan_prefill, scan_v_slice
 
 SM_COUNT_ENV = "JAX_KDA_SM_COUNT"
@@ -1469,22 +1469,33 @@ def decode_artifact(scale: float, pooled: bool):
     )
 
 
-def decode_unavailable_reason(q_dtype, state_shape) -> str | None:
-    """Why the decode kernel cannot serve a step here (state_shape: the state's or the pool's
-    [N or P, HV, 128, 128]), or None if it can."""
+def decode_unavailable_reason(q_dtype, num_sequences, state_shape) -> str | None:
+    """Why the decode kernel cannot serve a step of num_sequences tokens here (state_shape: the
+    state's or the pool's [N or P, HV, 128, 128]), or None if it can."""
     if jnp.dtype(q_dtype) != jnp.bfloat16:
         return f"the decode kernel takes bfloat16 q, k, v; got {jnp.dtype(q_dtype)}"
     if (reason := _device_reason()) is not None:
         return reason
-    if not all(isinstance(d, (int, np.integer)) for d in state_shape):
-        return f"the state's shape {tuple(state_shape)} is symbolic: export with backend='xla'"
-    if math.prod(state_shape) >= INDEX_LIMIT:
+    sizes = (num_sequences, *state_shape)
+    if not all(isinstance(d, (int, np.integer)) for d in sizes):
         return (
-            f"a state of {tuple(state_shape)} has {math.prod(state_shape)} elements, beyond the "
+            f"N={num_sequences} or the state's shape {tuple(state_shape)} is symbolic: export "
+            "with backend='xla'"
+        )
+    value_heads = state_shape[1]
+    elements = {
+        "state": math.prod(state_shape),
+        "v": num_sequences * value_heads * HEAD_DIM,
+        "grid": DECODE_CTAS_PER_HEAD * num_sequences,
+    }
+    too_big = {name: size for name, size in elements.items() if size >= INDEX_LIMIT}
+    if too_big:
+        return (
+            f"N={num_sequences} with a state of {tuple(state_shape)} needs {too_big}, beyond the "
             f"kernel's 32-bit indexing (< {INDEX_LIMIT}); split the call"
         )
-    if state_shape[1] > GRID_YZ_LIMIT:
-        return f"HV={state_shape[1]} passes CUDA's grid extent {GRID_YZ_LIMIT}; split the call"
+    if value_heads > GRID_YZ_LIMIT:
+        return f"HV={value_heads} passes CUDA's grid extent {GRID_YZ_LIMIT}; split the call"
     return _toolchain_reason()
 
 

@@ -36,14 +36,16 @@ from cutlass import BFloat16, Float32, Int32
 
 from jax_kda.constants import GATE_FLOOR, HEAD_DIM
 from jax_kda.sm90.kernels.chunk64 import exp_fast
+from jax_kda.sm90.kernels.layout import DECODE_CTAS_PER_HEAD, DECODE_ROWS_PER_WARP, DECODE_WARPS
 from jax_kda.sm90.kernels.wgmma import row_piece
 
-WARPS = 4
+WARPS = DECODE_WARPS
 NTHREADS = 32 * WARPS
 LANE_CHANNELS = HEAD_DIM // 32  # 4: a 16-byte float32 piece of a row a lane
-ROWS = 8  # rows a warp: their loads in flight together
+ROWS = DECODE_ROWS_PER_WARP  # rows a warp: their loads in flight together
 CTA_ROWS = WARPS * ROWS
-CTAS_PER_HEAD = HEAD_DIM // CTA_ROWS
+CTAS_PER_HEAD = DECODE_CTAS_PER_HEAD
+assert CTAS_PER_HEAD * CTA_ROWS == HEAD_DIM
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,6 +1,8 @@
 """The kernels' layout facts, in plain Python (no CuTe): the plan and the backend read them
 from here, the kernels define their buffers from them. One home for each."""
 
+from jax_kda.constants import HEAD_DIM
+
 CHUNK = 16
 """Tokens per chunk of the sm90 forward kernels (the backward's are constants.SCAN_CHUNK). At the
 production gate (>= -5 per step) exp(-Gamma) over 16 tokens stays under e^80, inside float32's
@@ -30,3 +32,13 @@ SCAN_VARIANTS = {
 }
 """Every state-scan kernel by name: (state columns per CTA, tensor-core scan with the slice as
 wgmma N). The names are the kernels' export prefixes' last part and kernel_profile's."""
+
+DECODE_WARPS = 4
+"""Warps of one CTA of the decode kernel (kda_decode_sm90.py)."""
+
+DECODE_ROWS_PER_WARP = 8
+"""State rows (value channels) one warp of the decode kernel takes, their loads in flight
+together."""
+
+DECODE_CTAS_PER_HEAD = HEAD_DIM // (DECODE_WARPS * DECODE_ROWS_PER_WARP)
+"""The decode kernel's CTAs per (sequence, value head): its grid's x extent is this times N."""
