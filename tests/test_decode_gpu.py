@@ -97,18 +97,32 @@ def test_pool_rows_by_index_and_a_poisoned_output():
         np.testing.assert_array_equal(np.asarray(new_pool[row]), np.asarray(pool[row]))
 
 
-def test_vmap_equals_each_element():
+@pytest.mark.parametrize("pool_batched", [True, False], ids=["pools", "one-pool"])
+def test_vmap_equals_each_element(pool_batched):
+    """vmap of pooled steps (one call on the folded batch): each element's own indices, with
+    padding at -1, -2 and P (which must not land on the next element's rows), a batched pool
+    or one pool that every element reads (and updates in its own copy)."""
     seed = SEED + 23
     print(f"seed {seed}")
     xs = [_step_inputs(5, 2, 4, seed + i) for i in range(3)]
-    batched = [jnp.stack(parts) for parts in zip(*xs, strict=True)]
-    indices = jnp.asarray([[4, -1, 0, 2, 3]] * 3, jnp.int32)
+    tokens = [jnp.stack(parts) for parts in zip(*(x[:5] for x in xs), strict=True)]
+    pools = jnp.stack([x[5] for x in xs])
+    indices = jnp.asarray([[4, -1, 0, 2, 3], [5, 1, -2, 0, 4], [3, 2, 1, 0, -1]], jnp.int32)
     step = lambda *a, idx: jax_kda.decode(*a, state_indices=idx, backend="sm90")  # noqa: E731
-    o, pools = jax.jit(jax.vmap(step))(*batched, idx=indices)
-    for i, x in enumerate(xs):
-        ref_o, ref_pool = jax_kda.decode(*x, state_indices=indices[i], backend="xla")
+    if pool_batched:
+        o, new_pools = jax.jit(jax.vmap(step))(*tokens, pools, idx=indices)
+    else:
+        one = lambda *a, idx: jax.vmap(step, in_axes=(0,) * 5 + (None,))(*a, idx=idx)  # noqa: E731
+        o, new_pools = jax.jit(one)(*tokens, pools[0], idx=indices)
+    for i in range(3):
+        pool = pools[i] if pool_batched else pools[0]
+        token = [t[i] for t in tokens]
+        ref_o, ref_pool = jax_kda.decode(*token, pool, state_indices=indices[i], backend="xla")
         assert rms_ratio(o[i], ref_o) <= 1e-2
-        assert rms_ratio(pools[i], ref_pool) <= STATE_BAR
+        assert rms_ratio(new_pools[i], ref_pool) <= STATE_BAR
+        untouched = sorted(set(range(5)) - set(np.asarray(indices[i]).tolist()))
+        for row in untouched:
+            np.testing.assert_array_equal(np.asarray(new_pools[i][row]), np.asarray(pool[row]))
 
 
 @pytest.mark.parametrize("make", [production_inputs, long_memory_inputs])
