@@ -1,9 +1,10 @@
 """``python -m benchmarks.decode``: GPU time of ``jax_kda.decode`` against its HBM floor.
 
-One H200 run so far (benchmarks/results/2026-12-02-h200-decode.md: 2.4x to 2.7x the floor
-with dense states, 3.4x to 3.9x with a pool; the CPU, where the floor means nothing, runs only
---quick). The step is memory-bound: each (sequence, head) state, 64 KiB of float32, is read
-and written once, beside a token's q, k, v, g, beta and o; the floor is those bytes at the
+Latest H200 run (benchmarks/results/2026-12-03-h200-decode.md): the sm90 kernel 1.37x to
+1.57x the floor from 64 sequences x 16 heads up, dense or pooled, the plain-JAX step 2.07x to
+3.90x; small calls are bound by the step's fixed cost (the CPU, where the floor means nothing,
+runs only --quick). The step is memory-bound: each (sequence, head) state, 64 KiB of float32,
+is read and written once, beside a token's q, k, v, g, beta and o; the floor is those bytes at the
 H200's bandwidth (benchmarks/hbm.py), and the goal is a step within 2x of it.
 
 Per shape (N sequences x H heads), two rows: the states as one [N, H, 128, 128] array, and as a

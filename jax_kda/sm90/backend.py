@@ -1509,11 +1509,11 @@ def decode_kernel(q, k, v, g, beta, state, scale, state_indices=None):
     pooled = state_indices is not None
     if any(x.dtype != jnp.bfloat16 for x in (q, k, v)):
         raise TypeError(f"the decode kernel takes bfloat16 q, k, v; got {q.dtype}")
+    if v.shape[0] == 0:  # no sequences: nothing to launch (an empty grid)
+        return jnp.zeros(v.shape, jnp.bfloat16), state
     indices = state_indices if pooled else jnp.zeros((1,), jnp.int32)
     o_shape = jax.ShapeDtypeStruct(v.shape, jnp.bfloat16)
     state_shape = jax.ShapeDtypeStruct(state.shape, jnp.float32)
-    if v.shape[0] == 0 or v.shape[1] == 0:  # nothing to launch (an empty grid)
-        return jnp.zeros(v.shape, jnp.bfloat16), state
     inputs = [q, k, v, g.astype(jnp.float32), beta.astype(jnp.float32),
               jnp.asarray(indices, jnp.int32), state.astype(jnp.float32)]  # fmt: skip
     new_state, o = cute_call(decode_artifact(scale, pooled), inputs, [state_shape, o_shape],

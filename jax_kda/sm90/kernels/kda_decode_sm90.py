@@ -14,7 +14,7 @@ v, beta, each row s of St (one value channel) is independent of the others:
 A warp takes ROWS rows of one (n, j), a lane channels 4 lane .. 4 lane + 3 of each (one
 16-byte load and store a row); every row's load is issued before the first row's arithmetic,
 and the rows' sums run through the butterfly together. A CTA of WARPS warps covers WARPS *
-ROWS rows; grid (V / (WARPS * ROWS), HV, N).
+ROWS rows; grid (N * V / (WARPS * ROWS), HV): N on x, whose extent may pass 65535.
 
 Pooled (DecodeConfig.pooled): the state is a pool [P, HV, V, K], and sequence n reads and
 writes row indices[n]; an index outside [0, P) reads a zero state and writes nothing. The
@@ -44,8 +44,7 @@ NTHREADS = 32 * WARPS
 LANE_CHANNELS = HEAD_DIM // 32  # 4: a 16-byte float32 piece of a row a lane
 ROWS = DECODE_ROWS_PER_WARP  # rows a warp: their loads in flight together
 CTA_ROWS = WARPS * ROWS
-CTAS_PER_HEAD = DECODE_CTAS_PER_HEAD
-assert CTAS_PER_HEAD * CTA_ROWS == HEAD_DIM
+CTAS_PER_HEAD = DECODE_CTAS_PER_HEAD  # HEAD_DIM // CTA_ROWS (layout.py derives it)
 
 
 @dataclasses.dataclass(frozen=True)
