@@ -71,9 +71,12 @@ from jax_kda.sm90.kernels.wgmma import (
     bf16_tiled_mma,
     image_k,
     image_layout,
+    load_f32,
     product_passes,
-    put_operand,
+    put_piece,
+    row_piece,
     split_a_operands,
+    vec4,
     view,
 )
 
@@ -89,15 +92,21 @@ M_BYTES = (BLOCKS - 1) * BLOCK * BLOCK * 4 + (BLOCKS - 1) * BLOCK * 4  # T^-1's 
 
 
 QK_OFFSET = PAIR_BYTES + M_BYTES  # qk, then T^-1, in the region (16-byte aligned)
+STAGE_BYTES = ROWS * PADDED_ROW * 2  # W or U as bf16 rows on their way out
+LANES = 8  # channels a thread takes in the vectorised phases: 16 bytes of bf16
+GROUPS = HEAD_DIM // LANES  # channel groups of a row
+VEC_ROWS = NTHREADS // GROUPS  # rows a pass of the vectorised phases covers
+TASKS = ROWS // VEC_ROWS  # (row, channel group) pieces a thread takes there
 
 
 def region_bytes(passes: int = 3):
     """(right image [160, K 128], R^T images [2 x 128, K 64], the region) in bytes for `passes`
     (wgmma.image_k). The region holds the right image for the products; then kk, the block
-    scratch and qk (then T^-1); then, once T^-1 is in registers, the R^T images."""
+    scratch and qk (then T^-1); then, once T^-1 is in registers, the R^T images; then W and U
+    on their way out."""
     right = PACKED * image_k(HEAD_DIM, passes) * 2
     rt = 2 * HEAD_DIM * image_k(ROWS, passes) * 2
-    return right, rt, max(right, rt, QK_OFFSET + PAIR_BYTES)
+    return right, rt, max(right, rt, QK_OFFSET + PAIR_BYTES, 2 * STAGE_BYTES)
 
 
 def shared_bytes(passes: int) -> int:
@@ -209,10 +218,14 @@ class ChunkOperandsSm90:
         s_rt_u = view(raw, rt_bytes // 2, rt_half)
         s_qk = cute.make_tensor(cute.recast_ptr(raw + QK_OFFSET // 4, dtype=Float32), pairs)
         s_tinv = s_qk  # after qk is out
+        staged = cute.make_layout((ROWS, HEAD_DIM), stride=(PADDED_ROW, 1))
+        s_stage_w = cute.make_tensor(cute.recast_ptr(raw, dtype=BFloat16), staged)  # after W U
+        s_stage_u = cute.make_tensor(
+            cute.recast_ptr(raw + STAGE_BYTES // 4, dtype=BFloat16), staged
+        )
 
         active, bos, seqlen, c = slot_owner(mCu, slot, SCAN_CHUNK)
         tokens = mQ.shape[0]
-        two_bf = cute.make_rmem_tensor((2,), BFloat16)  # 4-byte stores of bf16 pairs
 
         # ---- the chunk, thread (part, d) = channel d of rows [HALF part, HALF (part + 1)); Gamma
         # = cumsum g; zero past the end. The loads are unconditional (rows clamped into the
@@ -358,48 +371,55 @@ class ChunkOperandsSm90:
             cute.arch.sync_threads()
 
         # ---- Aqk (bf16) and kk (float32) out (zero above the diagonal), coalesced; a thread
-        # takes two neighbouring columns
-        k_pair = cute.make_rmem_tensor((2,), Float32)
-        for it in cutlass.range_constexpr(ROWS * ROWS // (2 * NTHREADS)):
-            e_idx = 2 * (tid + it * NTHREADS)
+        # takes eight neighbouring columns, 16 bytes a store
+        a_eight = cute.make_rmem_tensor((LANES,), BFloat16)
+        k_four = cute.make_rmem_tensor((2, 4), Float32)
+        for it in cutlass.range_constexpr(ROWS * ROWS // (LANES * NTHREADS)):
+            e_idx = LANES * (tid + it * NTHREADS)
             i = e_idx // ROWS
-            for x in cutlass.range_constexpr(2):
+            for x in cutlass.range_constexpr(LANES):
                 j = e_idx % ROWS + x
                 a_ij = Float32(0.0)
                 k_ij = Float32(0.0)
                 if j <= i:
                     a_ij = scale * s_qk[i, j]
                     k_ij = s_kk[i, j]
-                two_bf[x] = a_ij.to(BFloat16)
-                k_pair[x] = k_ij
-            pair_at(mAttn[slot, h, i, None], e_idx % ROWS).store(two_bf.load())
+                a_eight[x] = a_ij.to(BFloat16)
+                k_four[x // 4, x % 4] = k_ij
+            row_piece(mAttn[slot, h, i, None], e_idx % ROWS, LANES).store(a_eight.load())
             if cutlass.const_expr(self.residuals):
-                pair_at(mKK[slot, h, i, None], e_idx % ROWS).store(k_pair.load())
+                for q4 in cutlass.range_constexpr(2):
+                    vec4(mKK[slot, h, i, None].iterator + e_idx % ROWS + 4 * q4).store(
+                        k_four[q4, None].load()
+                    )
         cute.arch.sync_threads()  # s_qk is T^-1 from here
 
-        # v (channel d of this warpgroup's rows) loads now, in registers, so the T^-1 phase
-        # hides them
-        r_v = cute.make_rmem_tensor((HALF,), Float32)  # rows HALF part + r
-        for r in cutlass.range_constexpr(HALF):
-            r_v[r] = Float32(0.0)
+        # v loads now, in registers, so the T^-1 phase hides them: thread (row group, channel
+        # group) takes channels c8 .. c8 + 7 of rows r8 + 16 m (vector_rows), 16 bytes a load
+        c8 = LANES * (tid % GROUPS)
+        r8 = tid // GROUPS
+        r_v = cute.make_rmem_tensor((TASKS, LANES), BFloat16)
+        for m in cutlass.range_constexpr(TASKS):
+            r_v[m, None].fill(0.0)
         if tokens > 0:
-            for r in cutlass.range_constexpr(HALF):
-                r_v[r] = Float32(mV[cutlass.max(cutlass.min(first + r, last_ok), 0), h, d])
-        for r in cutlass.range_constexpr(HALF):
-            if not (active and c * ROWS + part * HALF + r < seqlen):
-                r_v[r] = Float32(0.0)
+            for m in cutlass.range_constexpr(TASKS):
+                token = cutlass.max(cutlass.min(bos + c * ROWS + r8 + VEC_ROWS * m, last_ok), 0)
+                r_v[m, None].store(row_piece(mV[token, h, None], c8, LANES).load())
+        for m in cutlass.range_constexpr(TASKS):
+            if not (active and c * ROWS + r8 + VEC_ROWS * m < seqlen):
+                r_v[m, None].fill(0.0)
 
         # ---- T^-1, T = I + strictLower(beta_i kk_ij), float32 by 16-row blocks (chunk64.py)
         unit_lower_inverse(s_kk, s_beta, s_tinv, s_m, tid, NTHREADS)
 
         # ---- T^-1 out, and into registers as the solve's A operand (warpgroup 0: W, 1: U)
         if cutlass.const_expr(self.residuals):
-            for it in cutlass.range_constexpr(ROWS * ROWS // (2 * NTHREADS)):
-                e_idx = 2 * (tid + it * NTHREADS)  # bf16 pairs: the backward's solve is one product
+            for it in cutlass.range_constexpr(ROWS * ROWS // (LANES * NTHREADS)):
+                e_idx = LANES * (tid + it * NTHREADS)  # bf16: the backward's solve is one product
                 i = e_idx // ROWS
-                for x in cutlass.range_constexpr(2):
-                    two_bf[x] = s_tinv[i, e_idx % ROWS + x].to(BFloat16)
-                pair_at(mTinv[slot, h, i, None], e_idx % ROWS).store(two_bf.load())
+                for x in cutlass.range_constexpr(LANES):
+                    a_eight[x] = s_tinv[i, e_idx % ROWS + x].to(BFloat16)
+                row_piece(mTinv[slot, h, i, None], e_idx % ROWS, LANES).store(a_eight.load())
         thr_s = mma_solve.get_slice(d)
         coords_t = bf16_tiled_mma((ROWS, ROWS), warpgroup.OperandSource.RMEM).get_slice(d)
         c_t = coords_t.partition_C(cute.make_identity_tensor((ROWS, ROWS)))
@@ -420,13 +440,14 @@ class ChunkOperandsSm90:
         cute.arch.sync_threads()  # T^-1 read: the region is free for R^T
 
         # ---- the solve's B images R^T (rows = the 256 columns [beta k exp(Gamma) | beta v],
-        # K = token), one a warpgroup
-        for r in cutlass.range_constexpr(HALF):
-            t = part * HALF + r
+        # K = token): 8 channels of one token a store
+        for m in cutlass.range_constexpr(TASKS):
+            t = r8 + VEC_ROWS * m
             b_t = s_beta[t]
-            r_kt = b_t * Float32(s_k[t, d]) * exp_fast(s_gam[t, d])
-            put_operand(s_rt_w, d, t, ROWS, r_kt, passes)
-            put_operand(s_rt_u, d, t, ROWS, b_t * r_v[r], passes)
+            e_t = exp_fast(load_f32(s_gam[t, None], c8, LANES))
+            r_kt = load_f32(s_k[t, None], c8, LANES) * b_t * e_t
+            put_piece(s_rt_w, c8, t, r_kt, True, ROWS, passes)
+            put_piece(s_rt_u, c8, t, r_v[m, None].load().to(Float32) * b_t, True, ROWS, passes)
         cute.arch.fence_proxy("async.shared", space="cta")
         cute.arch.sync_threads()
 
@@ -460,28 +481,40 @@ class ChunkOperandsSm90:
                 product_passes(mma_solve, acc_s, t_op, f_rt_w, ROWS // 16, False, 1)
             else:
                 product_passes(mma_solve, acc_s, t_op, f_rt_u, ROWS // 16, False, 1)
-        # out as bf16 pairs (a thread's accumulator holds columns n, n + 1, n even, at e, e + 1):
-        # W into the scan's image, U row-major
+        # ---- out through shared memory: W and U as bf16 into row-major stages (the R^T images
+        # are read: the region is free), then every output 16 bytes a store, thread (r8, c8)'s
+        # rows and channels: W into the scan's image, U, Qg, Kd's image (and Gamma) row-major
+        cute.arch.sync_threads()
         pair = cute.make_rmem_tensor((2,), Float32)
         for e in cutlass.range_constexpr(0, cute.size(acc_s), 2):
             i, n = c_solve[e]
             pair[0] = acc_s[e]
             pair[1] = acc_s[e + 1]
             if part == 0:
-                at = mWImg[slot, h, None].iterator + scan_order_offset(i, n)
-                cute.make_tensor(at.align(4), cute.make_layout(2)).store(pair.load().to(BFloat16))
+                pair_at(s_stage_w[i, None], n).store(pair.load().to(BFloat16))
             else:
-                pair_at(mU[slot, h, i, None], n).store(pair.load().to(BFloat16))
-
-        # ---- the elementwise operands
-        gam_last = s_gam[ROWS - 1, d]
-        for r in cutlass.range(HALF, unroll=4):
-            i = part * HALF + r
-            gam_i = s_gam[i, d]
-            mQg[slot, h, i, d] = (scale * Float32(s_q[i, d]) * exp_fast(gam_i)).to(BFloat16)
-            kd_i = Float32(s_k[i, d]) * exp_fast(gam_last - gam_i)
-            mKdImg[slot, h, scan_order_offset(i, d)] = kd_i.to(BFloat16)
+                pair_at(s_stage_u[i, None], n).store(pair.load().to(BFloat16))
+        cute.arch.sync_threads()
+        gam_last = load_f32(s_gam[ROWS - 1, None], c8, LANES)
+        for m in cutlass.range_constexpr(TASKS):
+            t = r8 + VEC_ROWS * m
+            w_at = mWImg[slot, h, None].iterator + scan_order_offset(t, c8)
+            cute.make_tensor(w_at.align(16), cute.make_layout(LANES)).store(
+                row_piece(s_stage_w[t, None], c8, LANES).load()
+            )
+            row_piece(mU[slot, h, t, None], c8, LANES).store(
+                row_piece(s_stage_u[t, None], c8, LANES).load()
+            )
+            gam_t = load_f32(s_gam[t, None], c8, LANES)
+            qg_t = load_f32(s_q[t, None], c8, LANES) * Float32(scale) * exp_fast(gam_t)
+            row_piece(mQg[slot, h, t, None], c8, LANES).store(qg_t.to(BFloat16))
+            kd_t = load_f32(s_k[t, None], c8, LANES) * exp_fast(gam_last - gam_t)
+            kd_at = mKdImg[slot, h, None].iterator + scan_order_offset(t, c8)
+            cute.make_tensor(kd_at.align(16), cute.make_layout(LANES)).store(kd_t.to(BFloat16))
             if cutlass.const_expr(self.residuals):
-                mGamma[slot, h, i, d] = gam_i
+                for q4 in cutlass.range_constexpr(LANES // 4):
+                    vec4(mGamma[slot, h, t, None].iterator + c8 + 4 * q4).store(
+                        load_f32(s_gam[t, None], c8 + 4 * q4, 4)
+                    )
         if part == 0:
-            mDecay[slot, h, d] = exp_fast(gam_last)
+            mDecay[slot, h, d] = exp_fast(s_gam[ROWS - 1, d])
