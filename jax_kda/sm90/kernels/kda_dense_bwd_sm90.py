@@ -31,11 +31,19 @@ chunk_io.scan_order_offset), u [slots, H, 64, 128], attn, tinv [slots, H, 64, 64
 [slots, H, 64, 64], states, g_end [slots, H, 128, 128];
 and in the tokens' rows (cu_seqlens [N + 1] int32 says which a slot holds; the others are zero)
 dO [T, H, 128] bfloat16 and beta [T, H] float32. Outputs: d_rhs [slots, H, 64, 256]; d_qg,
-d_kd [slots, H, 64, 128]; d_attn, d_kk [slots, H, 64, 64], in the exported artifact bfloat16
-(each float32 result rounded once: half the bytes written here and read by the decayed and
-tokens kernels; benchmarks.precision_study puts the gradients' cost at about 5e-4 of rms_ratio)
-or float32 (the kernel stores whichever its tensors hold); d_decay [slots, H, 128] and d_beta_kk
-[slots, H, 64] float32.
+d_kd [slots, H, 64, 128]; d_attn [slots, H, 64, 64], bfloat16 (each float32 result rounded
+once: half the bytes written here and read by the decayed and tokens kernels;
+benchmarks.precision_study puts the gradients' cost at about 5e-4 of rms_ratio); d_kk [slots,
+H, 64, 64] bfloat16 in the exported artifact or float32 (the kernel stores whichever its tensor
+holds); d_decay [slots, H, 128] and d_beta_kk [slots, H, 64] float32.
+
+The four bf16 results leave 16 bytes a store: d_qg, d_kd and d_attn from plain staged rows in
+shared memory (where G, dO, V_new and dV were) while the d_rhs product runs, d_rhs from its own
+operand image while the d_lower product runs (H200, benchmarks.kernel_profile: 52.2 / 264.7
+us at 2048x12x1 / 8192x16x1 against 65.6 / 309.3 with 4-byte stores of accumulator pairs,
+where Nsight Compute put about a third of the kernel's stall samples on those stores). The
+decayed and state-cotangent kernels took the same staging and got slower (one CTA an SM there,
+or little to store), so they keep their pair stores.
 """
 
 from __future__ import annotations
@@ -52,18 +60,25 @@ from jax_kda.sm90.kernels.chunk_io import (
     NTHREADS,
     pair_at,
     scan_order_image,
-    store_pairs,
     to_image,
     token_rows_image,
     transposed_bf16_pairs_image,
 )
 from jax_kda.sm90.kernels.varlen import slot_rows
-from jax_kda.sm90.kernels.wgmma import bf16_tiled_mma, image_layout, store_piece, vec4, view
+from jax_kda.sm90.kernels.wgmma import (
+    bf16_tiled_mma,
+    image_layout,
+    row_piece,
+    store_piece,
+    vec4,
+    view,
+)
 
 ROWS = SCAN_CHUNK
 WGS = 2  # warpgroups; each takes half of every product's columns
 HALF_N = HEAD_DIM // WGS
 HALF_T = ROWS // WGS  # a warpgroup's token columns of d_attn and d_lower
+LANES = 8  # bf16 elements in 16 bytes: the outputs leave 16 bytes a store
 
 # The shared images (bf16), in order, 1024-byte aligned: S and G [128, 128] (then d_rhs
 # [64, 256] over S); dO, V_new, Kd (then dV) [64, 128]; Aqk^T, T^-T [64, 64]; R = [W | U] and
@@ -108,6 +123,11 @@ class DenseBwdSm90:
         d_beta_kk: cute.Tensor,
         stream: cuda.CUstream,
     ):
+        for out in (d_rhs, d_qg, d_attn, d_kd):
+            if cutlass.const_expr(out.element_type != BFloat16):
+                raise TypeError(
+                    "d_rhs, d_qg, d_attn and d_kd are bfloat16 (they leave 16 bytes a store)"
+                )
         n_slots = u.shape[0]
         heads = u.shape[1]
         smem = warpgroup.OperandSource.SMEM
@@ -174,6 +194,11 @@ class DenseBwdSm90:
         s_ds_n = view(raw, OFF_DS, image_layout(WIDE, ROWS, mn_major=True))  # as [256, tokens]
         s_glo_v = view(raw, OFF_DS, by_v)  # G's low part until [dW | dV] is written there
         s_rhs = view(raw, OFF_S, image_layout(ROWS, WIDE))  # d_rhs, once S is read
+        # plain bf16 rows for d_qg, d_kd and d_attn on their way out, once the products that
+        # read G, dO, V_new and dV are done
+        st_qg = _stage_rows(raw, OFF_G, HEAD_DIM)
+        st_kd = _stage_rows(raw, OFF_DO, HEAD_DIM)
+        st_at = _stage_rows(raw, OFF_KD, ROWS)
 
         # ---- the operands into their images; d_decay from S and G as they pass
         _square_images(s_s, s_g, view(raw, OFF_DS, by_k), mS[slot, h, None, None],
@@ -299,12 +324,13 @@ class DenseBwdSm90:
             two[0] = -acc_w[e]
             two[1] = -acc_w[e + 1]
             store_piece(s_ds, i, n0 + n, two.load().to(BFloat16), False)
-        store_pairs(acc_q, c_half, mDqg[slot, h, None, None], n0, False)
         cute.nvgpu.warpgroup.wait_group(0)
-        store_pairs(acc_kd, c_half, mDkd[slot, h, None, None], n0, False)
-        store_pairs(acc_at, c_t, mDattn[slot, h, None, None], part * HALF_T, False)
+        cute.arch.sync_threads()  # every product above is done: G, dO, V_new and dV's space free
+        _stage_pairs(acc_q, c_half, st_qg, n0)
+        _stage_pairs(acc_kd, c_half, st_kd, n0)
+        _stage_pairs(acc_at, c_t, st_at, part * HALF_T)
         cute.arch.fence_proxy("async.shared", space="cta")
-        cute.arch.sync_threads()  # [dW | dV] written; S and G read: S's space takes d_rhs
+        cute.arch.sync_threads()  # [dW | dV] written and the stages full; S's space takes d_rhs
 
         # ---- d_rhs = T^-T [dW | dV]: warpgroup 0 dW's columns, 1 dV's
         f_tt = mma_r.make_fragment_A(thr_r.partition_A(s_tt))
@@ -317,6 +343,10 @@ class DenseBwdSm90:
         for kb in cutlass.range_constexpr(ROWS // 16):
             cute.gemm(mma_r, acc_rhs, f_tt[None, None, kb], f_ds[None, None, kb], acc_rhs)
         cute.nvgpu.warpgroup.commit_group()
+        # d_qg, d_kd and d_attn leave from their stages while the product runs
+        _unstage(st_qg, mDqg[slot, h, None, None], tid)
+        _unstage(st_kd, mDkd[slot, h, None, None], tid)
+        _unstage(st_at, mDattn[slot, h, None, None], tid)
         cute.nvgpu.warpgroup.wait_group(0)
         r0 = part * HEAD_DIM
         for e in cutlass.range_constexpr(0, cute.size(acc_rhs), 2):
@@ -324,7 +354,6 @@ class DenseBwdSm90:
             two[0] = acc_rhs[e]
             two[1] = acc_rhs[e + 1]
             store_piece(s_rhs, i, r0 + n, two.load().to(BFloat16), False)
-        store_pairs(acc_rhs, c_r, mDrhs[slot, h, None, None], r0, False)
         cute.arch.fence_proxy("async.shared", space="cta")
         cute.arch.sync_threads()
 
@@ -339,6 +368,15 @@ class DenseBwdSm90:
         for kb in cutlass.range_constexpr(WIDE // 16):
             cute.gemm(mma_t, acc_low, f_rhs[None, None, kb], f_rt[None, None, kb], acc_low)
         cute.nvgpu.warpgroup.commit_group()
+        # d_rhs leaves from its image while the product reads it
+        for p in cutlass.range_constexpr(ROWS * WIDE // (NTHREADS * LANES)):
+            e = (p * NTHREADS + tid) * LANES
+            piece = cute.make_rmem_tensor((LANES,), BFloat16)
+            cute.autovec_copy(
+                cute.local_tile(s_rhs, (1, LANES), (e // WIDE, (e % WIDE) // LANES))[0, None],
+                piece,
+            )
+            row_piece(mDrhs[slot, h, e // WIDE, None], e % WIDE, LANES).store(piece.load())
         cute.nvgpu.warpgroup.wait_group(0)
         # A thread's accumulator holds two rows (row_a, row_a + 8), each with three more lanes
         # of its quad: its d_beta_kk sums reduce over the quad, then over the warpgroups.
@@ -404,3 +442,38 @@ def _square_images(s_s, s_g, s_glo, m_s: cute.Tensor, m_g: cute.Tensor, m_decay:
             dot = dot + cute.arch.shuffle_sync_bfly(dot, 16 >> offset)
         if lane == 0:
             m_decay[row] = dot
+
+
+def _stage_rows(raw, byte_off: int, cols: int):
+    """A plain [64, cols] bf16 array at raw + byte_off in shared memory, rows padded by 16
+    bytes: a warpgroup's accumulator pairs (8 rows x 4 column pairs a warp) land in distinct
+    banks."""
+    return cute.make_tensor(
+        cute.recast_ptr(raw + byte_off // 4, dtype=BFloat16),
+        cute.make_layout((ROWS, cols), stride=(cols + LANES, 1)),
+    )
+
+
+@cute.jit
+def _stage_pairs(acc: cute.Tensor, coords: cute.Tensor, stage: cute.Tensor, col0):
+    """A warpgroup's float32 accumulator into stage[i, col0 + n] as bf16 (rounded once, as
+    its global array holds it); a thread's columns n, n + 1 at e, e + 1 as one 4-byte pair."""
+    pair = cute.make_rmem_tensor((2,), Float32)
+    for e in cutlass.range_constexpr(0, cute.size(acc), 2):
+        i, n = coords[e]
+        pair[0] = acc[e]
+        pair[1] = acc[e + 1]
+        pair_at(stage[i, None], col0 + n).store(pair.load().to(BFloat16))
+
+
+@cute.jit
+def _unstage(stage: cute.Tensor, out: cute.Tensor, tid):
+    """A staged [64, cols] bf16 array into out ([64, cols] bf16 in global memory), 16 bytes
+    a thread a pass."""
+    cols = out.shape[1]
+    for p in cutlass.range_constexpr(ROWS * cols // (NTHREADS * LANES)):
+        e = (p * NTHREADS + tid) * LANES
+        i = e // cols
+        row_piece(out[i, None], e % cols, LANES).store(
+            row_piece(stage[i, None], e % cols, LANES).load()
+        )
