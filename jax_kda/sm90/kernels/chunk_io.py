@@ -24,6 +24,32 @@ def pair_at(row: cute.Tensor, n):
     return cute.make_tensor((row.iterator + n).align(pair_bytes), cute.make_layout(2))
 
 
+STAGE_PAD = 8  # bf16 elements (16 bytes) of padding a staged row
+
+
+def stage_rows(raw, byte_off: int, cols: int):
+    """A plain [64, cols] bf16 array at raw + byte_off (an Int32 shared-memory pointer) for
+    results on their way out, rows padded by 16 bytes: a warpgroup's accumulator pairs (8
+    rows x 4 column pairs a warp) land in distinct banks, and each row stays 16-byte aligned
+    for the vector loads that take it out."""
+    return cute.make_tensor(
+        cute.recast_ptr(raw + byte_off // 4, dtype=BFloat16),
+        cute.make_layout((ROWS, cols), stride=(cols + STAGE_PAD, 1)),
+    )
+
+
+@cute.jit
+def stage_pairs(acc: cute.Tensor, coords: cute.Tensor, stage: cute.Tensor, col0):
+    """A warpgroup's float32 accumulator into stage[i, col0 + n] as bf16 (rounded once); a
+    thread's columns n, n + 1 at e, e + 1 as one 4-byte pair."""
+    pair = cute.make_rmem_tensor((2,), Float32)
+    for e in cutlass.range_constexpr(0, cute.size(acc), 2):
+        i, n = coords[e]
+        pair[0] = acc[e]
+        pair[1] = acc[e + 1]
+        pair_at(stage[i, None], col0 + n).store(pair.load().to(BFloat16))
+
+
 @cute.jit
 def store_pairs(acc: cute.Tensor, coords: cute.Tensor, out: cute.Tensor, col0, negate: bool):
     """A warpgroup's float32 accumulator into out[i, col0 + n] ([rows, cols] in global memory,

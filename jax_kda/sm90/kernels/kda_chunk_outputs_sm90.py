@@ -32,6 +32,8 @@ from jax_kda.sm90.kernels.chunk_io import (
     ROWS,
     pair_at,
     scan_order_image,
+    stage_pairs,
+    stage_rows,
     to_image,
 )
 from jax_kda.sm90.kernels.varlen import slot_rows
@@ -152,16 +154,8 @@ class ChunkOutputsSm90:
         # out through a plain staged copy in S's space (S was read before V_new was written):
         # 16 bytes a store, into the rows of the tokens the slot holds (H200: 18.8 / 82.0 us at
         # 2048x12x1 / 8192x16x1 against 22.7 / 88.2 with 4-byte stores of accumulator pairs)
-        st_o = cute.make_tensor(
-            cute.recast_ptr(raw + OFF_S // 4, dtype=BFloat16),
-            cute.make_layout((ROWS, HEAD_DIM), stride=(HEAD_DIM + LANES, 1)),
-        )
-        pair = cute.make_rmem_tensor((2,), Float32)
-        for e in cutlass.range_constexpr(0, cute.size(acc_o), 2):
-            i, n = c_half[e]
-            pair[0] = acc_o[e]
-            pair[1] = acc_o[e + 1]
-            pair_at(st_o[i, None], n0 + n).store(pair.load().to(BFloat16))
+        st_o = stage_rows(raw, OFF_S, HEAD_DIM)
+        stage_pairs(acc_o, c_half, st_o, n0)
         cute.arch.sync_threads()
         for p in cutlass.range_constexpr(ROWS * HEAD_DIM // (NTHREADS * LANES)):
             e = (p * NTHREADS + tid) * LANES

@@ -60,6 +60,8 @@ from jax_kda.sm90.kernels.chunk_io import (
     NTHREADS,
     pair_at,
     scan_order_image,
+    stage_pairs,
+    stage_rows,
     to_image,
     token_rows_image,
     transposed_bf16_pairs_image,
@@ -196,9 +198,9 @@ class DenseBwdSm90:
         s_rhs = view(raw, OFF_S, image_layout(ROWS, WIDE))  # d_rhs, once S is read
         # plain bf16 rows for d_qg, d_kd and d_attn on their way out, once the products that
         # read G, dO, V_new and dV are done
-        st_qg = _stage_rows(raw, OFF_G, HEAD_DIM)
-        st_kd = _stage_rows(raw, OFF_DO, HEAD_DIM)
-        st_at = _stage_rows(raw, OFF_KD, ROWS)
+        st_qg = stage_rows(raw, OFF_G, HEAD_DIM)
+        st_kd = stage_rows(raw, OFF_DO, HEAD_DIM)
+        st_at = stage_rows(raw, OFF_KD, ROWS)
 
         # ---- the operands into their images; d_decay from S and G as they pass
         _square_images(s_s, s_g, view(raw, OFF_DS, by_k), mS[slot, h, None, None],
@@ -326,9 +328,9 @@ class DenseBwdSm90:
             store_piece(s_ds, i, n0 + n, two.load().to(BFloat16), False)
         cute.nvgpu.warpgroup.wait_group(0)
         cute.arch.sync_threads()  # every product above is done: G, dO, V_new and dV's space free
-        _stage_pairs(acc_q, c_half, st_qg, n0)
-        _stage_pairs(acc_kd, c_half, st_kd, n0)
-        _stage_pairs(acc_at, c_t, st_at, part * HALF_T)
+        stage_pairs(acc_q, c_half, st_qg, n0)
+        stage_pairs(acc_kd, c_half, st_kd, n0)
+        stage_pairs(acc_at, c_t, st_at, part * HALF_T)
         cute.arch.fence_proxy("async.shared", space="cta")
         cute.arch.sync_threads()  # [dW | dV] written and the stages full; S's space takes d_rhs
 
@@ -442,28 +444,6 @@ def _square_images(s_s, s_g, s_glo, m_s: cute.Tensor, m_g: cute.Tensor, m_decay:
             dot = dot + cute.arch.shuffle_sync_bfly(dot, 16 >> offset)
         if lane == 0:
             m_decay[row] = dot
-
-
-def _stage_rows(raw, byte_off: int, cols: int):
-    """A plain [64, cols] bf16 array at raw + byte_off in shared memory, rows padded by 16
-    bytes: a warpgroup's accumulator pairs (8 rows x 4 column pairs a warp) land in distinct
-    banks."""
-    return cute.make_tensor(
-        cute.recast_ptr(raw + byte_off // 4, dtype=BFloat16),
-        cute.make_layout((ROWS, cols), stride=(cols + LANES, 1)),
-    )
-
-
-@cute.jit
-def _stage_pairs(acc: cute.Tensor, coords: cute.Tensor, stage: cute.Tensor, col0):
-    """A warpgroup's float32 accumulator into stage[i, col0 + n] as bf16 (rounded once, as
-    its global array holds it); a thread's columns n, n + 1 at e, e + 1 as one 4-byte pair."""
-    pair = cute.make_rmem_tensor((2,), Float32)
-    for e in cutlass.range_constexpr(0, cute.size(acc), 2):
-        i, n = coords[e]
-        pair[0] = acc[e]
-        pair[1] = acc[e + 1]
-        pair_at(stage[i, None], col0 + n).store(pair.load().to(BFloat16))
 
 
 @cute.jit
