@@ -402,7 +402,7 @@ class ChunkOperandsSm90:
         cute.arch.sync_threads()  # s_qk is T^-1 from here
 
         # v loads now, in registers, so the T^-1 phase hides them: thread (row group, channel
-        # group) takes channels c8 .. c8 + 7 of rows r8 + 16 m (vector_rows), 16 bytes a load
+        # group) takes channels c8 .. c8 + 7 of rows r8 + 16 m (VEC_ROWS = 16), 16 bytes a load
         c8 = LANES * (tid % GROUPS)
         r8 = tid // GROUPS
         r_v = cute.make_rmem_tensor((TASKS, LANES), BFloat16)

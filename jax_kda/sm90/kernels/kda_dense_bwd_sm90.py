@@ -84,7 +84,9 @@ LANES = 8  # bf16 elements in 16 bytes: the outputs leave 16 bytes a store
 
 # The shared images (bf16), in order, 1024-byte aligned: S and G [128, 128] (then d_rhs
 # [64, 256] over S); dO, V_new, Kd (then dV) [64, 128]; Aqk^T, T^-T [64, 64]; R = [W | U] and
-# G's low part [128, 128] (then [dW | dV] [64, 256]).
+# G's low part [128, 128] (then [dW | dV] [64, 256]). Once the products that read them are
+# done, the results' stages (padded bf16 rows, chunk_io.stage_rows) take G's space (d_qg), dO's
+# and the start of V_new's (d_kd: 17 of the 32 KiB) and Kd's (d_attn).
 SQUARE_BYTES = HEAD_DIM * HEAD_DIM * 2
 CHUNK_BYTES = ROWS * HEAD_DIM * 2
 PAIRS_BYTES = ROWS * ROWS * 2
@@ -197,7 +199,7 @@ class DenseBwdSm90:
         s_glo_v = view(raw, OFF_DS, by_v)  # G's low part until [dW | dV] is written there
         s_rhs = view(raw, OFF_S, image_layout(ROWS, WIDE))  # d_rhs, once S is read
         # plain bf16 rows for d_qg, d_kd and d_attn on their way out, once the products that
-        # read G, dO, V_new and dV are done
+        # read G, dO, V_new and dV are done (d_kd's stage runs 1008 bytes into V_new's image)
         st_qg = stage_rows(raw, OFF_G, HEAD_DIM)
         st_kd = stage_rows(raw, OFF_DO, HEAD_DIM)
         st_at = stage_rows(raw, OFF_KD, ROWS)
