@@ -505,8 +505,7 @@ class ChunkOperandsSm90:
         gam_last = load_f32(s_gam[ROWS - 1, None], c8, LANES)
         for m in cutlass.range_constexpr(TASKS):
             t = r8 + VEC_ROWS * m
-            w_at = mWImg[slot, h, None].iterator + scan_order_offset(t, c8)
-            cute.make_tensor(w_at.align(16), cute.make_layout(LANES)).store(
+            row_piece(mWImg[slot, h, None], scan_order_offset(t, c8), LANES).store(
                 row_piece(s_stage_w[t, None], c8, LANES).load()
             )
             row_piece(mU[slot, h, t, None], c8, LANES).store(
@@ -516,8 +515,8 @@ class ChunkOperandsSm90:
             qg_t = load_f32(s_q[t, None], c8, LANES) * Float32(scale) * exp_fast(gam_t)
             row_piece(mQg[slot, h, t, None], c8, LANES).store(qg_t.to(BFloat16))
             kd_t = load_f32(s_k[t, None], c8, LANES) * exp_fast(gam_last - gam_t)
-            kd_at = mKdImg[slot, h, None].iterator + scan_order_offset(t, c8)
-            cute.make_tensor(kd_at.align(16), cute.make_layout(LANES)).store(kd_t.to(BFloat16))
+            kd_at = row_piece(mKdImg[slot, h, None], scan_order_offset(t, c8), LANES)
+            kd_at.store(kd_t.to(BFloat16))
             if cutlass.const_expr(self.residuals):
                 for q4 in cutlass.range_constexpr(LANES // 4):
                     vec4(mGamma[slot, h, t, None].iterator + c8 + 4 * q4).store(
