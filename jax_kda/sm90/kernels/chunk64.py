@@ -160,17 +160,19 @@ def put_right_factors(
     pairwise,
     transposed: cutlass.Constexpr[bool],
     passes: cutlass.Constexpr[int] = 3,
+    channels: cutlass.Constexpr[int] = HEAD_DIM,
 ):
     """The packed right factors k_j exp(Gamma_{m_I} - Gamma_j), block I's anchor with the rows
     j < 16 (I + 1), into an operand image (wgmma.put_operand's rule for `passes`): at (packed
     row, channel) with K = the channels, or transposed at (channel, packed row) with K = the
-    packed rows (an N-major image). s_k [64, 128] bf16 and s_gam [64, 128] float32 in shared
-    memory with 16-byte-aligned rows. For a CTA of 256 threads (all call it): thread tid takes
-    channels 8 (tid mod 16) .. + 7 of the rows j = tid / 16 + 16 m, 16-byte loads and stores.
+    packed rows (an N-major image). s_k [64, channels] bf16 and s_gam
+    [64, channels] float32 in shared memory with 16-byte-aligned rows. For a CTA of 2 channels
+    threads (256 for 128 channels; all call it): thread tid takes channels 8 (tid mod
+    channels / 8) .. + 7 of the rows j = tid / (channels / 8) + 16 m, 16-byte loads and stores.
     With first-row anchors (pairwise) the diagonal blocks' entries are zero: the pairwise pass
     takes them (their factors could overflow; the exponent is zeroed first, so no inf * 0)."""
-    c8 = FACTOR_LANES * (tid % (HEAD_DIM // FACTOR_LANES))
-    r = tid // (HEAD_DIM // FACTOR_LANES)
+    c8 = FACTOR_LANES * (tid % (channels // FACTOR_LANES))
+    r = tid // (channels // FACTOR_LANES)
     for b in cutlass.range_constexpr(BLOCKS):
         anchor = load_f32(s_gam[BLOCK * b + shift, None], c8, FACTOR_LANES)
         for m in cutlass.range_constexpr(b + 1):
@@ -184,4 +186,4 @@ def put_right_factors(
             if cutlass.const_expr(transposed):
                 put_piece(image, c8, block_offset(b) + j, x, True, PACKED, passes)
             else:
-                put_piece(image, block_offset(b) + j, c8, x, False, HEAD_DIM, passes)
+                put_piece(image, block_offset(b) + j, c8, x, False, channels, passes)

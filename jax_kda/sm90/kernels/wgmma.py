@@ -213,9 +213,14 @@ def gemm_passes(
 ):
     """Issue acc += A B over k_blocks 16-wide K-blocks of two images (no fence, commit or wait:
     the caller's): gemm_bf16x3 on [hi | lo] images for three passes, one bf16 product a K-block
-    on images of the values alone (put_operand with passes=1) for one."""
+    on images of the values alone (put_operand with passes=1) for one; for two, A exact in
+    bf16 (an image of the values alone) against B's [hi | lo] image, A B_hi + A B_lo."""
     if cutlass.const_expr(passes == 3):
         gemm_bf16x3(mma, acc, f_a, f_a, k_blocks, f_b, k_blocks)
+    elif cutlass.const_expr(passes == 2):
+        for kb in cutlass.range_constexpr(k_blocks):
+            cute.gemm(mma, acc, f_a[None, None, kb], f_b[None, None, kb], acc)
+            cute.gemm(mma, acc, f_a[None, None, kb], f_b[None, None, k_blocks + kb], acc)
     else:
         for kb in cutlass.range_constexpr(k_blocks):
             cute.gemm(mma, acc, f_a[None, None, kb], f_b[None, None, kb], acc)
