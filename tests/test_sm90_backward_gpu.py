@@ -763,7 +763,9 @@ def test_tokens_bwd_kernel_matches_xla(case):
         aliases = {first + i: i for i in range(len(results))}
         return cute_call(artifact, [*inputs, *poison], results, aliases=aliases)
 
-    ours = run(token_inputs, jnp.asarray(x.cu_seqlens), gamma, d_decayed, cotangents)
+    ours = sm90.tokens_bwd_results(
+        run(token_inputs, jnp.asarray(x.cu_seqlens), gamma, d_decayed, cotangents)
+    )
     reference = jax.jit(sm90.xla_tokens_bwd, static_argnums=0)(
         0.3, token_inputs, x.cu_seqlens, rows, gamma, d_decayed, cotangents
     )

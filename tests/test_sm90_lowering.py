@@ -252,6 +252,7 @@ def test_tokens_bwd_exports_for_sm90a(bf16_cotangents):
     artifact = sm90.tokens_bwd_artifact(0.3, bf16_cotangents)
     assert artifact.object_bytes[:4] == b"\x7fELF"
     assert len(artifact.tensors) == 20  # 15 inputs and 5 results
+    assert artifact.tensors[-1].rank == 3  # dbeta's partial sums [2, T, H], one a half
     assert artifact.prefix.startswith("kda_tokens_bwd_sm90_" + ("" if bf16_cotangents else "f32_"))
 
 

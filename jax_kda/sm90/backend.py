@@ -1131,7 +1131,7 @@ def tokens_bwd_artifact(scale: float, bf16_cotangents: bool = True):
         "d_beta_kk": row_major_fake(Float32, (slots, heads, SCAN_CHUNK)),
         **{name: row_major_fake(BFloat16, token_shape) for name in ("dq", "dk", "dv")},
         "dg": row_major_fake(Float32, token_shape),
-        "dbeta": row_major_fake(Float32, (tokens, heads), align=4),
+        "dbeta": row_major_fake(Float32, (2, tokens, heads), align=4),  # partial sums
     }
     scale_tag = hashlib.sha256(repr(scale).encode()).hexdigest()[:8]
     dtype_tag = "" if bf16_cotangents else "_f32"
@@ -1148,13 +1148,17 @@ def tokens_bwd_artifact(scale: float, bf16_cotangents: bool = True):
 
 def tokens_bwd_call(scale, tokens, cu_seqlens, gamma, d_decayed, cotangents):
     """tokens_bwd_kernel's kernel call, unlaunched: (artifact, inputs, results); tokens = (q,
-    k, v, g, beta)."""
+    k, v, g, beta). The results are dq, dk, dv, dg and dbeta's two partial sums [2, T, H]:
+    tokens_bwd_results adds them."""
     q, k, v, g, beta = tokens
     d_rhs, d_beta_kk, d_qg, d_kd, d_decay = cotangents
     f32 = jnp.float32
     token_shape = (*q.shape[:2], HEAD_DIM)
     results = [jax.ShapeDtypeStruct(token_shape, jnp.bfloat16) for _ in range(3)]
-    results += [jax.ShapeDtypeStruct(token_shape, f32), jax.ShapeDtypeStruct(q.shape[:2], f32)]
+    results += [
+        jax.ShapeDtypeStruct(token_shape, f32),
+        jax.ShapeDtypeStruct((2, *q.shape[:2]), f32),
+    ]
     bf16 = jnp.bfloat16
     # d_rhs, d_qg, d_kd in their dtype: all bf16 (the dense kernel's), or else float32
     # (xla_dense_bwd's, never rounded on the way in)
@@ -1189,7 +1193,14 @@ def tokens_bwd_kernel(scale, tokens, cu_seqlens, rows, gamma, d_decayed, cotange
     artifact, inputs, results = tokens_bwd_call(
         scale, tokens, cu_seqlens, gamma, d_decayed, cotangents
     )
-    return tuple(cute_call(artifact, inputs, results))
+    return tokens_bwd_results(cute_call(artifact, inputs, results))
+
+
+def tokens_bwd_results(outputs):
+    """(dq, dk, dv, dg, dbeta) from the tokens' backward kernel's outputs: dbeta the sum of its
+    two partial sums (one a half of the channels)."""
+    dq, dk, dv, dg, dbeta_parts = outputs
+    return dq, dk, dv, dg, dbeta_parts[0] + dbeta_parts[1]
 
 
 def xla_chunk_core(q, k, v, g, beta, cu_seqlens, num_slots, scale):

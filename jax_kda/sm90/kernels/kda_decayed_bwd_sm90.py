@@ -340,9 +340,7 @@ def _allocate(cotangent: cutlass.Constexpr):
     smem = SmemAllocator()
     split = split_cotangents(cotangent)
     rows = cute.make_layout((ROWS, CH), stride=(CH, 1))
-    s_region = smem.allocate_tensor(
-        Int32, cute.make_layout((RT_BYTES + w_bytes(split)) // 4), 1024
-    )
+    s_region = smem.allocate_tensor(Int32, cute.make_layout((RT_BYTES + w_bytes(split)) // 4), 1024)
     s_q = smem.allocate_tensor(BFloat16, rows, 16)
     s_k = smem.allocate_tensor(BFloat16, rows, 16)
     s_gam = smem.allocate_tensor(Float32, cute.make_layout((ROWS, CH), stride=(GAM_ROW, 1)), 16)

@@ -14,9 +14,12 @@ where (dq_c, dk_c, dgamma_c) are the decayed products' backward (kda_decayed_bwd
 Rows past a sequence's end take q = k = v = beta = 0 (as the chunked tokens have them) and are
 not written; gap slots write nothing.
 
-Memory-bound, so built for occupancy: no shared operands, one CTA of four row groups a (slot,
-head), two CTAs an SM, thread (group, d) = channel d of the group's 16 rows, loads issued BATCH
-rows at a time (each row's loads coalesced, 512 bytes a warpgroup). Writes stay inside the
+Memory-bound, so built for occupancy: no shared operands, one CTA of eight row groups a (slot,
+head, half of the channels), two CTAs an SM, thread (group, d) = channel d of the half and the
+group's 8 rows, loads issued BATCH rows at a time (each row's loads coalesced). Half the channels
+a CTA keeps the SMs' last wave full where a call has few chunks (2048x12x1: 768 CTAs, 2.9 waves
+of 264, against 1.45 waves with whole chunks); dbeta's sum over the channels then comes in two
+partial sums, one a half, that the caller adds. Writes stay inside the
 token rows whatever cu_seqlens holds (bad boundaries give garbage, never an out-of-bounds
 access).
 
@@ -26,7 +29,8 @@ int32; per slot and head, float32: gamma, dq_c, dk_c, dgamma_c [64, 128], d_deca
 d_beta_kk [64]; bfloat16 in the exported artifact (the dense kernel's; float32 taken as well):
 d_qg, d_kd [64, 128], d_rhs [64, 256]. Outputs: dq, dk, dv [T, H, 128] bfloat16 (the
 tokens' dtype: the float32 sums rounded once, as the caller's cast would), dg [T, H, 128] and
-dbeta [T, H] float32.
+dbeta_parts [2, T, H] float32 (dbeta = their sum: the first holds d_beta_kk and the first half's
+channels, the second the other half's).
 """
 
 from __future__ import annotations
@@ -44,12 +48,14 @@ from jax_kda.sm90.kernels.chunk64 import exp_fast
 from jax_kda.sm90.kernels.varlen import slot_rows
 
 ROWS = SCAN_CHUNK
-GROUPS = 4  # row groups of a CTA, one warpgroup each
-NTHREADS = HEAD_DIM * GROUPS
+CH = HEAD_DIM // 2  # channels a CTA
+HALVES = HEAD_DIM // CH
+GROUPS = 8  # row groups of a CTA, CH threads each
+NTHREADS = CH * GROUPS
 GROUP_ROWS = ROWS // GROUPS
 BATCH = 2  # rows whose loads are issued before any of their arithmetic
 PER_SM = 2  # CTAs an SM: registers capped at 64 (no spills at BATCH = 2)
-WARPS = HEAD_DIM // 32  # warps across a row's channels
+WARPS = CH // 32  # warps across a row's channels
 LOADS = 12  # values a thread loads per row
 
 
@@ -91,7 +97,7 @@ class TokensBwdSm90:
             q, k, v, g, beta, cu_seqlens, gamma, dq_c, dk_c, dgamma_c, d_rhs, d_qg, d_kd, d_decay,
             d_beta_kk, dq, dk, dv, dg, dbeta,
         ).launch(
-            grid=[gamma.shape[0], gamma.shape[1], 1], block=[NTHREADS, 1, 1], stream=stream,
+            grid=[gamma.shape[0], gamma.shape[1], HALVES], block=[NTHREADS, 1, 1], stream=stream,
             min_blocks_per_mp=PER_SM, preferred_smem_carveout=100,
         )  # fmt: skip
 
@@ -120,19 +126,17 @@ class TokensBwdSm90:
         mDbeta: cute.Tensor,
     ):
         tid, _, _ = cute.arch.thread_idx()
-        slot, h, _ = cute.arch.block_idx()
-        d = tid % HEAD_DIM
-        group = tid // HEAD_DIM
-        warp = d // 32
+        slot, h, half = cute.arch.block_idx()
+        d = half * CH + tid % CH  # this thread's channel
+        group = tid // CH
+        warp = (tid % CH) // 32
         lane = tid % 32
         scale = self.scale
 
         smem = SmemAllocator()
-        # per group: its rows' dGamma sum and kd dKd sum, by channel
+        # per group: its rows' dGamma sum and kd dKd sum, by the CTA's channel
         s_sums = smem.allocate_tensor(
-            Float32,
-            cute.make_layout((GROUPS, 2, HEAD_DIM), stride=(2 * HEAD_DIM, HEAD_DIM, 1)),
-            16,
+            Float32, cute.make_layout((GROUPS, 2, CH), stride=(2 * CH, CH, 1)), 16
         )
         # dbeta's per-warp partial sums over a row's channels
         s_rows = smem.allocate_tensor(
@@ -222,14 +226,14 @@ class TokensBwdSm90:
         for r in cutlass.range_constexpr(GROUP_ROWS):
             run = run + r_dgam[GROUP_ROWS - 1 - r]
             r_dgam[GROUP_ROWS - 1 - r] = run
-        s_sums[group, 0, d] = run
-        s_sums[group, 1, d] = kd_sum
+        s_sums[group, 0, tid % CH] = run
+        s_sums[group, 1, tid % CH] = kd_sum
         cute.arch.sync_threads()
         last = exp_fast(gam_last) * d_decay
         for p in cutlass.range_constexpr(GROUPS):
-            last = last + s_sums[p, 1, d]
+            last = last + s_sums[p, 1, tid % CH]
             if group < p:
-                last = last + s_sums[p, 0, d]
+                last = last + s_sums[p, 0, tid % CH]
         for r in cutlass.range_constexpr(GROUP_ROWS):
             i = group * GROUP_ROWS + r
             if i < count:
@@ -243,7 +247,9 @@ class TokensBwdSm90:
         if tid < ROWS:
             i = tid
             if i < count:
-                total = mDbetaKk[slot, h, i]
+                total = Float32(0.0)
+                if half == 0:
+                    total = mDbetaKk[slot, h, i]
                 for w in cutlass.range_constexpr(WARPS):
                     total = total + s_rows[i, w]
-                mDbeta[row0 + i, h] = total
+                mDbeta[half, row0 + i, h] = total
