@@ -23,7 +23,7 @@ hi/lo splits, hi*hi + lo*hi + hi*lo, about 2^-16), float32 accumulation:
     (K = 64): warpgroup 0 takes W (m64n128), warpgroup 1 U.
 
 One CTA of two warpgroups a (slot, head); thread (part, d) = channel d of half the rows for the
-loads, the cumsum, the operand images and the outputs. At one pass a CTA takes 108 KiB of
+cumsum, the operand images and the outputs. At one pass a CTA takes 108 KiB of
 shared memory and at most 128 registers a thread (the kk/qk operand is built and issued in two
 K halves: whole, with its accumulator, it passed 128 and ptxas serialised the wgmma), so two
 CTAs share an SM and one's memory phases overlap the other's products. H200, globaltimer
@@ -40,11 +40,12 @@ memory as they are, and the only form of W and Kd the other kernels read. Every 
 W, U, Qg, Aqk, Kd and T^-1 as bf16 operands (U as V_new's addend too), so they leave in bf16:
 128 KiB a (slot, head) against 240 before.
 
-The element-wise phases move 16 bytes a thread: v's loads, the R^T images, Aqk, kk and T^-1,
-and Qg, Kd and Gamma, thread (row r8 + 16 m, channels c8 .. c8 + 7); W and U leave through
-bf16 stages in the region once the solve has read it. Nsight Compute had put 27 % of the
-kernel's stall samples on the scalar and pair stores of the last phase; H200
-(benchmarks.kernel_profile): 53.3 / 259.8 us at 2048x12x1 / 8192x16x1 against 74.2 / 288.8
+The element-wise phases move 16 bytes a thread: the loads of g, q, k and v, the R^T images,
+Aqk, kk and T^-1, and Qg, Kd and Gamma, thread (row r8 + 16 m, channels c8 .. c8 + 7); W and U
+leave through bf16 stages in the region once the solve has read it. Nsight Compute had put 27 %
+of the kernel's stall samples on the scalar and pair stores of the last phase, and 15 % on the
+loads of g, q and k 2 and 4 bytes at a time; H200 (benchmarks.kernel_profile), with 16-byte
+stores: 53.3 / 259.8 us at 2048x12x1 / 8192x16x1 against 74.2 / 288.8
 for the training variant, 48.3 / 234.7 against 66.7 / 252.9 for the forward alone.
 """
 
@@ -104,6 +105,7 @@ LANES = 8  # channels a thread takes in the vectorised phases: 16 bytes of bf16
 GROUPS = HEAD_DIM // LANES  # channel groups of a row
 VEC_ROWS = NTHREADS // GROUPS  # rows a pass of the vectorised phases covers
 TASKS = ROWS // VEC_ROWS  # (row, channel group) pieces a thread takes there
+G_PIECES = ROWS * HEAD_DIM // (NTHREADS * 4)  # g's 16-byte pieces (four float32) a thread loads
 
 
 def region_bytes(passes: int = 3):
@@ -234,43 +236,67 @@ class ChunkOperandsSm90:
         active, bos, seqlen, c = slot_owner(mCu, slot, SCAN_CHUNK)
         tokens = mQ.shape[0]
 
-        # ---- the chunk, thread (part, d) = channel d of rows [HALF part, HALF (part + 1)); Gamma
-        # = cumsum g; zero past the end. The loads are unconditional (rows clamped into the
-        # tensor, zeroed afterwards) so that a thread's are all in flight together.
+        # ---- the chunk into shared memory, 16 bytes a thread a load (g four channels, q and k
+        # eight), every load issued before the first store; rows past the end zero and gates
+        # below the floor taken as it. The loads are unconditional (rows clamped into the
+        # tensor, zeroed afterwards) so that a thread's are all in flight together. Then Gamma =
+        # cumsum g: thread (part, d) sums channel d over rows [HALF part, HALF (part + 1)).
         if tid == 0:
             s_flag[0] = Int32(0)
-        first = bos + c * ROWS + part * HALF
+        row_base = bos + c * ROWS
         last_ok = cutlass.min(bos + seqlen, tokens) - 1  # the last row this slot may read
-        r_g = cute.make_rmem_tensor((HALF,), Float32)
-        r_q = cute.make_rmem_tensor((HALF,), BFloat16)
-        r_k = cute.make_rmem_tensor((HALF,), BFloat16)
+        rows_ok = Int32(0)  # rows of the chunk inside its sequence
+        if active:
+            rows_ok = cutlass.max(cutlass.min(seqlen - c * ROWS, ROWS), 0)
+        r_g = cute.make_rmem_tensor((G_PIECES, 4), Float32)
+        r_q = cute.make_rmem_tensor((TASKS, LANES), BFloat16)
+        r_k = cute.make_rmem_tensor((TASKS, LANES), BFloat16)
+        r_g.fill(0.0)
+        r_q.fill(0.0)
+        r_k.fill(0.0)
         if tokens > 0:  # every sequence empty: slots but no rows to read
-            for r in cutlass.range_constexpr(HALF):
-                token = cutlass.max(cutlass.min(first + r, last_ok), 0)
-                r_g[r] = mG[token, h, d]
-                r_q[r] = mQ[token, h, d]
-                r_k[r] = mK[token, h, d]
+            for m in cutlass.range_constexpr(G_PIECES):
+                pos = (m * NTHREADS + tid) * 4
+                token = cutlass.max(cutlass.min(row_base + pos // HEAD_DIM, last_ok), 0)
+                r_g[m, None].store(vec4(mG[token, h, None].iterator + pos % HEAD_DIM).load())
+            for m in cutlass.range_constexpr(TASKS):
+                pos = (m * NTHREADS + tid) * LANES
+                token = cutlass.max(cutlass.min(row_base + pos // HEAD_DIM, last_ok), 0)
+                r_q[m, None].store(row_piece(mQ[token, h, None], pos % HEAD_DIM, LANES).load())
+                r_k[m, None].store(row_piece(mK[token, h, None], pos % HEAD_DIM, LANES).load())
         if d < HALF:  # beta: one row a thread, clamped into the tensor like the loads above
             b_row = Float32(0.0)
-            if tokens > 0 and active and c * ROWS + part * HALF + d < seqlen:
-                b_row = mBeta[cutlass.max(cutlass.min(first + d, last_ok), 0), h]
+            if tokens > 0 and part * HALF + d < rows_ok:
+                b_row = mBeta[cutlass.max(cutlass.min(row_base + part * HALF + d, last_ok), 0), h]
             s_beta[part * HALF + d] = b_row
+        for m in cutlass.range_constexpr(G_PIECES):
+            pos = (m * NTHREADS + tid) * 4
+            i = pos // HEAD_DIM
+            four = cute.make_rmem_tensor((4,), Float32)
+            four.fill(0.0)
+            if i < rows_ok:
+                for x in cutlass.range_constexpr(4):
+                    gv = r_g[m, x]
+                    if gv < Float32(GATE_FLOOR):  # as xla.py: g = -inf resets; NaN stays NaN
+                        gv = Float32(GATE_FLOOR)
+                    four[x] = gv
+            vec4(s_gam[i, None].iterator + pos % HEAD_DIM).store(four.load())
+        for m in cutlass.range_constexpr(TASKS):
+            pos = (m * NTHREADS + tid) * LANES
+            i = pos // HEAD_DIM
+            if i >= rows_ok:
+                r_q[m, None].fill(0.0)
+                r_k[m, None].fill(0.0)
+            row_piece(s_q[i, None], pos % HEAD_DIM, LANES).store(r_q[m, None].load())
+            row_piece(s_k[i, None], pos % HEAD_DIM, LANES).store(r_k[m, None].load())
+        cute.arch.sync_threads()
+        r_run = cute.make_rmem_tensor((HALF,), Float32)
+        for r in cutlass.range_constexpr(HALF):
+            r_run[r] = s_gam[part * HALF + r, d]
         gam = Float32(0.0)  # this warpgroup's rows' partial sum
         for r in cutlass.range_constexpr(HALF):
-            i = part * HALF + r
-            gv = Float32(0.0)
-            qv = BFloat16(0.0)
-            kv = BFloat16(0.0)
-            if active and c * ROWS + i < seqlen:
-                gv = r_g[r]
-                if gv < Float32(GATE_FLOOR):  # as xla.py: g = -inf resets; NaN stays NaN
-                    gv = Float32(GATE_FLOOR)
-                qv = r_q[r]
-                kv = r_k[r]
-            gam = gam + gv
-            s_gam[i, d] = gam
-            s_q[i, d] = qv
-            s_k[i, d] = kv
+            gam = gam + r_run[r]
+            s_gam[part * HALF + r, d] = gam
         cute.arch.sync_threads()
         # the later warpgroups' partial sums start from the rows before theirs
         g_before = Float32(0.0)
