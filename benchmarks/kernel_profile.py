@@ -150,7 +150,9 @@ def _main():
         "'v16'/'v32'/'v64' (the float32 state-scan variants) or 't16'/'t32' (the tensor-core "
         "scan with the V-slice as wgmma N), 'dense' (the scan and the outputs around it as one "
         "VJP, its backward's products on their kernel), 'tok' (with dense: the element-wise rest "
-        "on its kernel, into the tokens' rows), 'bs' (with dense: both state scans in the "
+        "on its kernel, into the tokens' rows, fused into the decayed kernel where both are "
+        "on), 'sep' (with tok: the decayed and tokens kernels one after the other), 'bs' "
+        "(with dense: both state scans in the "
         "backward, in one launch), joined by '+' (e.g. base,core+dbwd+v64+x3)",
     )
     parser.add_argument(
@@ -243,6 +245,8 @@ def _variants(text: str) -> list[tuple[str, dict]]:
                 options["dense_bwd"] = True
             elif part == "tok":  # with dense: the element-wise rest on its kernel, to tokens
                 options["tokens_bwd"] = True
+            elif part == "sep":  # with tok: the decayed and tokens kernels one after the other
+                options["fuse_tokens"] = False
             elif part == "bs":  # with dense: both state scans in the backward, one launch
                 options["both_scans"] = True
             elif part in SCAN_VARIANTS:

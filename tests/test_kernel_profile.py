@@ -90,6 +90,10 @@ def test_train_variants_parse_into_training_forward_options():
     assert _variants("core+dbwd+dense+tok")[0][1] == {
         **off, "chunk_core": True, "decayed_bwd": True, "dense_bwd": True, "tokens_bwd": True,
     }  # fmt: skip
+    assert _variants("core+dbwd+dense+tok+sep")[0][1] == {
+        **off, "chunk_core": True, "decayed_bwd": True, "dense_bwd": True, "tokens_bwd": True,
+        "fuse_tokens": False,
+    }  # fmt: skip
     assert _variants("core+x1")[0][1] == {
         **off, "chunk_core": True, "dense_precision": "bf16",
     }  # fmt: skip

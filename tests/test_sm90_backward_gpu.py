@@ -785,6 +785,131 @@ def test_tokens_bwd_kernel_matches_xla(case):
         assert error <= 1e-5, (name, error)
 
 
+@pytest.mark.parametrize("case", [*CORE_CASES, "all-empty"])
+def test_decayed_tokens_bwd_kernel_equals_the_two_kernels(case):
+    """The decayed backward with the tokens' backward fused after it (DecayedTokensBwdSm90)
+    against the two kernels it replaces run one after the other (each checked against XLA
+    above) on the chunk core's gamma and random bf16 cotangents: dq, dk, dv element by element,
+    dg and dbeta (float32 sums in another order, with cancellation) by the tokens kernel's bar
+    against the two kernels and against the XLA statement of the tokens' part; every
+    result in the tokens' rows NaN-poisoned, dbeta's two partial sums each, both anchors and
+    the pairwise diagonal blocks in either half of the channels, ragged, empty and gap slots,
+    no tokens at all, gates at the floor (the first chunk only, so that the other chunks keep
+    middle anchors) and at -inf; the public wrapper too."""
+    register()
+    if case == "all-empty":
+        lengths, x = [0, 0], production_inputs([0, 0], 3, seed=SEED)
+    else:
+        lengths, x = _core_case(case, SEED + 17 * len(case))
+    g = np.array(x.g)
+    g[0:64:37, :, 5] = -100.0  # exactly at the floor
+    tokens = x.q.shape[0]
+    num_slots = xla.chunk_slot_count(tokens, len(lengths))
+    token_inputs = (
+        jnp.asarray(x.q), jnp.asarray(x.k), jnp.asarray(x.v), jnp.asarray(g), jnp.asarray(x.beta)
+    )  # fmt: skip
+    cu = jnp.asarray(x.cu_seqlens, jnp.int32)
+    core = jax.jit(sm90.chunk_core_kernel, static_argnums=(6, 7))(*token_inputs, cu, num_slots, 0.3)
+    gamma = core[6]
+    rng = np.random.default_rng(SEED + 11 * len(case))
+    slots_heads = gamma.shape[:2]
+
+    def bf16(*shape):
+        return jnp.asarray(rng.standard_normal(shape), jnp.float32).astype(jnp.bfloat16)
+
+    def f32(*shape):
+        return jnp.asarray(rng.standard_normal(shape), jnp.float32)
+
+    d_kk, d_attn = bf16(*slots_heads, 64, 64), bf16(*slots_heads, 64, 64)
+    cotangents = (
+        bf16(*slots_heads, 64, 256), f32(*slots_heads, 64), bf16(*gamma.shape),
+        bf16(*gamma.shape), f32(*slots_heads, 128),
+    )  # fmt: skip
+
+    def poisoned(artifact, inputs, results):
+        poison = [jnp.full(r.shape, jnp.nan, r.dtype) for r in results]
+        aliases = {len(inputs) + i: i for i in range(len(results))}
+        return cute_call(artifact, [*inputs, *poison], results, aliases=aliases)
+
+    @jax.jit
+    def fused(token_inputs, cu, gamma, d_kk, d_attn, cotangents):
+        q, k, v, g, beta = token_inputs
+        d_rhs, d_beta_kk, d_qg, d_kd, d_decay = cotangents
+        inputs = [q.astype(jnp.bfloat16), k.astype(jnp.bfloat16), v.astype(jnp.bfloat16), g,
+                  beta, cu, gamma, d_kk, d_attn, d_rhs, d_qg, d_kd, d_decay, d_beta_kk]  # fmt: skip
+        results = [jax.ShapeDtypeStruct(q.shape, jnp.bfloat16)] * 3
+        results += [jax.ShapeDtypeStruct(q.shape, jnp.float32)]
+        results += [jax.ShapeDtypeStruct((2, *q.shape[:2]), jnp.float32)]
+        return poisoned(sm90.decayed_tokens_bwd_artifact(0.3), inputs, results)
+
+    @jax.jit
+    def separate(token_inputs, cu, gamma, d_kk, d_attn, cotangents):
+        q, k = token_inputs[:2]
+        d_decayed = sm90.decayed_bwd_tokens_kernel(0.3, q, k, cu, None, gamma, d_kk, d_attn)
+        call = sm90.tokens_bwd_call(0.3, token_inputs, cu, gamma, d_decayed, cotangents)
+        return poisoned(*call), d_decayed
+
+    args = (token_inputs, cu, gamma, d_kk, d_attn, cotangents)
+    ours, (reference, d_decayed) = fused(*args), separate(*args)
+    _, rows = xla._token_slots(cu, tokens)
+    statement = jax.jit(sm90.xla_tokens_bwd, static_argnums=0)(
+        0.3, token_inputs, cu, rows, gamma, d_decayed, cotangents
+    )  # the XLA statement of the tokens' part, from the separate decayed kernel's products
+    names = ("dq", "dk", "dv", "dg", "dbeta parts")
+    for name, a, b in zip(names, ours, reference, strict=True):
+        assert a.shape == b.shape and a.dtype == b.dtype, name
+        a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+        assert not np.isnan(a).any(), name
+        if not b.size:
+            continue
+        if name in ("dq", "dk", "dv"):
+            # the same float32 sums in another order, rounded once to bf16: one bf16 step
+            # apart at most
+            scale = np.sqrt(np.mean(np.square(b)))
+            worst = float(np.max(np.abs(a - b) / (2.0**-7 * np.abs(b) + 1e-5 * scale)))
+            print(f"decayed+tokens bwd {case} {name}: worst {worst:.2f} of its bar")
+            assert worst <= 1.0, (name, worst)
+            continue
+        # dg and dbeta: float32 sums of terms that cancel, in another order (under a constant
+        # gate dg is orders smaller than its terms: the last row's k E dKd against the sum of
+        # every row's), the tokens kernel's bar against its XLA statement, both ways; for dg
+        # relative to the larger of the result and its terms' size (the decayed products'
+        # dgamma, and k dKd with E <= 1)
+        terms = sum(
+            float(np.sqrt(np.mean(np.square(np.asarray(t, np.float64))))) for t in (d_decayed[2],)
+        ) + float(np.sqrt(np.mean(np.square(np.asarray(token_inputs[1], np.float64))))) * float(
+            np.sqrt(np.mean(np.square(np.asarray(cotangents[3], np.float64))))
+        )
+
+        def rms_ratio(a, b, terms=terms if name == "dg" else 0.0):
+            a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+            if not np.isfinite(a).all():
+                return float("inf")
+            size = max(float(np.sqrt(np.mean(np.square(b)))), terms)
+            return float(np.sqrt(np.mean(np.square(a - b)))) / size
+
+        error = rms_ratio(a, b)
+        where = np.unravel_index(np.argmax(np.abs(a - b)), a.shape)
+        size = np.sqrt(np.mean(np.square(b)))
+        print(
+            f"decayed+tokens bwd {case} {name}: rms_ratio {error:.1e} to the two kernels "
+            f"(worst at {where}: {a[where]:.6e} vs {b[where]:.6e}, rms {size:.3e})"
+        )
+        assert error <= 1e-5, (name, error)
+        if name == "dg":
+            error = rms_ratio(a, statement[3])
+            print(f"decayed+tokens bwd {case} dg: rms_ratio {error:.1e} to the XLA statement")
+            assert error <= 1e-5, (name, error)
+        else:
+            error = rms_ratio(a.sum(0), statement[4])
+            print(f"decayed+tokens bwd {case} dbeta: rms_ratio {error:.1e} to the XLA statement")
+            assert error <= 1e-5, (name, error)
+    wrapper = jax.jit(sm90.decayed_tokens_bwd_kernel, static_argnums=0)
+    public = wrapper(0.3, token_inputs, cu, None, gamma, d_kk, d_attn, cotangents)
+    for name, a, b in zip(names, public, sm90.tokens_bwd_results(ours), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=name)
+
+
 def _training_case(data, seed):
     """The oracle tests' call: lengths [300, 0, 77, 130], 2 heads, production or long-memory
     data, or production data with g = -8 or -30 on every other channel."""

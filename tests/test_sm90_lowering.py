@@ -2,6 +2,7 @@
 prefill lowers for CUDA to our custom call, without a GPU (CUTE_DSL_ARCH=sm_90a)."""
 
 import ast
+import functools
 import os
 import re
 import subprocess
@@ -149,9 +150,8 @@ def test_prepared_inputs_and_grouped_heads_lower_to_the_kernels(lower_bound):
     # exact forward with the chunk core's forward-alone variant
     forward = {"kda_fwd_sm90_h2"} if lower_bound is not None else {"kda_chunk_operands_sm90_x1_fwd"}
     assert kinds == forward | {
-        "kda_chunk_operands_sm90_x1", "kda_decayed_bwd_tokens_sm90", "kda_state_scan_sm90_fwd",
-        "kda_state_scans_sm90", "kda_dense_bwd", "kda_tokens_bwd_sm90",
-        "kda_state_cotangent_sm90", "kda_chunk_outputs",
+        "kda_chunk_operands_sm90_x1", "kda_decayed_tokens_bwd_sm90", "kda_state_scan_sm90_fwd",
+        "kda_state_scans_sm90", "kda_dense_bwd", "kda_state_cotangent_sm90", "kda_chunk_outputs",
     }, kinds  # fmt: skip
 
 
@@ -256,6 +256,31 @@ def test_tokens_bwd_exports_for_sm90a(bf16_cotangents):
     assert artifact.prefix.startswith("kda_tokens_bwd_sm90_" + ("" if bf16_cotangents else "f32_"))
 
 
+def test_decayed_tokens_bwd_exports_for_sm90a():
+    """The decayed backward with the tokens' backward fused after it compiles and exports for
+    sm_90a (symbolic tokens, heads, slots and sequences), its own variant per scale."""
+    artifact = sm90.decayed_tokens_bwd_artifact(0.3)
+    assert artifact.object_bytes[:4] == b"\x7fELF"
+    assert artifact.prefix.startswith("kda_decayed_tokens_bwd_sm90_")
+    assert len(artifact.tensors) == 19  # 14 inputs and 5 results
+    assert artifact.tensors[-1].rank == 3  # dbeta's partial sums [2, T, H], one a half
+    assert sm90.decayed_tokens_bwd_artifact(128**-0.5).key != artifact.key
+
+
+def test_decayed_tokens_bwd_refuses_float32_cotangents():
+    """The fused kernel takes the dense kernel's bf16 cotangents only: float32 ones (XLA's dense
+    backward) are refused, never rounded on the way in."""
+    tokens = tuple(jnp.zeros((70, 2, 128), t) for t in [jnp.bfloat16] * 3 + [jnp.float32])
+    tokens += (jnp.zeros((70, 2), jnp.float32),)
+    chunk = jnp.zeros((3, 2, 64, 128), jnp.float32)
+    pairs = jnp.zeros((3, 2, 64, 64), jnp.float32)
+    cotangents = (jnp.zeros((3, 2, 64, 256)), chunk[..., 0, :64], chunk, chunk, chunk[:, :, 0])
+    with pytest.raises(TypeError, match="bfloat16"):
+        sm90.decayed_tokens_bwd_kernel(
+            0.3, tokens, jnp.asarray([0, 70], jnp.int32), None, chunk, pairs, pairs, cotangents
+        )
+
+
 @pytest.mark.parametrize("bf16_cotangents", [True, False], ids=["bf16", "f32"])
 def test_decayed_bwd_tokens_variant_exports_for_both_cotangent_dtypes(bf16_cotangents):
     artifact = sm90.decayed_bwd_artifact(True, 0.3, bf16_cotangents)
@@ -285,21 +310,31 @@ def test_state_cotangent_exports_for_sm90a(v_slice):
 
 @pytest.mark.parametrize("tokens_bwd", [True, False])
 def test_training_forward_lowers_to_the_tokens_bwd_kernel_unless_switched_off(tokens_bwd):
-    """training_forward's backward ends on the tokens-backward kernel by default and in XLA
-    with tokens_bwd=False; without the dense backward it ends, it is refused, not dropped."""
+    """training_forward's backward ends on the decayed backward with the tokens' backward fused
+    after it by default (the two kernels one after the other with fuse_tokens=False), and on the
+    decayed kernel then XLA with tokens_bwd=False; without the dense backward it ends, it is
+    refused, not dropped."""
     x = production_inputs([300, 0, 77], 2, seed=8)
 
-    def step(q, k, v, g, beta, cu, state):
+    def step(q, k, v, g, beta, cu, state, fuse_tokens=True):
         def forward(q, k, v, g, beta, state):
-            return sm90.training_forward(q, k, v, g, beta, cu, state, 0.3, tokens_bwd=tokens_bwd)
+            return sm90.training_forward(
+                q, k, v, g, beta, cu, state, 0.3, tokens_bwd=tokens_bwd, fuse_tokens=fuse_tokens
+            )
 
         out, pullback = jax.vjp(forward, q, k, v, g, beta, state)
         return pullback(out)
 
+    if tokens_bwd:
+        text = _lower(functools.partial(step, fuse_tokens=False), *x)
+        prefixes = {p.rsplit("_", 1)[0] for p in re.findall(r'prefix = "(\w+)"', text)}
+        assert {"kda_decayed_bwd_tokens_sm90", "kda_tokens_bwd_sm90"} <= prefixes, prefixes
+        assert "kda_decayed_tokens_bwd_sm90" not in prefixes, prefixes
     text = _lower(step, *x)
     prefixes = {p.rsplit("_", 1)[0] for p in re.findall(r'prefix = "(\w+)"', text)}
-    assert ("kda_tokens_bwd_sm90" in prefixes) == tokens_bwd, prefixes
-    assert {"kda_dense_bwd", "kda_decayed_bwd_tokens_sm90"} <= prefixes
+    assert ("kda_decayed_tokens_bwd_sm90" in prefixes) == tokens_bwd, prefixes
+    assert ("kda_decayed_bwd_tokens_sm90" in prefixes) != tokens_bwd, prefixes
+    assert "kda_dense_bwd" in prefixes and "kda_tokens_bwd_sm90" not in prefixes, prefixes
     # the reverse scan's addend straight in the tensor-core scan's slices (t16 at 2 x 3 heads)
     assert "kda_state_cotangent_sm90_vs16" in set(re.findall(r'prefix = "(\w+)"', text))
     with pytest.raises(ValueError, match="needs dense_bwd=True"):
@@ -486,7 +521,7 @@ def test_grad_with_saved_residuals_lowers_without_a_recompute():
         expected = {
             "kda_chunk_operands_sm90_x1", "kda_state_scan_sm90_fwd", "kda_chunk_outputs",
             "kda_state_cotangent_sm90", "kda_state_scan_sm90_rev", "kda_dense_bwd",
-            "kda_decayed_bwd_tokens_sm90", "kda_tokens_bwd_sm90",
+            "kda_decayed_tokens_bwd_sm90",
         }  # fmt: skip
         if name == "vmap":
             expected.remove("kda_chunk_outputs")
@@ -559,9 +594,9 @@ def test_training_lowers_under_scan_over_layers_checkpoint_and_vmap():
     for name, (fn, args) in cases.items():
         prefixes = set(re.findall(r'prefix = "(\w+)"', _lower(fn, *args)))
         kinds = {p.rsplit("_", 1)[0] for p in prefixes}
-        expected = {"kda_fwd_sm90_h2", "kda_chunk_operands_sm90_x1", "kda_decayed_bwd_tokens_sm90"}
+        expected = {"kda_fwd_sm90_h2", "kda_chunk_operands_sm90_x1", "kda_decayed_tokens_bwd_sm90"}
         expected |= {"kda_state_scan_sm90_fwd", "kda_state_scans_sm90", "kda_dense_bwd"}
-        expected |= {"kda_tokens_bwd_sm90", "kda_state_cotangent_sm90", "kda_chunk_outputs"}
+        expected |= {"kda_state_cotangent_sm90", "kda_chunk_outputs"}
         assert kinds == expected, (
             name,
             prefixes,
@@ -800,7 +835,7 @@ def test_grad_under_explicit_sharding_lowers_per_device():
             grad = jax.jit(jax.grad(loss, argnums=range(6)))
             text = grad.trace(*sharded).lower(lowering_platforms=("cuda",)).as_text()
         kinds = {p.rsplit("_", 1)[0] for p in re.findall(r'prefix = "(\\w+)"', text)}
-        assert {"kda_fwd_sm90", "kda_chunk_operands_sm90_x1", "kda_decayed_bwd_tokens_sm90"} <= {
+        assert {"kda_fwd_sm90", "kda_chunk_operands_sm90_x1", "kda_decayed_tokens_bwd_sm90"} <= {
             k.rsplit("_", 1)[0] if k.startswith("kda_fwd") else k for k in kinds}, kinds
         assert "manual_computation" in text
         assert "stablehlo.while" not in text
@@ -837,7 +872,7 @@ def test_context_parallel_grad_lowers_per_device():
         text = grad.trace(*x[:5], x.initial_state).lower(lowering_platforms=("cuda",)).as_text()
         kinds = {p.rsplit("_", 1)[0] for p in re.findall(r'prefix = "(\\w+)"', text)}
         # the forward runs both passes as one call on twice the heads (h4)
-        expected = {"kda_fwd_sm90_h4", "kda_state_scans_sm90", "kda_decayed_bwd_tokens_sm90"}
+        expected = {"kda_fwd_sm90_h4", "kda_state_scans_sm90", "kda_decayed_tokens_bwd_sm90"}
         assert expected <= kinds, kinds
         assert "manual_computation" in text and "stablehlo.all_gather" in text
         assert "stablehlo.all_reduce" in text and "stablehlo.while" not in text
@@ -875,10 +910,10 @@ def test_vmap_runs_the_sm90_path_as_one_call():
         prefixes = re.findall(r'prefix = "(\w+)"', text)
         kinds = sorted(p.rsplit("_", 1)[0] for p in prefixes)
         expected = ["kda_fwd_sm90"] if name == "vmap" else [
-            "kda_chunk_operands_sm90_x1", "kda_chunk_outputs", "kda_decayed_bwd_tokens_sm90",
+            "kda_chunk_operands_sm90_x1", "kda_chunk_outputs", "kda_decayed_tokens_bwd_sm90",
             "kda_dense_bwd",
             "kda_fwd_sm90", "kda_state_cotangent_sm90", "kda_state_scan_sm90_fwd",
-            "kda_state_scans_sm90", "kda_tokens_bwd_sm90",
+            "kda_state_scans_sm90",
         ]  # fmt: skip
         assert [k.rsplit("_", 1)[0] if k.startswith("kda_fwd") else k for k in kinds] == expected
         assert "stablehlo.while" not in text, name

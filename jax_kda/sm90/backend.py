@@ -760,7 +760,7 @@ def state_cotangent_kernel(
 
 def xla_chunk_bwd(
     scale, tokens, cu_seqlens, rows, core_out, states, g_end, d_o, precision,
-    dense_bwd=None, decayed_bwd=None, tokens_bwd=None,
+    dense_bwd=None, decayed_bwd=None, tokens_bwd=None, decayed_tokens_bwd=None,
 ):  # fmt: skip
     """Every chunk's part of the backward, straight to the tokens: tokens = (q, k, v, g, beta)
     packed (g as given: dg goes through the gate floor here); core_out: the chunk core's
@@ -771,16 +771,19 @@ def xla_chunk_bwd(
     products' and the solve's backward (`dense_bwd`: dense_bwd_kernel; xla_dense_bwd), the
     decayed products' (`decayed_bwd`: decayed_bwd_tokens_kernel; xla_decayed_bwd_tokens), then
     the element-wise terms back into the tokens' rows (`tokens_bwd`: tokens_bwd_kernel;
-    xla_tokens_bwd)."""
+    xla_tokens_bwd); `decayed_tokens_bwd` (decayed_tokens_bwd_kernel) takes the last two in
+    one."""
     gamma, kk, t_inverse = core_out[6:9]
     w, u, _, attn, kd = core_out[:5]
     d_rhs, d_qg, d_attn, d_kd, d_decay, d_kk, d_beta_kk = (dense_bwd or xla_dense_bwd)(
         w, u, attn, kd, states, g_end, d_o, t_inverse, kk, tokens[4], cu_seqlens, rows, precision
     )
+    cotangents = (d_rhs, d_beta_kk, d_qg, d_kd, d_decay)
+    if decayed_tokens_bwd is not None:
+        return decayed_tokens_bwd(scale, tokens, cu_seqlens, rows, gamma, d_kk, d_attn, cotangents)
     # both read the cotangents for j <= i only
     decayed = decayed_bwd or xla_decayed_bwd_tokens
     d_decayed = decayed(scale, tokens[0], tokens[1], cu_seqlens, rows, gamma, d_kk, d_attn)
-    cotangents = (d_rhs, d_beta_kk, d_qg, d_kd, d_decay)
     return (tokens_bwd or xla_tokens_bwd)(
         scale, tokens, cu_seqlens, rows, gamma, d_decayed, cotangents
     )
@@ -1153,12 +1156,7 @@ def tokens_bwd_call(scale, tokens, cu_seqlens, gamma, d_decayed, cotangents):
     q, k, v, g, beta = tokens
     d_rhs, d_beta_kk, d_qg, d_kd, d_decay = cotangents
     f32 = jnp.float32
-    token_shape = (*q.shape[:2], HEAD_DIM)
-    results = [jax.ShapeDtypeStruct(token_shape, jnp.bfloat16) for _ in range(3)]
-    results += [
-        jax.ShapeDtypeStruct(token_shape, f32),
-        jax.ShapeDtypeStruct((2, *q.shape[:2]), f32),
-    ]
+    results = token_grad_results(q)
     bf16 = jnp.bfloat16
     # d_rhs, d_qg, d_kd in their dtype: all bf16 (the dense kernel's), or else float32
     # (xla_dense_bwd's, never rounded on the way in)
@@ -1186,14 +1184,21 @@ def tokens_bwd_kernel(scale, tokens, cu_seqlens, rows, gamma, d_decayed, cotange
     del rows
     q = tokens[0]
     if gamma.shape[0] == 0:  # no slots: no tokens either
-        token_shape = (*q.shape[:2], HEAD_DIM)
-        dtypes = [jnp.bfloat16] * 3 + [jnp.float32] * 2
-        shapes = [token_shape] * 4 + [q.shape[:2]]
-        return tuple(jnp.zeros(s, t) for s, t in zip(shapes, dtypes, strict=True))
+        return tokens_bwd_results([jnp.zeros(r.shape, r.dtype) for r in token_grad_results(q)])
     artifact, inputs, results = tokens_bwd_call(
         scale, tokens, cu_seqlens, gamma, d_decayed, cotangents
     )
     return tokens_bwd_results(cute_call(artifact, inputs, results))
+
+
+def token_grad_results(q):
+    """The tokens' backward kernels' results for tokens q [T, H, 128]: dq, dk, dv [T, H, 128]
+    bfloat16, dg [T, H, 128] float32 and dbeta's two partial sums [2, T, H] float32."""
+    token_shape = (*q.shape[:2], HEAD_DIM)
+    results = [jax.ShapeDtypeStruct(token_shape, jnp.bfloat16) for _ in range(3)]
+    results.append(jax.ShapeDtypeStruct(token_shape, jnp.float32))
+    results.append(jax.ShapeDtypeStruct((2, *q.shape[:2]), jnp.float32))
+    return results
 
 
 def tokens_bwd_results(outputs):
@@ -1201,6 +1206,79 @@ def tokens_bwd_results(outputs):
     two partial sums (one a half of the channels)."""
     dq, dk, dv, dg, dbeta_parts = outputs
     return dq, dk, dv, dg, dbeta_parts[0] + dbeta_parts[1]
+
+
+@functools.cache
+def decayed_tokens_bwd_artifact(scale: float):
+    """The exported decayed products' backward with the tokens' backward fused after it
+    (kernels/kda_decayed_bwd_sm90.py, DecayedTokensBwdSm90) for this scale: the dense kernel's
+    bf16 cotangents; tokens, heads, slots and sequences symbolic."""
+    import cutlass.cute as cute
+    from cutlass import BFloat16, Float32, Int32
+
+    from jax_kda.sm90.export import export, row_major_fake
+    from jax_kda.sm90.kernels.kda_decayed_bwd_sm90 import DecayedTokensBwdSm90
+
+    tokens, heads, slots = cute.sym_int32(), cute.sym_int32(), cute.sym_int32()
+    token_shape = (tokens, heads, HEAD_DIM)
+    chunk = (slots, heads, SCAN_CHUNK, HEAD_DIM)
+    pairs = (slots, heads, SCAN_CHUNK, SCAN_CHUNK)
+    fakes = {
+        **{name: row_major_fake(BFloat16, token_shape) for name in ("q", "k", "v")},
+        "g": row_major_fake(Float32, token_shape),
+        "beta": row_major_fake(Float32, (tokens, heads), align=4),
+        "cu_seqlens": row_major_fake(Int32, (cute.sym_int32(),), align=4),
+        "gamma": row_major_fake(Float32, chunk),
+        "d_kk": row_major_fake(BFloat16, pairs),
+        "d_qk": row_major_fake(BFloat16, pairs),
+        "d_rhs": row_major_fake(BFloat16, (slots, heads, SCAN_CHUNK, 2 * HEAD_DIM)),
+        "d_qg": row_major_fake(BFloat16, chunk),
+        "d_kd": row_major_fake(BFloat16, chunk),
+        "d_decay": row_major_fake(Float32, (slots, heads, HEAD_DIM)),
+        "d_beta_kk": row_major_fake(Float32, (slots, heads, SCAN_CHUNK)),
+        **{name: row_major_fake(BFloat16, token_shape) for name in ("dq", "dk", "dv")},
+        "dg": row_major_fake(Float32, token_shape),
+        "dbeta": row_major_fake(Float32, (2, tokens, heads), align=4),  # partial sums
+    }
+    scale_tag = hashlib.sha256(repr(scale).encode()).hexdigest()[:8]
+    return export(
+        DecayedTokensBwdSm90(scale),
+        fakes,
+        prefix=f"kda_decayed_tokens_bwd_sm90_{scale_tag}",
+        config={"scale": repr(scale)},
+    )
+
+
+def decayed_tokens_bwd_kernel(scale, tokens, cu_seqlens, rows, gamma, d_kk, d_attn, cotangents):
+    """decayed_bwd_tokens_kernel, then tokens_bwd_kernel, in one kernel (their contracts
+    composed; rows unused): tokens = (q, k, v, g, beta), the cotangents (d_rhs, d_beta_kk, d_qg,
+    d_kd, d_decay) and d_kk, d_attn as the dense kernel gives them (taken as bf16). Returns (dq,
+    dk, dv, dg, dbeta) in the tokens' rows, dq, dk, dv bfloat16."""
+    from jax_kda.sm90.ffi_call import cute_call
+
+    del rows
+    q, k, v, g, beta = tokens
+    if gamma.shape[0] == 0:  # no slots: no tokens either
+        return tokens_bwd_results([jnp.zeros(r.shape, r.dtype) for r in token_grad_results(q)])
+    d_rhs, d_beta_kk, d_qg, d_kd, d_decay = cotangents
+    f32, bf16 = jnp.float32, jnp.bfloat16
+    if any(x.dtype != bf16 for x in (d_kk, d_attn, d_rhs, d_qg, d_kd)):
+        raise TypeError(
+            "decayed_tokens_bwd_kernel takes the dense kernel's bfloat16 d_kk, d_attn, d_rhs, "
+            "d_qg and d_kd (float32 ones run decayed_bwd_tokens_kernel, then tokens_bwd_kernel)"
+        )
+    results = token_grad_results(q)
+    inputs = [
+        *(x.astype(bf16) for x in (q, k, v)),
+        g.astype(f32),
+        beta.astype(f32),
+        jnp.asarray(cu_seqlens, jnp.int32),
+        gamma.astype(f32),
+        *(x.astype(bf16) for x in (d_kk, d_attn, d_rhs, d_qg, d_kd)),
+        *(x.astype(f32) for x in (d_decay, d_beta_kk)),
+    ]
+    out = cute_call(decayed_tokens_bwd_artifact(scale), inputs, results)
+    return tokens_bwd_results(out)
 
 
 def xla_chunk_core(q, k, v, g, beta, cu_seqlens, num_slots, scale):
@@ -1312,7 +1390,7 @@ DENSE_PRECISIONS = {
 def _training_chunks(
     num_heads, num_sequences, *, both_scans, chunk_core=True, decayed_bwd=True,
     scan_v_slice=None, scan_tensor_cores=None, dense_precision="bf16", chunk_core_passes=1,
-    scan_passes=None, tokens_bwd=True,
+    scan_passes=None, tokens_bwd=True, fuse_tokens=True,
 ):  # fmt: skip
     """training_forward's differentiable_chunks for these switches (its dense_bwd=True form);
     the defaults are the training path's kernels, which training_residual_forward and
@@ -1328,6 +1406,12 @@ def _training_chunks(
         dense_bwd=dense_bwd_kernel if dense_precision == "bf16" else None,
         decayed_bwd=decayed_bwd_tokens_kernel if decayed_bwd else None,
         tokens_bwd=tokens_bwd_kernel if tokens_bwd else None,
+        # the dense kernel's bf16 cotangents: both in one kernel
+        decayed_tokens_bwd=(
+            decayed_tokens_bwd_kernel
+            if decayed_bwd and tokens_bwd and fuse_tokens and dense_precision == "bf16"
+            else None
+        ),
     )
     core = functools.partial(chunk_core_kernel, passes=chunk_core_passes)
     primal_core = functools.partial(chunk_core_kernel, passes=chunk_core_passes, residuals=False)
@@ -1354,7 +1438,7 @@ def _training_chunks(
 def training_forward(
     q, k, v, g, beta, cu_seqlens, initial_state, scale, *, chunk_core=True, decayed_bwd=True,
     scan_v_slice=None, scan_tensor_cores=None, dense_precision="bf16", chunk_core_passes=1,
-    scan_passes=None, dense_bwd=True, tokens_bwd=None, both_scans=True,
+    scan_passes=None, dense_bwd=True, tokens_bwd=None, both_scans=True, fuse_tokens=True,
 ):  # fmt: skip
     """The forward the sm90 backward differentiates (and the no-bound forward), exact for any
     g <= 0: the chunk-core kernel's per-chunk operands (their backward written out,
@@ -1390,9 +1474,12 @@ def training_forward(
     other than bf16; the reverse scan's addend likewise on state_cotangent_kernel, and the
     forward's outputs on chunk_outputs_kernel), then the decayed products' backward, then
     (tokens_bwd=True; None: as dense_bwd) the element-wise rest straight into the tokens'
-    rows on tokens_bwd_kernel (False: in XLA, xla_tokens_bwd). both_scans=True (with
-    dense_bwd): the backward runs the chunk states' scan again beside the reverse scan, in one
-    launch (state_scans_kernel), instead of saving the states from the forward's scan.
+    rows on tokens_bwd_kernel (False: in XLA, xla_tokens_bwd); with the dense kernel's bf16
+    cotangents and both kernels on, the two run as one, decayed_tokens_bwd_kernel (fuse_tokens;
+    False: one after the other).
+    both_scans=True (with dense_bwd): the backward runs the chunk states' scan again beside the
+    reverse scan, in one launch (state_scans_kernel), instead of saving the states from the
+    forward's scan.
     H200 profile, recompute + backward at 2048x12x1 / 8192x16x1: 769 / 3420 us without
     dense_bwd, 688 / 2989 with it, 613 / 2776 with the state-cotangent and tokens kernels,
     594.5 / 2606 with the outputs', 493.9 / 2144.0 with the kernels reading the tokens' rows
@@ -1403,7 +1490,9 @@ def training_forward(
     An earlier variant fused the element-wise rest into the decayed products' kernel instead:
     exact, but slower than XLA (2048x12x1 969 against 944 us): at that kernel's one CTA an SM
     the memory-bound tail was latency-bound; tokens_bwd_kernel runs it at two CTAs an SM of
-    16 warps each, with nothing else in shared memory."""
+    16 warps each, with nothing else in shared memory. decayed_tokens_bwd_kernel fuses only
+    the element-wise rest, at the decayed kernel's two CTAs an SM since it took half the
+    channels a CTA (not yet timed on a GPU)."""
     if decayed_bwd and not chunk_core:
         raise ValueError("decayed_bwd=True needs chunk_core=True (the operands' backward it is in)")
     if tokens_bwd is None:
@@ -1421,6 +1510,7 @@ def training_forward(
             decayed_bwd=decayed_bwd, scan_v_slice=scan_v_slice,
             scan_tensor_cores=scan_tensor_cores, dense_precision=dense_precision,
             chunk_core_passes=chunk_core_passes, scan_passes=scan_passes, tokens_bwd=tokens_bwd,
+            fuse_tokens=fuse_tokens,
         )  # fmt: skip
         return xla.forward(
             q, k, v, g, beta, cu_seqlens, initial_state, scale, precision=precision,

@@ -29,6 +29,12 @@ float32, d_kk, d_a [slots, H, 64, 64] float32 or bfloat16 (the tokens' variant a
 dense kernel's). Outputs: dq, dk, dgamma [slots, H, 64, 128] float32. One CTA of one warpgroup
 a (slot, head, 64 channels); with bf16 cotangents its shared memory (about 111 KiB) lets two
 CTAs share an SM, so one CTA's loads and element-wise phases overlap the other's products.
+
+DecayedTokensBwdSm90 runs the tokens' backward (kda_tokens_bwd_sm90.py's contract and math)
+after the products in the same CTA: dq_c, dk_c and dgamma_c of its 64 channels stay in shared
+memory (float32 stages in the operand region, once the last product has read it) and leave
+only as the tokens' gradients, which saves writing and reading them back (96 KiB a slot and
+head) and a launch.
 """
 
 from __future__ import annotations
@@ -42,7 +48,7 @@ import cutlass.cute.nvgpu.warpgroup as warpgroup
 from cutlass import BFloat16, Float32, Int32
 from cutlass.memory import SmemAllocator
 
-from jax_kda.constants import HEAD_DIM, SCAN_CHUNK
+from jax_kda.constants import GATE_FLOOR, HEAD_DIM, SCAN_CHUNK
 from jax_kda.sm90.kernels.chunk64 import (
     BLOCK,
     BLOCKS,
@@ -78,6 +84,11 @@ SIDE = 2 * BLOCK  # K of a back product: block I's 16 rows for d_kk, then for d_
 # lie where R^T goes; after the products, the pairwise pass's float32 scratch.
 RT_BYTES = CH * 2 * PACKED * 2  # R^T image [64, 320] bf16 (hi | lo): 40 KiB
 BACK_B_BYTES = CH * 2 * SIDE * 2  # [kl | ql] image [64, 64] bf16 (hi | lo): 8 KiB
+# The fused variant's float32 stages of dq, dk, dgamma [64, 64] (rows padded: the accumulator's
+# stores 2-way conflicted), then its per-half sums [2, 2, 64], in the region after the products.
+STAGE_ROW = CH + 4
+STAGE_BYTES = ROWS * STAGE_ROW * 4
+PART_BYTES = 2 * 2 * CH * 4
 
 
 def split_cotangents(dtype) -> bool:
@@ -88,6 +99,9 @@ def split_cotangents(dtype) -> bool:
 def w_bytes(split: bool) -> int:
     """The packed cotangent image [64, 160] bf16, [hi | lo] where split."""
     return ROWS * PACKED * 2 * (2 if split else 1)
+
+
+assert 3 * STAGE_BYTES + PART_BYTES <= RT_BYTES + w_bytes(False), "stages outgrow the region"
 
 
 def back_a_bytes(split: bool) -> int:
@@ -172,10 +186,12 @@ class DecayedBwdSm90:
                        mDgamma[slot, h, None, None], c0, tid)  # fmt: skip
 
     @cute.jit
-    def _products(self, shared, mma: cute.TiledMma, mDq, mDk, mDgamma, c0, tid):
+    def _products(self, shared, mma: cute.TiledMma, mDq, mDk, mDgamma, c0, tid,
+                  staged: cutlass.Constexpr[bool] = False):  # fmt: skip
         """dq, dk, dgamma [64, 128] of the chunk in `shared` (_allocate; q, k, Gamma of channels
         c0 .. c0 + 63 and the cotangents in place and visible to all) into those channels of
-        mDq, mDk, mDgamma."""
+        mDq, mDk, mDgamma; staged: into the float32 stages of the region instead (stages(),
+        columns 0 .. 63; mDq, mDk, mDgamma unused), once every product has read its images."""
         s_region, s_q, s_k, s_gam, s_dkk, s_dqk, s_flag = shared
         split = split_cotangents(s_dkk.element_type)
         a_passes = 3 if cutlass.const_expr(split) else 1  # the cotangent images' rule
@@ -255,6 +271,9 @@ class DecayedBwdSm90:
         put_right_factors(s_rt, s_k, s_gam, tid, shift, pairwise, True, 3, CH)
 
         # ---- P(d_kk, k) and P(d_a, k): the cotangent in the packing of R, times R, times r_i
+        # (staged: dk waits in registers until the last product has read the region)
+        r_dk = cute.make_rmem_tensor(acc_x.shape, Float32)
+        s_st_dq, s_st_dk, s_st_dg = stages(s_region)
         for which in cutlass.range_constexpr(2):
             s_dw = s_dkk if cutlass.const_expr(which == 0) else s_dqk
             # row i pairs only with its own block's packed rows; the rest of the image stays
@@ -274,6 +293,12 @@ class DecayedBwdSm90:
             cute.arch.fence_proxy("async.shared", space="cta")
             cute.arch.sync_threads()
             product_passes(mma, acc_x, f_w, f_rt, PACKED // 16, False, passes)
+            if cutlass.const_expr(staged and which == 1):
+                cute.arch.sync_threads()  # every wgmma read of the region is done
+                for e in cutlass.range_constexpr(0, cute.size(acc_x), 2):
+                    i, ch = c_out[e]
+                    for x in cutlass.range_constexpr(2):
+                        s_st_dk[i, ch + x] = r_dk[e + x]
             # a thread holds columns ch, ch + 1 at e, e + 1: stored as 8-byte pairs
             out_a = cute.make_rmem_tensor((2,), Float32)
             out_b = cute.make_rmem_tensor((2,), Float32)
@@ -285,13 +310,19 @@ class DecayedBwdSm90:
                     if cutlass.const_expr(which == 0):  # acc_sum: back, then k (f - back)
                         back = acc_sum[e + x]
                         out_a[x] = f + back
+                        r_dk[e + x] = f + back
                         acc_sum[e + x] = Float32(s_k[i, ch + x]) * (f - back)
                     else:
                         if cutlass.const_expr(qk_scale != 1.0):
                             f = f * Float32(qk_scale)
                         out_a[x] = f
                         out_b[x] = acc_sum[e + x] + Float32(s_q[i, ch + x]) * f
-                if cutlass.const_expr(which == 0):
+                if cutlass.const_expr(staged):
+                    if cutlass.const_expr(which == 1):
+                        for x in cutlass.range_constexpr(2):
+                            s_st_dq[i, ch + x] = out_a[x]
+                            s_st_dg[i, ch + x] = out_b[x]
+                elif cutlass.const_expr(which == 0):
                     pair_at(mDk[i, None], c0 + ch).store(out_a.load())
                 else:
                     pair_at(mDq[i, None], c0 + ch).store(out_a.load())
@@ -299,13 +330,18 @@ class DecayedBwdSm90:
             cute.arch.sync_threads()  # every wgmma read of the images is done
 
         # ---- the diagonal blocks pair by pair where the chunk's decay forbids middle anchors:
-        # thread d = channel c0 + d adds them onto the rows the products wrote
+        # thread d = channel c0 + d adds them onto the rows the products wrote (the global
+        # outputs, a pair's back term gathered in s_back first; staged: the stages' column d,
+        # which no other thread touches, back and all)
         if pairwise != Int32(0):
             d = tid
-            if d < CH:
-                for i in cutlass.range(ROWS, unroll=1):
-                    s_back[i, d] = Float32(0.0)
-            cute.arch.sync_threads()  # the products' global writes are visible to every thread
+            if cutlass.const_expr(not staged):
+                if d < CH:
+                    for i in cutlass.range(ROWS, unroll=1):
+                        s_back[i, d] = Float32(0.0)
+                cute.arch.sync_threads()  # the products' global writes are visible to every thread
+            o_dq, o_dk, o_dg = (s_st_dq, s_st_dk, s_st_dg) if staged else (mDq, mDk, mDgamma)
+            col = d if cutlass.const_expr(staged) else c0 + d
             if d < CH:
                 for i in cutlass.range(ROWS, unroll=1):
                     first = (i // BLOCK) * BLOCK
@@ -323,15 +359,258 @@ class DecayedBwdSm90:
                         k_j = Float32(s_k[j, d])
                         f_kk = f_kk + t_kk * k_j
                         f_qk = f_qk + t_qk * k_j
-                        s_back[j, d] = s_back[j, d] + t_kk * k_i + t_qk * q_i
-                    mDq[i, c0 + d] = mDq[i, c0 + d] + f_qk
-                    mDk[i, c0 + d] = mDk[i, c0 + d] + f_kk
-                    mDgamma[i, c0 + d] = mDgamma[i, c0 + d] + k_i * f_kk + q_i * f_qk
-                for j in cutlass.range(ROWS, unroll=1):
-                    k_j = Float32(s_k[j, d])
-                    back = s_back[j, d]
-                    mDk[j, c0 + d] = mDk[j, c0 + d] + back
-                    mDgamma[j, c0 + d] = mDgamma[j, c0 + d] - k_j * back
+                        if cutlass.const_expr(staged):
+                            back = t_kk * k_i + t_qk * q_i
+                            o_dk[j, col] = o_dk[j, col] + back
+                            o_dg[j, col] = o_dg[j, col] - k_j * back
+                        else:
+                            s_back[j, d] = s_back[j, d] + t_kk * k_i + t_qk * q_i
+                    o_dq[i, col] = o_dq[i, col] + f_qk
+                    o_dk[i, col] = o_dk[i, col] + f_kk
+                    o_dg[i, col] = o_dg[i, col] + k_i * f_kk + q_i * f_qk
+                if cutlass.const_expr(not staged):
+                    for j in cutlass.range(ROWS, unroll=1):
+                        k_j = Float32(s_k[j, d])
+                        back = s_back[j, d]
+                        mDk[j, c0 + d] = mDk[j, c0 + d] + back
+                        mDgamma[j, c0 + d] = mDgamma[j, c0 + d] - k_j * back
+            if cutlass.const_expr(staged):
+                cute.arch.sync_threads()
+
+
+class DecayedTokensBwdSm90(DecayedBwdSm90):
+    """The decayed products' backward with the tokens' backward (kda_tokens_bwd_sm90.py's
+    contract and math) fused after it: the CTA's dq_c, dk_c and dgamma_c [64 rows, 64 channels]
+    stay in shared memory, and the element-wise terms, dg's reverse cumsum and dbeta's partial
+    sum over the CTA's channels go straight into the tokens' rows. q and k from the tokens'
+    rows, the cotangents d_kk and d_a bfloat16 (the dense kernel's), qk_scale = scale.
+
+    Inputs: q, k, v [T, H, 128] bfloat16, g [T, H, 128] and beta [T, H] float32, cu_seqlens
+    [N + 1] int32, gamma [slots, H, 64, 128] float32, d_kk, d_a [slots, H, 64, 64] bfloat16,
+    d_rhs [slots, H, 64, 256], d_qg, d_kd [slots, H, 64, 128] bfloat16, d_decay [slots, H, 128]
+    and d_beta_kk [slots, H, 64] float32. Outputs: dq, dk, dv [T, H, 128] bfloat16, dg [T, H,
+    128] float32, dbeta [2, T, H] float32 (two partial sums, one a half of the channels; the
+    first holds d_beta_kk too)."""
+
+    def __init__(self, scale: float):
+        super().__init__(DecayedBwdConfig(from_tokens=True, qk_scale=scale))
+
+    @cute.jit
+    def __call__(
+        self,
+        q: cute.Tensor,
+        k: cute.Tensor,
+        v: cute.Tensor,
+        g: cute.Tensor,
+        beta: cute.Tensor,
+        cu_seqlens: cute.Tensor,
+        gamma: cute.Tensor,
+        d_kk: cute.Tensor,
+        d_qk: cute.Tensor,
+        d_rhs: cute.Tensor,
+        d_qg: cute.Tensor,
+        d_kd: cute.Tensor,
+        d_decay: cute.Tensor,
+        d_beta_kk: cute.Tensor,
+        dq: cute.Tensor,
+        dk: cute.Tensor,
+        dv: cute.Tensor,
+        dg: cute.Tensor,
+        dbeta: cute.Tensor,
+        stream: cuda.CUstream,
+    ):
+        if cutlass.const_expr(split_cotangents(d_kk.element_type)):
+            raise TypeError("the fused kernel takes bf16 cotangents (the dense kernel's)")
+        mma = bf16_tiled_mma((ROWS, CH), warpgroup.OperandSource.SMEM, b_mn_major=True)
+        self.fused_kernel(
+            q, k, v, g, beta, cu_seqlens, gamma, d_kk, d_qk, d_rhs, d_qg, d_kd, d_decay,
+            d_beta_kk, dq, dk, dv, dg, dbeta, mma,
+        ).launch(
+            grid=[gamma.shape[0], gamma.shape[1], HALVES], block=[NTHREADS, 1, 1],
+            stream=stream, min_blocks_per_mp=2, preferred_smem_carveout=100,
+        )  # fmt: skip
+
+    @cute.kernel
+    def fused_kernel(
+        self,
+        mQ: cute.Tensor,
+        mK: cute.Tensor,
+        mV: cute.Tensor,
+        mG: cute.Tensor,
+        mBeta: cute.Tensor,
+        mCu: cute.Tensor,
+        mGamma: cute.Tensor,
+        mDkk: cute.Tensor,
+        mDqk: cute.Tensor,
+        mDrhs: cute.Tensor,
+        mDqg: cute.Tensor,
+        mDkd: cute.Tensor,
+        mDdecay: cute.Tensor,
+        mDbetaKk: cute.Tensor,
+        mDq: cute.Tensor,
+        mDk: cute.Tensor,
+        mDv: cute.Tensor,
+        mDg: cute.Tensor,
+        mDbeta: cute.Tensor,
+        mma: cute.TiledMma,
+    ):
+        tid, _, _ = cute.arch.thread_idx()
+        slot, h, half = cute.arch.block_idx()
+        c0 = half * CH
+        shared = _allocate(mDkk.element_type)
+        s_region, s_q, s_k, s_gam, s_dkk, s_dqk, s_flag = shared
+        if tid == 0:
+            s_flag[0] = Int32(0)
+        tokens = mQ.shape[0]
+        row0, count = slot_rows(mCu, slot, tokens, SCAN_CHUNK)
+        _load_rows(s_q, s_k, s_gam, mQ[None, h, None], mK[None, h, None],
+                   mGamma[slot, h, None, None], mDkk[slot, h, None, None],
+                   mDqk[slot, h, None, None], s_dkk, s_dqk, row0, count, c0, tid)  # fmt: skip
+        _zero_words(s_region, RT_BYTES // 4, w_bytes(False) // 4, tid)
+        cute.arch.sync_threads()
+        self._products(shared, mma, None, None, None, c0, tid, True)
+        self._tokens(shared, mV, mG, mBeta, mDrhs[slot, h, None, None], mDqg[slot, h, None, None],
+                     mDkd[slot, h, None, None], mDdecay[slot, h, None], mDbetaKk[slot, h, None],
+                     mDq, mDk, mDv, mDg, mDbeta, h, half, row0, count, tid)  # fmt: skip
+
+    @cute.jit
+    def _tokens(self, shared, mV, mG, mBeta, m_rhs, m_qg, m_kd, m_decay, m_beta_kk, mDq, mDk,
+                mDv, mDg, mDbeta, h, half, row0, count, tid):  # fmt: skip
+        """kda_tokens_bwd_sm90's terms for the CTA's 64 channels of the chunk, from the staged
+        dq_c, dk_c, dgamma_c (_products(staged=True), visible to all): thread (row i = tid / 8
+        + 16 t, channels c8 .. c8 + 7) for the element-wise terms, 16 bytes a load or store,
+        every load issued before the arithmetic; then thread (half p of the rows, channel d)
+        for dg's reverse cumsum and its gate-floor rule."""
+        s_region, s_q, s_k, s_gam = shared[:4]
+        s_dqc, s_dkc, s_dgc = stages(s_region)
+        s_part = cute.make_tensor(  # per half of the rows: its dGamma and kd dKd sums
+            cute.recast_ptr(s_region.iterator + 3 * STAGE_BYTES // 4, dtype=Float32),
+            cute.make_layout((2, 2, CH), stride=(2 * CH, CH, 1)),
+        )
+        scale = self.qk_scale
+        c0 = half * CH
+        c8 = EIGHT * (tid % (CH // EIGHT))
+        tasks = ROWS * CH // (NTHREADS * EIGHT)
+        lanes = CH // EIGHT  # threads that share a row
+        tokens = mV.shape[0]
+        r_rw = cute.make_rmem_tensor((tasks, EIGHT), BFloat16)
+        r_ru = cute.make_rmem_tensor((tasks, EIGHT), BFloat16)
+        r_qg = cute.make_rmem_tensor((tasks, EIGHT), BFloat16)
+        r_kd = cute.make_rmem_tensor((tasks, EIGHT), BFloat16)
+        r_v = cute.make_rmem_tensor((tasks, EIGHT), BFloat16)
+        r_b = cute.make_rmem_tensor((tasks,), Float32)
+        r_v.fill(0.0)
+        r_b.fill(0.0)
+        for t in cutlass.range_constexpr(tasks):
+            i = tid // lanes + (NTHREADS // lanes) * t
+            r_rw[t, None].store(row_piece(m_rhs[i, None], c0 + c8, EIGHT).load())
+            r_ru[t, None].store(row_piece(m_rhs[i, None], HEAD_DIM + c0 + c8, EIGHT).load())
+            r_qg[t, None].store(row_piece(m_qg[i, None], c0 + c8, EIGHT).load())
+            r_kd[t, None].store(row_piece(m_kd[i, None], c0 + c8, EIGHT).load())
+            if tokens > 0:
+                token = cutlass.max(cutlass.min(row0 + i, tokens - 1), 0)
+                r_v[t, None].store(row_piece(mV[token, h, None], c0 + c8, EIGHT).load())
+                r_b[t] = mBeta[token, h]
+        gam_last = load_f32(s_gam[ROWS - 1, None], c8, EIGHT)
+        for t in cutlass.range_constexpr(tasks):
+            i = tid // lanes + (NTHREADS // lanes) * t
+            valid = i < count
+            b = r_b[t]
+            v8 = r_v[t, None].load().to(Float32)
+            if not valid:
+                b = Float32(0.0)
+                v8 = v8 * Float32(0.0)
+            gam = load_f32(s_gam[i, None], c8, EIGHT)
+            e = exp_fast(gam)
+            f = exp_fast(gam_last - gam)
+            k8 = load_f32(s_k[i, None], c8, EIGHT)
+            q8 = load_f32(s_q[i, None], c8, EIGHT)
+            d_rw = r_rw[t, None].load().to(Float32)
+            d_ru = r_ru[t, None].load().to(Float32)
+            d_qg = r_qg[t, None].load().to(Float32)
+            d_kd = r_kd[t, None].load().to(Float32)
+            dq = load_f32(s_dqc[i, None], c8, EIGHT) + scale * e * d_qg
+            dk = load_f32(s_dkc[i, None], c8, EIGHT) + b * e * d_rw + f * d_kd
+            kd_term = k8 * f * d_kd
+            d_gam = (
+                load_f32(s_dgc[i, None], c8, EIGHT)
+                + b * k8 * e * d_rw
+                + scale * q8 * e * d_qg
+                - kd_term
+            )
+            term = d_rw * k8 * e + d_ru * v8
+            row_sum = Float32(0.0)
+            for x in cutlass.range_constexpr(EIGHT):
+                row_sum = row_sum + term[x]
+            for offset in cutlass.range_constexpr(3):  # over the row's 8 threads
+                row_sum = row_sum + cute.arch.shuffle_sync_bfly(row_sum, offset=4 >> offset)
+            # the stages take dGamma (in place of dgamma_c) and kd dKd (of dq_c): each element
+            # is this thread's alone
+            piece = cute.make_rmem_tensor((EIGHT,), Float32)
+            piece.store(d_gam)
+            cute.autovec_copy(piece, cute.make_tensor(
+                (s_dgc[i, None].iterator + c8).align(16), cute.make_layout(EIGHT)))  # fmt: skip
+            piece.store(kd_term)
+            cute.autovec_copy(piece, cute.make_tensor(
+                (s_dqc[i, None].iterator + c8).align(16), cute.make_layout(EIGHT)))  # fmt: skip
+            if valid:
+                token = row0 + i
+                row_piece(mDq[token, h, None], c0 + c8, EIGHT).store(dq.to(BFloat16))
+                row_piece(mDk[token, h, None], c0 + c8, EIGHT).store(dk.to(BFloat16))
+                row_piece(mDv[token, h, None], c0 + c8, EIGHT).store((b * d_ru).to(BFloat16))
+                if c8 == 0:
+                    total = row_sum
+                    if half == 0:
+                        total = total + m_beta_kk[i]
+                    mDbeta[half, token, h] = total
+        cute.arch.sync_threads()
+
+        # dg: thread (p, d) = channel d over rows [32 p, 32 p + 32): the reverse cumsum within
+        # its rows, then the later half's sum and the last row's terms (every row's kd dKd and
+        # the chunk decay's a dA) onto every row; then through the gate floor
+        d = tid % CH
+        p = tid // CH
+        span = ROWS // 2
+        r_g = cute.make_rmem_tensor((span,), Float32)
+        for r in cutlass.range_constexpr(span):
+            r_g[r] = Float32(0.0)
+            if p * span + r < count:
+                r_g[r] = mG[row0 + p * span + r, h, c0 + d]
+        run = Float32(0.0)
+        kd_sum = Float32(0.0)
+        for r in cutlass.range_constexpr(span):
+            i = p * span + span - 1 - r
+            run = run + s_dgc[i, d]
+            s_dgc[i, d] = run
+            kd_sum = kd_sum + s_dqc[i, d]
+        s_part[p, 0, d] = run
+        s_part[p, 1, d] = kd_sum
+        cute.arch.sync_threads()
+        last = exp_fast(s_gam[ROWS - 1, d]) * m_decay[c0 + d] + s_part[0, 1, d] + s_part[1, 1, d]
+        if p == 0:
+            last = last + s_part[1, 0, d]
+        for r in cutlass.range_constexpr(span):
+            i = p * span + r
+            if i < count:
+                total_dg = s_dgc[i, d] + last
+                floored = Float32(0.0)
+                if r_g[r] == Float32(GATE_FLOOR):
+                    floored = Float32(0.5) * total_dg
+                if r_g[r] > Float32(GATE_FLOOR):
+                    floored = total_dg
+                mDg[row0 + i, h, c0 + d] = floored
+
+
+def stages(s_region: cute.Tensor):
+    """The fused variant's float32 [64, 64] stages of dq, dk, dgamma (the products' results for
+    the CTA's channels) in the region, once the products are done with it."""
+    return tuple(
+        cute.make_tensor(
+            cute.recast_ptr(s_region.iterator + n * STAGE_BYTES // 4, dtype=Float32),
+            cute.make_layout((ROWS, CH), stride=(STAGE_ROW, 1)),
+        )
+        for n in range(3)
+    )
 
 
 def _allocate(cotangent: cutlass.Constexpr):
