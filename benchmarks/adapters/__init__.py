@@ -22,6 +22,10 @@ class Implementation:
 IMPLEMENTATIONS = (
     Implementation("jax_kda/xla", partial(jax_kda_backends.bind, backend="xla")),
     Implementation("jax_kda/sm90", partial(jax_kda_backends.bind, backend="sm90")),
+    Implementation(
+        "jax_kda/sm90_exact",
+        partial(jax_kda_backends.bind, backend="sm90", gate_lower_bound=None),
+    ),
     Implementation("cudnn/kda_hopper", partial(cudnn_frontend.bind, plan_name="kda_hopper")),
     Implementation(
         "cudnn/kda_hopper_cuda", partial(cudnn_frontend.bind, plan_name="kda_hopper_cuda")

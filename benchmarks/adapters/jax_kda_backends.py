@@ -1,4 +1,6 @@
-"""jax_kda itself, on one backend: ``jax_kda.prefill`` in its packed (THD) form."""
+"""jax_kda itself, on one backend: ``jax_kda.prefill`` in its packed (THD) form, with the
+production gate's bound stated (lb = -5: on sm90 the gate-bound forward kernels) or without it
+(gate_lower_bound=None: on sm90 the exact 64-token forward, what autodiff differentiates)."""
 
 from __future__ import annotations
 
@@ -10,7 +12,7 @@ from jax_kda.constants import GATE_LOWER_BOUND_MIN, default_scale
 from jax_kda.oracle import Inputs
 
 
-def bind(inputs: Inputs, *, backend: str) -> Native:
+def bind(inputs: Inputs, *, backend: str, gate_lower_bound=GATE_LOWER_BOUND_MIN) -> Native:
     args = {
         "q": jax.device_put(inputs.q),
         "k": jax.device_put(inputs.k),
@@ -31,7 +33,7 @@ def bind(inputs: Inputs, *, backend: str) -> Native:
             cu_seqlens=args["cu_seqlens"],
             initial_state=state,
             scale=default_scale(),
-            gate_lower_bound=GATE_LOWER_BOUND_MIN,  # production_inputs' gate: lb = -5
+            gate_lower_bound=gate_lower_bound,  # production_inputs' gate: lb = -5 holds
             backend=backend,
         )
 
@@ -47,6 +49,7 @@ def bind(inputs: Inputs, *, backend: str) -> Native:
         state_is_kv=False,
         notes=(
             "jax_kda.prefill(q, k, v, g, beta as [T, H, ...], cu_seqlens int32, "
-            f"initial_state [N,H,V,K], scale=128**-0.5, gate_lower_bound=-5, backend={backend!r})"
+            f"initial_state [N,H,V,K], scale=128**-0.5, gate_lower_bound={gate_lower_bound}, "
+            f"backend={backend!r})"
         ),
     )
