@@ -271,7 +271,7 @@ def test_backward_is_exact_for_any_gate(gate, residuals):
 def test_prepared_inputs_and_grouped_heads_match_float64(lower_bound):
     """fla's input flags (q/k L2 norm, the gate from its projection, A_log and dt_bias, beta
     logits) and grouped value heads (H = 2, HV = 4) on sm90: o, the final state and the
-    gradients of the eight raw inputs against the float64 statement (NOT yet run on a GPU)."""
+    gradients of the eight raw inputs against the float64 statement."""
     x = raw_inputs([300, 0, 77, 130], 2, 4, seed=SEED + 29)
     errors, _ = prepared_check(x, lower_bound, RMS_RATIO_BAR, seed=SEED + 31, backend="sm90")
     print(f"prepared {lower_bound}: " + ", ".join(f"{n} {e:.2e}" for n, e in errors.items()))
