@@ -1492,7 +1492,8 @@ def training_forward(
     the memory-bound tail was latency-bound; tokens_bwd_kernel runs it at two CTAs an SM of
     16 warps each, with nothing else in shared memory. decayed_tokens_bwd_kernel fuses only
     the element-wise rest, at the decayed kernel's two CTAs an SM since it took half the
-    channels a CTA (not yet timed on a GPU)."""
+    channels a CTA (H200, kernel_profile --train: the two kernels' 113.8 / 569.6 us to 100.6 /
+    481.5)."""
     if decayed_bwd and not chunk_core:
         raise ValueError("decayed_bwd=True needs chunk_core=True (the operands' backward it is in)")
     if tokens_bwd is None:
