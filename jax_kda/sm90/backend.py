@@ -1107,34 +1107,53 @@ def xla_dense_bwd(
     return d_rhs, d_qg, d_attn, d_kd, d_decay, d_kk, d_beta_kk
 
 
+def _token_rows_fakes(tokens, heads):
+    """The fake tensors the tokens' backward kernels share, (inputs, results): q, k, v
+    bfloat16, g float32 [T, H, 128], beta [T, H], cu_seqlens; dq, dk, dv bfloat16, dg float32
+    [T, H, 128] and dbeta's two partial sums [2, T, H]."""
+    import cutlass.cute as cute
+    from cutlass import BFloat16, Float32, Int32
+
+    from jax_kda.sm90.export import row_major_fake
+
+    token_shape = (tokens, heads, HEAD_DIM)
+    inputs = {
+        **{name: row_major_fake(BFloat16, token_shape) for name in ("q", "k", "v")},
+        "g": row_major_fake(Float32, token_shape),
+        "beta": row_major_fake(Float32, (tokens, heads), align=4),
+        "cu_seqlens": row_major_fake(Int32, (cute.sym_int32(),), align=4),
+    }
+    results = {
+        **{name: row_major_fake(BFloat16, token_shape) for name in ("dq", "dk", "dv")},
+        "dg": row_major_fake(Float32, token_shape),
+        "dbeta": row_major_fake(Float32, (2, tokens, heads), align=4),  # partial sums
+    }
+    return inputs, results
+
+
 @functools.cache
 def tokens_bwd_artifact(scale: float, bf16_cotangents: bool = True):
     """The exported backward from the chunk core's products' cotangents to the tokens
     (kernels/kda_tokens_bwd_sm90.py) for this scale, d_rhs, d_qg and d_kd bfloat16 (the dense
     kernel's) or float32 (xla_dense_bwd's); tokens, heads, slots and sequences symbolic."""
     import cutlass.cute as cute
-    from cutlass import BFloat16, Float32, Int32
+    from cutlass import BFloat16, Float32
 
     from jax_kda.sm90.export import export, row_major_fake
     from jax_kda.sm90.kernels.kda_tokens_bwd_sm90 import TokensBwdConfig, TokensBwdSm90
 
     tokens, heads, slots = cute.sym_int32(), cute.sym_int32(), cute.sym_int32()
-    token_shape = (tokens, heads, HEAD_DIM)
     chunk = (slots, heads, SCAN_CHUNK, HEAD_DIM)
     cotangent = BFloat16 if bf16_cotangents else Float32
+    token_inputs, token_results = _token_rows_fakes(tokens, heads)
     fakes = {
-        **{name: row_major_fake(BFloat16, token_shape) for name in ("q", "k", "v")},
-        "g": row_major_fake(Float32, token_shape),
-        "beta": row_major_fake(Float32, (tokens, heads), align=4),
-        "cu_seqlens": row_major_fake(Int32, (cute.sym_int32(),), align=4),
+        **token_inputs,
         **{name: row_major_fake(Float32, chunk) for name in ("gamma", "dq_c", "dk_c", "dgamma_c")},
         "d_rhs": row_major_fake(cotangent, (slots, heads, SCAN_CHUNK, 2 * HEAD_DIM)),
         **{name: row_major_fake(cotangent, chunk) for name in ("d_qg", "d_kd")},
         "d_decay": row_major_fake(Float32, (slots, heads, HEAD_DIM)),
         "d_beta_kk": row_major_fake(Float32, (slots, heads, SCAN_CHUNK)),
-        **{name: row_major_fake(BFloat16, token_shape) for name in ("dq", "dk", "dv")},
-        "dg": row_major_fake(Float32, token_shape),
-        "dbeta": row_major_fake(Float32, (2, tokens, heads), align=4),  # partial sums
+        **token_results,
     }
     scale_tag = hashlib.sha256(repr(scale).encode()).hexdigest()[:8]
     dtype_tag = "" if bf16_cotangents else "_f32"
@@ -1214,20 +1233,17 @@ def decayed_tokens_bwd_artifact(scale: float):
     (kernels/kda_decayed_bwd_sm90.py, DecayedTokensBwdSm90) for this scale: the dense kernel's
     bf16 cotangents; tokens, heads, slots and sequences symbolic."""
     import cutlass.cute as cute
-    from cutlass import BFloat16, Float32, Int32
+    from cutlass import BFloat16, Float32
 
     from jax_kda.sm90.export import export, row_major_fake
     from jax_kda.sm90.kernels.kda_decayed_bwd_sm90 import DecayedTokensBwdSm90
 
     tokens, heads, slots = cute.sym_int32(), cute.sym_int32(), cute.sym_int32()
-    token_shape = (tokens, heads, HEAD_DIM)
     chunk = (slots, heads, SCAN_CHUNK, HEAD_DIM)
     pairs = (slots, heads, SCAN_CHUNK, SCAN_CHUNK)
+    token_inputs, token_results = _token_rows_fakes(tokens, heads)
     fakes = {
-        **{name: row_major_fake(BFloat16, token_shape) for name in ("q", "k", "v")},
-        "g": row_major_fake(Float32, token_shape),
-        "beta": row_major_fake(Float32, (tokens, heads), align=4),
-        "cu_seqlens": row_major_fake(Int32, (cute.sym_int32(),), align=4),
+        **token_inputs,
         "gamma": row_major_fake(Float32, chunk),
         "d_kk": row_major_fake(BFloat16, pairs),
         "d_qk": row_major_fake(BFloat16, pairs),
@@ -1236,9 +1252,7 @@ def decayed_tokens_bwd_artifact(scale: float):
         "d_kd": row_major_fake(BFloat16, chunk),
         "d_decay": row_major_fake(Float32, (slots, heads, HEAD_DIM)),
         "d_beta_kk": row_major_fake(Float32, (slots, heads, SCAN_CHUNK)),
-        **{name: row_major_fake(BFloat16, token_shape) for name in ("dq", "dk", "dv")},
-        "dg": row_major_fake(Float32, token_shape),
-        "dbeta": row_major_fake(Float32, (2, tokens, heads), align=4),  # partial sums
+        **token_results,
     }
     scale_tag = hashlib.sha256(repr(scale).encode()).hexdigest()[:8]
     return export(
