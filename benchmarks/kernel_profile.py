@@ -151,7 +151,8 @@ def _main():
         "scan with the V-slice as wgmma N), 'dense' (the scan and the outputs around it as one "
         "VJP, its backward's products on their kernel), 'tok' (with dense: the element-wise rest "
         "on its kernel, into the tokens' rows, fused into the decayed kernel where both are "
-        "on), 'sep' (with tok: the decayed and tokens kernels one after the other), 'bs' "
+        "on), 'sep' (with tok: the decayed and tokens kernels one after the other), 'fo' (with "
+        "dense: the forward scan writes the outputs where the plan fuses them), 'bs' "
         "(with dense: both state scans in the "
         "backward, in one launch), joined by '+' (e.g. base,core+dbwd+v64+x3)",
     )
@@ -226,6 +227,7 @@ def _variants(text: str) -> list[tuple[str, dict]]:
             "dense_bwd": False,
             "tokens_bwd": False,
             "both_scans": False,
+            "fuse_outputs": False,
         }
         for part in name.split("+"):
             if part == "core":
@@ -247,6 +249,8 @@ def _variants(text: str) -> list[tuple[str, dict]]:
                 options["tokens_bwd"] = True
             elif part == "sep":  # with tok: the decayed and tokens kernels one after the other
                 options["fuse_tokens"] = False
+            elif part == "fo":  # with dense: the forward scan writes the outputs (as planned)
+                options["fuse_outputs"] = True
             elif part == "bs":  # with dense: both state scans in the backward, one launch
                 options["both_scans"] = True
             elif part in SCAN_VARIANTS:

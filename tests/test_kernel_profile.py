@@ -67,6 +67,7 @@ def test_train_variants_parse_into_training_forward_options():
         "dense_bwd": False,
         "tokens_bwd": False,
         "both_scans": False,
+        "fuse_outputs": False,
     }
     assert _variants("x1+dense+bs")[0][1] == {
         **off, "dense_precision": "bf16", "dense_bwd": True, "both_scans": True,
@@ -93,6 +94,9 @@ def test_train_variants_parse_into_training_forward_options():
     assert _variants("core+dbwd+dense+tok+sep")[0][1] == {
         **off, "chunk_core": True, "decayed_bwd": True, "dense_bwd": True, "tokens_bwd": True,
         "fuse_tokens": False,
+    }  # fmt: skip
+    assert _variants("x1+dense+fo")[0][1] == {
+        **off, "dense_precision": "bf16", "dense_bwd": True, "fuse_outputs": True,
     }  # fmt: skip
     assert _variants("core+x1")[0][1] == {
         **off, "chunk_core": True, "dense_precision": "bf16",

@@ -28,7 +28,7 @@ from jax_kda.oracle import (
     rms_ratio,
 )
 from jax_kda.sm90.ffi_call import cute_call, register
-from jax_kda.sm90.kernels.layout import SCAN_VARIANTS, SCAN_WGMMA_V_SLICE
+from jax_kda.sm90.kernels.layout import SCAN_TC_V_SLICES, SCAN_VARIANTS, SCAN_WGMMA_V_SLICE
 
 pytestmark = pytest.mark.gpu
 
@@ -335,7 +335,8 @@ def test_grads_equal_the_xla_backends_to_float32_rounding(data):
 )
 def test_scan_kernel_stays_in_bounds_on_bad_boundaries(bad_cu):
     """Bad cu_seqlens give garbage, never an access out of the buffers (run this file under
-    `compute-sanitizer --tool memcheck` to see the second half checked)."""
+    `compute-sanitizer --tool memcheck` to see the second half checked): both directions of
+    the scan, and the forward one that writes the outputs into the tokens' rows."""
     register()
     args = list(scan_operands([100, 50, 50], 2, SEED))  # T = 200, 3 sequences, 6 slots
     args[4] = jnp.asarray(bad_cu, jnp.int32)
@@ -345,6 +346,19 @@ def test_scan_kernel_stays_in_bounds_on_bad_boundaries(bad_cu):
         states, final = sm90.state_scan_kernel(*args, reverse=reverse)
         jax.block_until_ready((states, final))
         assert states.shape == (args[0].shape[0], 2, 128, 128)
+    # the forward scan that writes the outputs into the tokens' rows, with and without states
+    slots = args[0].shape[0]
+    rng = np.random.default_rng(SEED)
+    u, qg = (jnp.asarray(rng.standard_normal((slots, 2, 64, 128)), jnp.bfloat16) for _ in "uq")
+    attn = jnp.asarray(rng.standard_normal((slots, 2, 64, 64)), jnp.bfloat16)
+    rows = jnp.zeros((200,), jnp.int32)  # T = 200 (the fused call reads only its length)
+    for states in (True, False):
+        out = sm90.state_scan_outputs_kernel(
+            args[0], args[1], args[2], u, args[4], args[5], qg, attn, rows, v_slice=16,
+            tensor_cores=True, fuse=True, states=states,
+        )  # fmt: skip
+        jax.block_until_ready(out)
+        assert out[2].shape == (200, 2, 128)
 
 
 @pytest.mark.parametrize(
@@ -665,6 +679,106 @@ def test_chunk_outputs_kernel_matches_xla(lengths):
     error, same_ops = rms_ratio(ours, exact), rms_ratio(ours, rounded)
     print(f"chunk outputs {lengths}: {error:.1e} (bar 2e-2); bf16 products {same_ops:.1e}")
     assert error <= 2e-2 and same_ops <= 5e-3, (error, same_ops)
+
+
+@pytest.mark.parametrize("v_slice", SCAN_TC_V_SLICES)
+@pytest.mark.parametrize(
+    "lengths, data",
+    [
+        ([130, 0, 70, 1], "production"),
+        ([64, 10, 128, 0, 65], "production"),
+        ([3000, 257], "long-memory"),
+        ([0, 0], "production"),
+    ],
+    ids=str,
+)
+def test_state_scan_with_outputs_equals_the_scan_and_the_outputs_kernel(lengths, data, v_slice):
+    """The forward tensor-core scan that writes the outputs (ChunkStateScanOutputsTcSm90) on
+    the chunk core's own operands and a non-zero initial state, against the scan and the
+    outputs kernel one after the other (and its variant that stores no chunk states against
+    itself, bit for bit): the states and final states bit for bit (the same
+    arithmetic), o nearly so (V_new = U - W S in float32 either way, its sum in another order
+    before the bf16 rounding) and against its XLA
+    statement from the kernel's states (float32 and bf16 products, the outputs kernel's bars);
+    every result NaN-poisoned first (a row it does not write stays NaN); ragged, empty and gap
+    slots, long-memory data, no tokens at all."""
+    register()
+    make = long_memory_inputs if data == "long-memory" else production_inputs
+    x = make(lengths, 3, seed=SEED + 7 * len(lengths))
+    tokens, heads = x.q.shape[:2]
+    num_slots = xla.chunk_slot_count(tokens, len(lengths))
+    cu = jnp.asarray(x.cu_seqlens, jnp.int32)
+    _, rows = xla._token_slots(cu, tokens)
+    token_inputs = [jnp.asarray(a) for a in x[:5]]
+    core = jax.jit(sm90.chunk_core_kernel, static_argnums=(6, 7))(*token_inputs, cu, num_slots, 0.3)
+    w, u, qg, attn, kd, decay = core[:6]
+    w_op = sm90.backend.ImagedOperand(sm90.backend.chunk_rows(w), w)
+    kd_op = sm90.backend.ImagedOperand(sm90.backend.chunk_rows(kd), kd)
+    y0 = jnp.swapaxes(jnp.asarray(x.initial_state, jnp.float32), -1, -2)
+    if not tokens:  # the public wrapper: nothing to write, the state passes through
+        states, final, o = sm90.state_scan_outputs_kernel(
+            w_op, kd_op, decay, u, cu, y0, qg, attn, rows, v_slice=v_slice, tensor_cores=True
+        )
+        assert o.shape == (0, heads, 128) and o.dtype == jnp.bfloat16
+        np.testing.assert_array_equal(np.asarray(final), np.asarray(y0))
+        return
+    f32, bf16 = jnp.float32, jnp.bfloat16
+    results = [
+        jax.ShapeDtypeStruct((num_slots, heads, 128, 128), f32),
+        jax.ShapeDtypeStruct(y0.shape, f32),
+        jax.ShapeDtypeStruct((tokens, heads, 128), bf16),
+    ]
+
+    @jax.jit
+    def fused(w_op, kd_op, decay, u, y0, qg, attn):
+        a_img, bt_img, _ = sm90.state_scan_operands(w_op, kd_op, None, v_slice, 1)
+        addend = u.reshape(num_slots, heads, -1)  # U plain, bf16
+        inputs = [a_img, bt_img, decay, addend, cu, y0, qg.reshape(num_slots, heads, -1),
+                  attn.reshape(num_slots, heads, -1)]  # fmt: skip
+        poison = [jnp.full(r.shape, jnp.nan, r.dtype) for r in results]
+        aliases = {len(inputs) + i: i for i in range(len(results))}
+        artifact = sm90.state_scan_outputs_artifact(v_slice)
+        return cute_call(artifact, [*inputs, *poison], results, aliases=aliases)
+
+    @jax.jit
+    def separate(w_op, kd_op, decay, u, y0, qg, attn):
+        states, final = sm90.state_scan_kernel(
+            w_op, kd_op, decay, u, cu, y0, reverse=False, v_slice=v_slice, tensor_cores=True,
+            passes=1,
+        )  # fmt: skip
+        return states, final, sm90.chunk_outputs_kernel(states, w_op.image, u, qg, attn, cu, rows)
+
+    @jax.jit
+    def alone(w_op, kd_op, decay, u, y0, qg, attn):  # no chunk states stored
+        a_img, bt_img, _ = sm90.state_scan_operands(w_op, kd_op, None, v_slice, 1)
+        addend = u.reshape(num_slots, heads, -1)  # U plain, bf16
+        inputs = [a_img, bt_img, decay, addend, cu, y0, qg.reshape(num_slots, heads, -1),
+                  attn.reshape(num_slots, heads, -1)]  # fmt: skip
+        poison = [jnp.full(r.shape, jnp.nan, r.dtype) for r in results[1:]]
+        aliases = {len(inputs) + i: i for i in range(2)}
+        artifact = sm90.state_scan_outputs_artifact(v_slice, False)
+        return cute_call(artifact, [*inputs, *poison], results[1:], aliases=aliases)
+
+    args = (w_op, kd_op, decay, u, y0, qg, attn)
+    (states, final, o), (ref_states, ref_final, ref_o) = fused(*args), separate(*args)
+    for name, a, b in zip(("final", "o"), alone(*args), (final, o), strict=True):
+        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32), name)
+    for name, a, b in (("states", states, ref_states), ("final", final, ref_final)):
+        assert not np.isnan(np.asarray(a)).any(), name
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=name)
+    assert o.shape == results[2].shape and o.dtype == bf16
+    assert not np.isnan(np.asarray(o, np.float32)).any()
+    outputs = jax.jit(sm90.xla_chunk_outputs, static_argnums=7)
+    exact = outputs(states, w, u, qg, attn, cu, rows, jax.lax.Precision.HIGHEST)
+    rounded = outputs(states, w, u, qg, attn, cu, rows, jax.lax.DotAlgorithmPreset.BF16_BF16_F32)
+    twin, error, same_ops = rms_ratio(o, ref_o), rms_ratio(o, exact), rms_ratio(o, rounded)
+    print(
+        f"scan with outputs {lengths} t{v_slice}: {twin:.1e} to the two kernels (bar 1e-4); "
+        f"{error:.1e} to float32 (bar 2e-2), bf16 products {same_ops:.1e} (bar 5e-3)"
+    )
+    # the same products in the same order but for V_new's float32 sum before its bf16
+    # rounding (the accumulator starts at -U here, at zero there): nearly bit-equal
+    assert twin <= 1e-4 and error <= 2e-2 and same_ops <= 5e-3, (twin, error, same_ops)
 
 
 @pytest.mark.parametrize("v_slice", [0, 16])

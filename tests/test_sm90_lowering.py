@@ -299,6 +299,58 @@ def test_chunk_outputs_exports_for_sm90a():
     assert len(artifact.tensors) == 7  # states, w_img, u, qg, attn, cu_seqlens and o
 
 
+@pytest.mark.parametrize("v_slice", SCAN_TC_V_SLICES)
+def test_state_scan_with_outputs_exports_for_sm90a(v_slice):
+    """The forward tensor-core scan that writes the outputs compiles and exports for sm_90a, a
+    variant of its own; the reverse direction and three passes are refused."""
+    from jax_kda.sm90.kernels.kda_state_scan_sm90 import ScanConfig
+    from jax_kda.sm90.kernels.kda_state_scan_tc_sm90 import ChunkStateScanTcSm90
+
+    artifact = sm90.state_scan_outputs_artifact(v_slice)
+    assert artifact.object_bytes[:4] == b"\x7fELF"
+    assert artifact.prefix == f"kda_state_scan_sm90_fwd_t{v_slice}x1o"
+    assert artifact.key != sm90.state_scan_artifact(False, v_slice, True, 1).key
+    # a_img, bt_img, decay, addend, cu_seqlens, y0, qg, attn; states, final, o
+    assert len(artifact.tensors) == 11
+    alone = sm90.state_scan_outputs_artifact(v_slice, False)  # no chunk states: final, o
+    assert alone.prefix == f"kda_state_scan_sm90_fwd_t{v_slice}x1of" and len(alone.tensors) == 10
+    for reverse, passes in ((True, 1), (False, 3)):
+        with pytest.raises(ValueError, match="outputs forward at one bf16 pass only"):
+            ChunkStateScanTcSm90(ScanConfig(reverse=reverse, v_slice=v_slice), passes, True)
+    with pytest.raises(ValueError, match="runs on tensor cores"):
+        sm90.state_scan_outputs_artifact(64)
+
+
+def test_the_scan_writes_the_outputs_only_when_asked_and_where_its_ctas_have_an_sm_each():
+    """training_forward(fuse_outputs=True) (off by default: not yet run on a GPU) takes the
+    scan with the outputs where plan.scan_fuses_outputs says so: 2 heads (16 scan CTAs) yes, 24
+    heads of one sequence (192 CTAs at 16 columns, more than the 132 SMs) the two kernels; the
+    default never; a differentiated call's forward scan stores no states where the backward
+    scans them again (both_scans)."""
+    from jax_kda.sm90.plan import scan_fuses_outputs
+
+    assert scan_fuses_outputs(2, 1, 16, SM_COUNT) and not scan_fuses_outputs(24, 1, 16, SM_COUNT)
+    assert not scan_fuses_outputs(2, 1, 16, None)
+
+    def forward(q, k, v, g, beta, cu, state, **options):
+        return sm90.training_forward(q, k, v, g, beta, cu, state, 0.3, **options)
+
+    for heads, fused in ((2, True), (24, False)):
+        x = production_inputs([100], heads, seed=9)
+        text = _lower(functools.partial(forward, fuse_outputs=True), *x)
+        assert ('x1of"' in text) == fused and ('"kda_chunk_outputs_sm90"' in text) != fused, heads
+        text = _lower(forward, *x)
+        assert "x1o" not in text and '"kda_chunk_outputs_sm90"' in text, heads
+    x = production_inputs([300, 0, 77], 2, seed=8)
+
+    def loss(q, k, v, g, beta, cu, state):
+        o, final = forward(q, k, v, g, beta, cu, state, fuse_outputs=True)
+        return jnp.sum(o.astype(jnp.float32) ** 2) + jnp.sum(final**2)
+
+    text = _lower(jax.grad(loss, argnums=(0, 1, 2, 3, 4, 6)), *x)
+    assert 'x1of"' in text and 'x1o"' not in text and '"kda_chunk_outputs_sm90"' not in text
+
+
 @pytest.mark.parametrize("v_slice", [0, *SCAN_TC_V_SLICES])
 def test_state_cotangent_exports_for_sm90a(v_slice):
     """The outputs' part of the state cotangent compiles and exports for sm_90a, row-major and

@@ -20,7 +20,7 @@ import numpy as np
 from jax_kda import xla
 from jax_kda.constants import GATE_FLOOR, HEAD_DIM, SCAN_CHUNK
 from jax_kda.sm90.kernels.layout import DECODE_CTAS_PER_HEAD, SCAN_TC_V_SLICES
-from jax_kda.sm90.plan import GRID_YZ_LIMIT, plan_prefill, scan_v_slice
+from jax_kda.sm90.plan import GRID_YZ_LIMIT, plan_prefill, scan_fuses_outputs, scan_v_slice
 
 SM_COUNT_ENV = "JAX_KDA_SM_COUNT"
 """Without a GPU present, the SM count to plan segments for (e.g. 132 for an H100 SXM or H200)."""
@@ -283,6 +283,100 @@ def state_scan_artifact(reverse: bool, v_slice: int, tensor_cores: bool = False,
 
 
 @functools.cache
+def state_scan_outputs_artifact(v_slice: int, states: bool = True):
+    """The exported forward tensor-core scan at one bf16 pass that writes every chunk's outputs
+    as well (kernels/kda_state_scan_tc_sm90.py, ChunkStateScanOutputsTcSm90; states=False:
+    ChunkOutputsScanTcSm90, no chunk states stored): tokens, slots, heads and sequences
+    symbolic."""
+    import cutlass.cute as cute
+    from cutlass import BFloat16, Float32, Int32
+
+    from jax_kda.sm90.export import export, row_major_fake
+    from jax_kda.sm90.kernels.kda_state_scan_tc_sm90 import (
+        ChunkOutputsScanTcSm90,
+        ChunkStateScanOutputsTcSm90,
+        image_elems,
+    )
+
+    if v_slice not in SCAN_TC_V_SLICES:
+        raise ValueError(
+            f"the scan with outputs runs on tensor cores: v_slice in {SCAN_TC_V_SLICES}"
+        )
+    tokens, slots, heads, seqs = (cute.sym_int32() for _ in range(4))
+    image = (slots, heads, image_elems(1))
+    square = (HEAD_DIM, HEAD_DIM)
+    fakes = {
+        "a_img": row_major_fake(BFloat16, image),
+        "bt_img": row_major_fake(BFloat16, image),
+        "decay": row_major_fake(Float32, (slots, heads, HEAD_DIM)),
+        "addend": row_major_fake(BFloat16, (slots, heads, SCAN_CHUNK * HEAD_DIM)),  # U, plain
+        "cu_seqlens": row_major_fake(Int32, (cute.sym_int32(),), align=4),
+        "y0": row_major_fake(Float32, (seqs, heads, *square)),
+        "qg": row_major_fake(BFloat16, (slots, heads, SCAN_CHUNK * HEAD_DIM)),
+        "attn": row_major_fake(BFloat16, (slots, heads, SCAN_CHUNK * SCAN_CHUNK)),
+        "states": row_major_fake(Float32, (slots, heads, *square)),
+        "final": row_major_fake(Float32, (seqs, heads, *square)),
+        "o": row_major_fake(BFloat16, (tokens, heads, HEAD_DIM)),
+    }
+    if not states:
+        del fakes["states"]
+    kernel = ChunkStateScanOutputsTcSm90(v_slice) if states else ChunkOutputsScanTcSm90(v_slice)
+    return export(
+        kernel, fakes, prefix=f"kda_state_scan_sm90_fwd_t{v_slice}x1o{'' if states else 'f'}",
+        config={"v_slice": v_slice, "states": states},
+    )  # fmt: skip
+
+
+def state_scan_outputs_kernel(
+    w_op, kd_op, decay, u, cu_seqlens, y0, qg, attn, rows, *, v_slice=None, tensor_cores=None,
+    passes=None, fuse=None, states=True,
+):  # fmt: skip
+    """The forward state scan and every chunk's outputs after it: (states, final, o) =
+    state_scan_kernel(w, kd, decay, u, cu_seqlens, y0) and chunk_outputs_kernel(states, w, u,
+    qg, attn, cu_seqlens, rows), o bfloat16 in the tokens' rows. In one launch
+    (ChunkStateScanOutputsTcSm90) where the scan variant (scan_variant's) runs on tensor cores
+    at one bf16 pass and `fuse` says so (None: plan.scan_fuses_outputs); otherwise the two
+    kernels one after the other (also where U is not bfloat16: the one launch takes it plain
+    in bf16). states=False: the caller needs no chunk states (a call that is not
+    differentiated); the one launch then stores none and returns None for them."""
+    from jax_kda.sm90.ffi_call import cute_call
+
+    num_heads, num_sequences = y0.shape[1], y0.shape[0]
+    v_slice, tensor_cores = scan_variant(num_heads, num_sequences, v_slice, tensor_cores)
+    if fuse is None:
+        fuse = scan_fuses_outputs(num_heads, num_sequences, v_slice, device_sm_count())
+    empty = qg.shape[0] == 0 or rows.shape[0] == 0  # the outputs kernel's zeros, no launch
+    plain = _unsliced(u).dtype == jnp.bfloat16  # U as the chunk core gives it (bf16, exact)
+    if not fuse or not tensor_cores or passes not in (None, 1) or empty or not plain:
+        states, final = state_scan_kernel(
+            w_op, kd_op, decay, u, cu_seqlens, y0, reverse=False, v_slice=v_slice,
+            tensor_cores=tensor_cores, passes=passes,
+        )  # fmt: skip
+        w = w_op.image if isinstance(w_op, ImagedOperand) else w_op
+        o = chunk_outputs_kernel(states, w, u, qg, attn, cu_seqlens, rows)
+        return states, final, o
+    slots, heads = qg.shape[:2]
+    a_img, bt_img, _ = state_scan_operands(w_op, kd_op, None, v_slice, 1)  # U goes in plain
+    bf16 = jnp.bfloat16
+    addend = _unsliced(u).astype(bf16).reshape(slots, heads, -1)
+    results = [
+        jax.ShapeDtypeStruct((slots, *y0.shape[1:]), jnp.float32),
+        jax.ShapeDtypeStruct(y0.shape, jnp.float32),
+        jax.ShapeDtypeStruct((rows.shape[0], heads, HEAD_DIM), bf16),
+    ]
+    inputs = [
+        a_img, bt_img, decay, addend, jnp.asarray(cu_seqlens, jnp.int32), y0,
+        qg.astype(bf16).reshape(slots, heads, -1), attn.astype(bf16).reshape(slots, heads, -1),
+    ]  # fmt: skip
+    artifact = state_scan_outputs_artifact(v_slice, states)
+    if not states:
+        final, o = cute_call(artifact, inputs, results[1:])
+        return None, final, o
+    states, final, o = cute_call(artifact, inputs, results)
+    return states, final, o
+
+
+@functools.cache
 def state_scans_artifact(v_slice: int):
     """The exported kernel that runs both state scans of the training backward in one launch
     (kernels/kda_state_scans_sm90.py: the single-pass tensor-core scan, forward and reverse
@@ -409,8 +503,8 @@ def state_scan_operands(a_op, b_op, addend, v_slice: int, passes: int = 3):
     addend [slots, H, rows, V], each as one contiguous block per (slot, head) that a bulk copy
     brings into shared memory as it is: A's image [64 tokens, hi | lo channels] and B^T's
     [channels, hi | lo tokens] (bf16, in the interleaved images' order), and the addend's
-    V slices [slots, H, V / v_slice, rows * v_slice]. passes=1: the images hold the bf16
-    values alone ([64 tokens, channels] and [channels, tokens])."""
+    V slices [slots, H, V / v_slice, rows * v_slice] (None for an addend of None). passes=1:
+    the images hold the bf16 values alone ([64 tokens, channels] and [channels, tokens])."""
     if passes == 1:
         a_img, bt_img = (
             op.image if isinstance(op, ImagedOperand)
@@ -423,7 +517,7 @@ def state_scan_operands(a_op, b_op, addend, v_slice: int, passes: int = 3):
         b_hi, b_lo = _truncated_split(b_op)
         a_img = _interleaved_image(jnp.concatenate([a_hi, a_lo], axis=-1))
         bt_img = _interleaved_image(jnp.concatenate([b_hi, b_lo], axis=-2))
-    return a_img, bt_img, addend_slices(addend, v_slice)
+    return a_img, bt_img, None if addend is None else addend_slices(addend, v_slice)
 
 
 def addend_slices(addend, v_slice: int):
@@ -554,7 +648,7 @@ def differentiable_state_scan(run, precision=jax.lax.Precision.HIGHEST):
 
 def differentiable_chunks(
     core, scan, chunk_bwd, precision=jax.lax.Precision.HIGHEST, state_cotangent=None,
-    chunk_outputs=None, both_scans=None, primal_core=None,
+    chunk_outputs=None, both_scans=None, primal_core=None, scan_outputs=None,
 ):  # fmt: skip
     """xla.forward's `chunks`: the packed tokens to (o [T, H, V] in the tokens' rows, final)
     through the chunk core (`core`: chunk_core_kernel's contract), the forward state scan
@@ -576,7 +670,11 @@ def differentiable_chunks(
 
     primal_core: the core a call that is not differentiated runs (`core`'s contract for what
     the forward reads: w, u, qg, attn, kd, decay; chunk_core_kernel(residuals=False), which
-    leaves the backward's arrays unwritten); None: `core`."""
+    leaves the backward's arrays unwritten); None: `core`.
+
+    scan_outputs (state_scan_outputs_kernel's contract): the forward scan and the outputs after
+    it in one call (in place of `scan` and `chunk_outputs` there; `scan` still runs the
+    reverse one)."""
     outputs = chunk_outputs or xla_chunk_outputs
 
     def scan_operands(core_out):
@@ -587,10 +685,17 @@ def differentiable_chunks(
             return ImagedOperand(chunk_rows(w), w), ImagedOperand(chunk_rows(kd), kd)
         return w, kd
 
-    def forward(q, k, v, g, beta, cu_seqlens, rows, y0, num_slots, scale, run_core=core):
+    def forward(
+        q, k, v, g, beta, cu_seqlens, rows, y0, num_slots, scale, run_core=core, primal=False
+    ):  # fmt: skip
         core_out = run_core(q, k, v, g, beta, cu_seqlens, num_slots, scale)
         w, u, qg, attn, _, decay = core_out[:6]
         w_op, kd_op = scan_operands(core_out)
+        if scan_outputs is not None:  # a primal call keeps no chunk states
+            states, final, o = scan_outputs(
+                w_op, kd_op, decay, u, cu_seqlens, y0, qg, attn, rows, states=not primal
+            )
+            return (o, final), core_out, states
         states, final = scan(w_op, kd_op, decay, u, cu_seqlens, y0, reverse=False)
         o = outputs(states, w, u, qg, attn, cu_seqlens, rows, precision)
         return (o, final), core_out, states
@@ -598,10 +703,14 @@ def differentiable_chunks(
     @functools.partial(jax.custom_vjp, nondiff_argnums=(8, 9))
     def chunks(q, k, v, g, beta, cu_seqlens, rows, y0, num_slots, scale):
         args = (q, k, v, g, beta, cu_seqlens, rows, y0, num_slots, scale)
-        return forward(*args, run_core=primal_core or core)[0]
+        return forward(*args, run_core=primal_core or core, primal=True)[0]
 
     def chunks_fwd(q, k, v, g, beta, cu_seqlens, rows, y0, num_slots, scale):
-        primal, core_out, states = forward(q, k, v, g, beta, cu_seqlens, rows, y0, num_slots, scale)
+        # with both_scans the backward scans the states again: the forward stores none
+        primal, core_out, states = forward(
+            q, k, v, g, beta, cu_seqlens, rows, y0, num_slots, scale,
+            primal=both_scans is not None,
+        )  # fmt: skip
         like = tuple(jnp.zeros((0,), x.dtype) for x in (q, k, v, g, beta))  # the dtypes
         if both_scans is not None:
             states = y0  # the backward's scans start from it
@@ -1404,7 +1513,7 @@ DENSE_PRECISIONS = {
 def _training_chunks(
     num_heads, num_sequences, *, both_scans, chunk_core=True, decayed_bwd=True,
     scan_v_slice=None, scan_tensor_cores=None, dense_precision="bf16", chunk_core_passes=1,
-    scan_passes=None, tokens_bwd=True, fuse_tokens=True,
+    scan_passes=None, tokens_bwd=True, fuse_tokens=True, fuse_outputs=False,
 ):  # fmt: skip
     """training_forward's differentiable_chunks for these switches (its dense_bwd=True form);
     the defaults are the training path's kernels, which training_residual_forward and
@@ -1446,6 +1555,11 @@ def _training_chunks(
             passes=scan_passes,
         ) if both_scans else None,
         primal_core=primal_core if chunk_core else None,
+        # the forward scan and the outputs in one launch (the outputs kernel's bf16 products)
+        scan_outputs=functools.partial(
+            state_scan_outputs_kernel, v_slice=scan_v_slice, tensor_cores=scan_tensor_cores,
+            passes=scan_passes,
+        ) if fuse_outputs and dense_precision == "bf16" else None,
     )  # fmt: skip
 
 
@@ -1453,6 +1567,7 @@ def training_forward(
     q, k, v, g, beta, cu_seqlens, initial_state, scale, *, chunk_core=True, decayed_bwd=True,
     scan_v_slice=None, scan_tensor_cores=None, dense_precision="bf16", chunk_core_passes=1,
     scan_passes=None, dense_bwd=True, tokens_bwd=None, both_scans=True, fuse_tokens=True,
+    fuse_outputs=False,
 ):  # fmt: skip
     """The forward the sm90 backward differentiates (and the no-bound forward), exact for any
     g <= 0: the chunk-core kernel's per-chunk operands (their backward written out,
@@ -1490,7 +1605,10 @@ def training_forward(
     (tokens_bwd=True; None: as dense_bwd) the element-wise rest straight into the tokens'
     rows on tokens_bwd_kernel (False: in XLA, xla_tokens_bwd); with the dense kernel's bf16
     cotangents and both kernels on, the two run as one, decayed_tokens_bwd_kernel (fuse_tokens;
-    False: one after the other).
+    False: one after the other). fuse_outputs=True (with dense_bwd, where the outputs kernel
+    would run): the forward scan writes the outputs itself where plan.scan_fuses_outputs says
+    so, state_scan_outputs_kernel (on tensor cores at one pass; elsewhere it runs the two
+    kernels). Off by default: that kernel compiles and lowers but has not yet run on a GPU.
     both_scans=True (with dense_bwd): the backward runs the chunk states' scan again beside the
     reverse scan, in one launch (state_scans_kernel), instead of saving the states from the
     forward's scan.
@@ -1507,7 +1625,7 @@ def training_forward(
     16 warps each, with nothing else in shared memory. decayed_tokens_bwd_kernel fuses only
     the element-wise rest, at the decayed kernel's two CTAs an SM since it took half the
     channels a CTA (H200, kernel_profile --train: the two kernels' 113.8 / 569.6 us to 100.6 /
-    481.5)."""
+    481.5). The forward scan with the outputs (fuse_outputs) is not yet timed on a GPU."""
     if decayed_bwd and not chunk_core:
         raise ValueError("decayed_bwd=True needs chunk_core=True (the operands' backward it is in)")
     if tokens_bwd is None:
@@ -1525,7 +1643,7 @@ def training_forward(
             decayed_bwd=decayed_bwd, scan_v_slice=scan_v_slice,
             scan_tensor_cores=scan_tensor_cores, dense_precision=dense_precision,
             chunk_core_passes=chunk_core_passes, scan_passes=scan_passes, tokens_bwd=tokens_bwd,
-            fuse_tokens=fuse_tokens,
+            fuse_tokens=fuse_tokens, fuse_outputs=fuse_outputs,
         )  # fmt: skip
         return xla.forward(
             q, k, v, g, beta, cu_seqlens, initial_state, scale, precision=precision,

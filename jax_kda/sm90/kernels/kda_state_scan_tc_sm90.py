@@ -19,23 +19,45 @@ pieces took 2.5 us a chunk to issue on the H200: too few requests in flight per 
 One warpgroup per CTA, grid (128 / VS, H, N): narrow slices give each (head, sequence) 4 or 8
 CTAs, so the SMs fill at small H * N, and each chunk step is a few small products (the SIMT
 kernel spends ~4.5 us a step on float32 FMAs, the m64 wgmma kernel ~4.4 us at VS = 64).
+
+With outputs (ChunkStateScanOutputsTcSm90: forward, one bf16 pass), the step also writes the
+chunk's outputs for the CTA's V slice, O = Qg S + Aqk X (X = U - W S, the -acc of product 1),
+straight into the tokens' rows: both products take operands the step has built anyway (S's image
+for product 1, X's for product 2) and the chunk core's Qg [64, 128] and Aqk [64, 64], which the
+bulk copies bring in plain beside the chunk's other operands and the threads lay out as images
+while product 1 runs; the addend U comes plain too (bf16 [64, 128] as the chunk core stores
+it, the CTA reading its slice), so no V-sliced float32 copy of it is made in XLA. That
+replaces kda_chunk_outputs_sm90 (its pass over every chunk state, 64 KiB a chunk and head read
+back from HBM); a call that is not differentiated stores no chunk states at all
+(ChunkOutputsScanTcSm90). Shared memory: about 176 KiB at VS = 16 (one CTA an SM, against
+two for the scan alone), so the plan fuses only where every CTA has an SM of its own.
 """
 
 from __future__ import annotations
+
+from typing import Any, NamedTuple
 
 import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
 import cutlass.cute.nvgpu.warpgroup as warpgroup
-from cutlass import BFloat16, Float32
+from cutlass import BFloat16, Float32, Int32
 from cutlass.cute.nvgpu import cpasync
 from cutlass.memory import SmemAllocator
 
 from jax_kda.constants import HEAD_DIM, SCAN_CHUNK
+from jax_kda.sm90.kernels.chunk_io import pair_at
 from jax_kda.sm90.kernels.kda_state_scan_sm90 import ScanConfig
 from jax_kda.sm90.kernels.layout import SCAN_TC_V_SLICES
-from jax_kda.sm90.kernels.varlen import scan_slots, step_slot
-from jax_kda.sm90.kernels.wgmma import bf16_tiled_mma, gemm_passes, image_k, inter_image_layout
+from jax_kda.sm90.kernels.varlen import scan_slots, sequence_slots, step_slot
+from jax_kda.sm90.kernels.wgmma import (
+    bf16_tiled_mma,
+    gemm_passes,
+    image_k,
+    inter_image_layout,
+    row_piece,
+    store_piece,
+)
 
 NTHREADS = 128
 STAGES = 2
@@ -49,6 +71,28 @@ def image_elems(passes: int = 3) -> int:
 
 
 HALF = HEAD_DIM // 2  # product 2 is two m64 products: channels [0, 64) and [64, 128)
+QG_ELEMS = SCAN_CHUNK * HEAD_DIM  # the outputs' Qg [64, 128] and Aqk [64, 64], bf16
+AT_ELEMS = SCAN_CHUNK * SCAN_CHUNK
+PIECE = 8  # bf16 elements in 16 bytes
+
+
+class OutputsStep(NamedTuple):
+    """What a step of the scan with outputs needs beyond the scan's own: the O products'
+    fragments and accumulator, the Qg and Aqk images and this step's plain stages, o and
+    where the sequence's tokens start, and the step's index."""
+
+    f_qg: Any
+    f_at: Any
+    f_xo: Any
+    acc_o: Any
+    s_qg: Any
+    s_at: Any
+    m_o: Any
+    bos: Any
+    seqlen: Any
+    raw_qg: Any = None
+    raw_at: Any = None
+    j: Any = None
 
 
 def scan_mmas(v_slice: int):
@@ -69,11 +113,19 @@ def accumulate_always(*mmas):
 
 
 class ChunkStateScanTcSm90:
-    def __init__(self, config: ScanConfig, passes: int = 3):
+    def __init__(
+        self, config: ScanConfig, passes: int = 3, outputs: bool = False, states: bool = True
+    ):
         if config.v_slice not in SCAN_TC_V_SLICES:
             raise ValueError(
                 f"the tensor-core scan owns {SCAN_TC_V_SLICES} state columns, got {config.v_slice}"
             )
+        if outputs and (config.reverse or passes != 1):
+            raise ValueError("the scan writes the outputs forward at one bf16 pass only")
+        if not states and not outputs:
+            raise ValueError("a scan that stores no states writes the outputs")
+        self.outputs = outputs  # ChunkStateScanOutputsTcSm90's: the chunk's O as well
+        self.states = states  # False: the chunk states are not stored (mStates is None)
         self.reverse = config.reverse
         self.vs = config.v_slice
         self.addend_rows = config.addend_rows
@@ -124,7 +176,9 @@ class ChunkStateScanTcSm90:
 
     def allocate(self, addend_rows: int):
         """The kernel's shared memory (addend stages of addend_rows x VS float32: a kernel that
-        runs both directions allocates the larger, the reverse's)."""
+        runs both directions allocates the larger, the reverse's; with outputs, U's [64, 128]
+        bf16 instead, and the Qg and Aqk stages and images: about 176 KiB at VS = 16, 182 at
+        32)."""
         smem = SmemAllocator()
         flat = cute.make_layout(self.image_elems)
         raw_a = [smem.allocate_tensor(BFloat16, flat, 1024) for _ in range(STAGES)]
@@ -134,35 +188,59 @@ class ChunkStateScanTcSm90:
         s_y = smem.allocate_tensor(BFloat16, lay_y.outer, 1024, swizzle=lay_y.inner)
         s_x = smem.allocate_tensor(BFloat16, lay_x.outer, 1024, swizzle=lay_x.inner)
         add_elems = addend_rows * self.vs
-        raw_add = [smem.allocate_tensor(Float32, cute.make_layout(add_elems), 128)
+        add_type = Float32
+        if self.outputs:  # the addend U as the chunk core gives it: bf16 [64, 128], plain
+            add_elems, add_type = QG_ELEMS, BFloat16
+        raw_add = [smem.allocate_tensor(add_type, cute.make_layout(add_elems), 128)
                    for _ in range(STAGES)]  # fmt: skip
         s_decay = [smem.allocate_tensor(Float32, cute.make_layout(HEAD_DIM), 128)
                    for _ in range(STAGES)]  # fmt: skip
         s_mbar = smem.allocate_tensor(cutlass.Int64, cute.make_layout(STAGES), 8)
+        if self.outputs:
+            # Qg and Aqk: plain row-major stages (what the bulk copies bring), and their images
+            raw_qg = [smem.allocate_tensor(BFloat16, cute.make_layout(QG_ELEMS), 128)
+                      for _ in range(STAGES)]  # fmt: skip
+            raw_at = [smem.allocate_tensor(BFloat16, cute.make_layout(AT_ELEMS), 128)
+                      for _ in range(STAGES)]  # fmt: skip
+            lay_qg = inter_image_layout(SCAN_CHUNK, HEAD_DIM)
+            lay_at = inter_image_layout(SCAN_CHUNK, SCAN_CHUNK)
+            s_qg = smem.allocate_tensor(BFloat16, lay_qg.outer, 1024, swizzle=lay_qg.inner)
+            s_at = smem.allocate_tensor(BFloat16, lay_at.outer, 1024, swizzle=lay_at.inner)
+            return raw_a, raw_bt, s_y, s_x, raw_add, s_decay, s_mbar, (raw_qg, raw_at, s_qg, s_at)
         return raw_a, raw_bt, s_y, s_x, raw_add, s_decay, s_mbar
 
     @cute.jit
     def scan(self, mA, mBt, mDecay, mAdd, mCu, mY0, mStates, mFinal, mma_x, mma_y, buffers,
-             vsl, h, n):  # fmt: skip
+             vsl, h, n, out=()):  # fmt: skip
         """This direction's scan of (state columns vsl, head h, sequence n) in `buffers`
-        (allocate's)."""
+        (allocate's); with outputs, out = (qg, attn, o) (ChunkStateScanOutputsTcSm90's)."""
         VS = self.vs
         tid, _, _ = cute.arch.thread_idx()
         vbase = vsl * VS
-        n_slots = mStates.shape[0]
-        raw_a, raw_bt, s_y, s_x, raw_add, s_decay, s_mbar = buffers
+        if cutlass.const_expr(self.states):
+            n_slots = mStates.shape[0]
+        else:
+            n_slots = mA.shape[0]
+        raw_a, raw_bt, s_y, s_x, raw_add, s_decay, s_mbar = buffers[:7]
         lay_a = inter_image_layout(SCAN_CHUNK, self.a_k)
         lay_bt = inter_image_layout(HEAD_DIM, self.bt_k, mn_major=True)
         s_a = [cute.make_tensor(r.iterator, lay_a) for r in raw_a]
         s_bt = [cute.make_tensor(r.iterator, lay_bt) for r in raw_bt]
         add_layout = cute.make_layout((self.addend_rows, VS), stride=(VS, 1))
-        s_add = [cute.make_tensor(r.iterator, add_layout) for r in raw_add]
+        if cutlass.const_expr(self.outputs):  # U [64, 128] bf16: the CTA's slice at vbase
+            add_layout = cute.make_layout((SCAN_CHUNK, VS), stride=(HEAD_DIM, 1))
+            s_add = [cute.make_tensor(r.iterator + vbase, add_layout) for r in raw_add]
+        else:
+            s_add = [cute.make_tensor(r.iterator, add_layout) for r in raw_add]
         if tid == 0:
             for s in cutlass.range_constexpr(STAGES):
                 cute.arch.mbarrier_init(s_mbar.iterator + s, 1)
             cute.arch.mbarrier_init_fence()
         cute.arch.sync_threads()
         loads = (raw_a, raw_bt, raw_add, s_decay, s_mbar)
+        if cutlass.const_expr(self.outputs):
+            raw_qg, raw_at, s_qg, s_at = buffers[7]
+            loads = (*loads, raw_qg, raw_at, out[0], out[1])
 
         thr_x = mma_x.get_slice(tid)
         thr_y = mma_y.get_slice(tid)
@@ -179,6 +257,16 @@ class ChunkStateScanTcSm90:
                  for _ in range(2)]  # fmt: skip
 
         slot0, nch, gap_end = scan_slots(mCu, n, n_slots, SCAN_CHUNK)
+        o_ctx = None
+        if cutlass.const_expr(self.outputs):
+            # O = Qg S + Aqk X on mma_x: A K-major images [64, 128] and [64, 64], B = S's image
+            # (product 1's) and X's (product 2's, its B; K = 64 tokens)
+            f_qg = mma_x.make_fragment_A(thr_x.partition_A(s_qg))
+            f_at = mma_x.make_fragment_A(thr_x.partition_A(s_at))
+            f_xo = mma_x.make_fragment_B(thr_x.partition_B(s_x))
+            acc_o = cute.make_rmem_tensor(mma_x.partition_shape_C((SCAN_CHUNK, VS)), Float32)
+            bos, seqlen, _, _ = sequence_slots(mCu, n, SCAN_CHUNK)
+            o_ctx = OutputsStep(f_qg, f_at, f_xo, acc_o, s_qg, s_at, out[2], bos, seqlen)
         for m in cutlass.range_constexpr(2):
             for i in cutlass.range_constexpr(cute.size(acc_y[m])):
                 ch, v = c_y[i]
@@ -196,30 +284,36 @@ class ChunkStateScanTcSm90:
                         nxt = step_slot(slot0, nch, self.reverse, j + 1)
                         self._load(mA, mBt, mDecay, mAdd, nxt, h, vsl, 1 - s, loads)
                     phase = (j // STAGES) % 2
+                    o_step = None
+                    if cutlass.const_expr(self.outputs):
+                        o_step = o_ctx._replace(raw_qg=raw_qg[s], raw_at=raw_at[s], j=j)
                     self._step(mma_x, mma_y, acc_x, acc_y, c_x, c_y, f_a[s], f_bt[s], f_y, f_x,
                                s_y, s_x, s_add[s], s_decay[s], s_mbar.iterator + s, phase,
-                               mStates, slot, h, vbase)  # fmt: skip
+                               mStates, slot, h, vbase, o_step)  # fmt: skip
 
         for m in cutlass.range_constexpr(2):
             for i in cutlass.range_constexpr(cute.size(acc_y[m])):
                 ch, v = c_y[i]
                 mFinal[n, h, m * HALF + ch, vbase + v] = acc_y[m][i]
         # gap slots after this sequence's chunks: zero states (coalesced over columns)
-        for slot in cutlass.range(slot0 + nch, gap_end, unroll=1):
-            for it in cutlass.range_constexpr(HEAD_DIM * VS // NTHREADS):
-                e = tid + it * NTHREADS
-                mStates[slot, h, e // VS, vbase + e % VS] = Float32(0.0)
+        if cutlass.const_expr(self.states):
+            for slot in cutlass.range(slot0 + nch, gap_end, unroll=1):
+                for it in cutlass.range_constexpr(HEAD_DIM * VS // NTHREADS):
+                    e = tid + it * NTHREADS
+                    mStates[slot, h, e // VS, vbase + e % VS] = Float32(0.0)
 
     @cute.jit
     def _step(self, mma_x, mma_y, acc_x, acc_y, c_x, c_y, f_a, f_bt, f_y, f_x, s_y, s_x,
-              s_add, s_decay, mbar, phase, mStates, slot, h, vbase):  # fmt: skip
-        """One chunk: store the state entering it, then the two products."""
+              s_add, s_decay, mbar, phase, mStates, slot, h, vbase, o_step=None):  # fmt: skip
+        """One chunk: store the state entering it, then the two products (with outputs, the
+        chunk's O after them: o_step)."""
         for m in cutlass.range_constexpr(2):
             for i in cutlass.range_constexpr(cute.size(acc_y[m])):
                 ch, v = c_y[i]
                 ch = m * HALF + ch
                 y = acc_y[m][i]
-                mStates[slot, h, ch, vbase + v] = y
+                if cutlass.const_expr(self.states):
+                    mStates[slot, h, ch, vbase + v] = y
                 y_hi = y.to(BFloat16)
                 s_y[v, ch] = y_hi
                 if cutlass.const_expr(self.passes == 3):
@@ -244,10 +338,18 @@ class ChunkStateScanTcSm90:
             acc_x[i] = Float32(0.0)
             if cutlass.const_expr(not self.reverse):
                 tok, v = c_x[i]
-                acc_x[i] = -s_add[tok, v]
+                if cutlass.const_expr(self.outputs):  # U in bf16
+                    acc_x[i] = -s_add[tok, v].to(Float32)
+                else:
+                    acc_x[i] = -s_add[tok, v]
         cute.nvgpu.warpgroup.fence()
         gemm_passes(mma_x, acc_x, f_a, f_y, HEAD_DIM // 16, self.passes)
         cute.nvgpu.warpgroup.commit_group()
+        if cutlass.const_expr(self.outputs):
+            # while product 1 runs: the chunk's plain Qg and Aqk (landed with the stage) into
+            # their images
+            self._to_image(o_step.raw_qg, o_step.s_qg, HEAD_DIM)
+            self._to_image(o_step.raw_at, o_step.s_at, SCAN_CHUNK)
         cute.nvgpu.warpgroup.wait_group(0)
 
         # ---- product 2: Y += B^T (-acc): forward acc = -X (Y += Kd^T X), reverse acc = X
@@ -261,31 +363,213 @@ class ChunkStateScanTcSm90:
                 s_x[v, SCAN_CHUNK + tok] = (x - x_hi.to(Float32)).to(BFloat16)
         cute.arch.fence_proxy("async.shared", space="cta")
         cute.arch.sync_threads()
+        if cutlass.const_expr(self.outputs):
+            o_step.acc_o.fill(0.0)  # every product accumulates
         cute.nvgpu.warpgroup.fence()
         for m in cutlass.range_constexpr(2):
             gemm_passes(mma_y, acc_y[m], f_bt[m], f_x, SCAN_CHUNK // 16, self.passes)
+        if cutlass.const_expr(self.outputs):
+            gemm_passes(mma_x, o_step.acc_o, o_step.f_qg, f_y, HEAD_DIM // 16, 1)  # Qg S
+            gemm_passes(
+                mma_x, o_step.acc_o, o_step.f_at, o_step.f_xo, SCAN_CHUNK // 16, 1
+            )  # + Aqk X
         cute.nvgpu.warpgroup.commit_group()
         cute.nvgpu.warpgroup.wait_group(0)
+        if cutlass.const_expr(self.outputs):
+            self._store_outputs(o_step, c_x, h, vbase)
         cute.arch.sync_threads()  # the stage and the Y, X images free for the next chunk
 
     @cute.jit
+    def _to_image(self, raw: cute.Tensor, image: cute.Tensor, cols: cutlass.Constexpr[int]):
+        """A plain row-major [64, cols] bf16 array in shared memory into its K-major image, 16
+        bytes a piece, four loads in flight a thread. The eight threads of a 128-byte
+        phase take eight rows of one 8-row block and eight different pieces (piece (c + r) %
+        per of row r): their loads hit eight different 16-byte bank groups (rows lie a multiple
+        of 128 bytes apart) and so do their stores (one core matrix's eight rows)."""
+        tid, _, _ = cute.arch.thread_idx()
+        per = cols // PIECE  # pieces a row
+        tasks = SCAN_CHUNK * per // NTHREADS
+        batch = 4  # loads in flight a thread (the registers the scan has left)
+        r_x = cute.make_rmem_tensor((batch, PIECE), BFloat16)
+        for b in cutlass.range_constexpr(tasks // batch):
+            for t in cutlass.range_constexpr(batch):
+                row, piece = self._piece_of((b * batch + t) * NTHREADS + tid, per)
+                r_x[t, None].store(row_piece(raw, row * cols + piece * PIECE, PIECE).load())
+            for t in cutlass.range_constexpr(batch):
+                row, piece = self._piece_of((b * batch + t) * NTHREADS + tid, per)
+                store_piece(image, row, piece * PIECE, r_x[t, None].load(), False)
+
+    @staticmethod
+    def _piece_of(q, per: int):
+        """(row, piece) of task q of a [64, per pieces] array: rows r = 8 b + q % 8 of row
+        block b = (q / 8) % 8, piece (c + q % 8) % per with c = q / 64."""
+        lane = q % 8
+        group = q // 8
+        return (group % 8) * 8 + lane, (group // 8 + lane) % per
+
+    @cute.jit
+    def _store_outputs(self, o_step, c_x, h, vbase):
+        """acc_o, the chunk's O for the CTA's V slice, as bf16 pairs into the rows of the tokens
+        step j of the sequence holds (rows past its end, or outside [0, T) on bad boundaries,
+        write nothing)."""
+        acc_o, mO, bos, seqlen, j = o_step.acc_o, o_step.m_o, o_step.bos, o_step.seqlen, o_step.j
+        row0 = bos + j * SCAN_CHUNK
+        count = cutlass.min(cutlass.min(seqlen - j * SCAN_CHUNK, SCAN_CHUNK), mO.shape[0] - row0)
+        if row0 < 0:
+            count = Int32(0)
+        pair = cute.make_rmem_tensor((2,), Float32)
+        for e in cutlass.range_constexpr(0, cute.size(acc_o), 2):
+            tok, v = c_x[e]
+            if tok < count:
+                pair[0] = acc_o[e]
+                pair[1] = acc_o[e + 1]
+                pair_at(mO[row0 + tok, h, None], vbase + v).store(pair.load().to(BFloat16))
+
+    @cute.jit
     def _load(self, mA, mBt, mDecay, mAdd, slot, h, vsl, stage: cutlass.Constexpr[int], loads):
-        """One thread: one chunk's A and B^T images, addend slice and decay into `stage`, four
-        bulk copies completing on the stage's mbarrier."""
-        raw_a, raw_bt, raw_add, s_decay, s_mbar = loads
+        """One thread: one chunk's A and B^T images, addend slice (with outputs: U, Qg and Aqk
+        plain) and decay into `stage`, four (six) bulk copies completing on the stage's
+        mbarrier."""
+        raw_a, raw_bt, raw_add, s_decay, s_mbar = loads[:5]
         mbar = s_mbar.iterator + stage
         add_elems = self.addend_rows * self.vs
         nbytes = 2 * self.image_elems * 2 + (add_elems + HEAD_DIM) * 4
+        if cutlass.const_expr(self.outputs):  # U, Qg and Aqk plain, bf16
+            nbytes = 2 * self.image_elems * 2 + HEAD_DIM * 4 + (2 * QG_ELEMS + AT_ELEMS) * 2
         cute.arch.mbarrier_arrive_and_expect_tx(mbar, nbytes)
-        pieces = (
+        images = (
             (mA[slot, h, None], raw_a[stage], BFloat16, self.image_elems),
             (mBt[slot, h, None], raw_bt[stage], BFloat16, self.image_elems),
-            (mAdd[slot, h, vsl, None], raw_add[stage], Float32, add_elems),
-            (mDecay[slot, h, None], s_decay[stage], Float32, HEAD_DIM),
         )
+        if cutlass.const_expr(self.outputs):
+            addend = (mAdd[slot, h, None], raw_add[stage], BFloat16, QG_ELEMS)
+        else:
+            addend = (mAdd[slot, h, vsl, None], raw_add[stage], Float32, add_elems)
+        pieces = (*images, addend, (mDecay[slot, h, None], s_decay[stage], Float32, HEAD_DIM))
+        if cutlass.const_expr(self.outputs):
+            raw_qg, raw_at, mQg, mAttn = loads[5:]
+            pieces = (
+                *pieces,
+                (mQg[slot, h, None], raw_qg[stage], BFloat16, QG_ELEMS),
+                (mAttn[slot, h, None], raw_at[stage], BFloat16, AT_ELEMS),
+            )
         for src, buf, dtype, elems in pieces:
             dst = cute.make_tensor(buf.iterator, cute.make_layout(elems))  # buf may be larger
             atom = cute.make_copy_atom(
                 cpasync.CopyBulkG2SOp(), dtype, num_bits_per_copy=elems * dtype.width
             )
             cute.copy(atom, src, dst, mbar_ptr=mbar)
+
+
+class ChunkStateScanOutputsTcSm90:
+    """The forward tensor-core scan at one bf16 pass that writes every chunk's outputs too
+    (the module's docstring): ChunkStateScanTcSm90's inputs and results, except the addend U
+    [slots, H, 64 * 128] bfloat16 (plain, not V-sliced), and Qg [slots, H, 64 * 128], Aqk
+    [slots, H, 64 * 64] (the chunk core's bfloat16 u, qg and attn, row-major, flat per slot)
+    in, o [T, H, 128] bfloat16 out (the rows of tokens in no sequence unwritten).
+    states=False (ChunkOutputsScanTcSm90, a call that is not differentiated): no chunk states
+    stored, the final states and o alone."""
+
+    def __init__(self, v_slice: int, states: bool = True):
+        self.vs = v_slice
+        self.scan = ChunkStateScanTcSm90(
+            ScanConfig(reverse=False, v_slice=v_slice), passes=1, outputs=True, states=states
+        )
+
+    @cute.jit
+    def __call__(
+        self,
+        a_img: cute.Tensor,
+        bt_img: cute.Tensor,
+        decay: cute.Tensor,
+        addend: cute.Tensor,
+        cu_seqlens: cute.Tensor,
+        y0: cute.Tensor,
+        qg: cute.Tensor,
+        attn: cute.Tensor,
+        states: cute.Tensor,
+        final: cute.Tensor,
+        o: cute.Tensor,
+        stream: cuda.CUstream,
+    ):
+        n_seq = cu_seqlens.shape[0] - 1
+        heads = y0.shape[1]
+        mma_x, mma_y = scan_mmas(self.vs)
+        self.kernel(
+            a_img, bt_img, decay, addend, cu_seqlens, y0, qg, attn, states, final, o, mma_x, mma_y
+        ).launch(grid=[HEAD_DIM // self.vs, heads, n_seq], block=[NTHREADS, 1, 1], stream=stream)
+
+    @cute.kernel
+    def kernel(
+        self,
+        mA: cute.Tensor,
+        mBt: cute.Tensor,
+        mDecay: cute.Tensor,
+        mAdd: cute.Tensor,
+        mCu: cute.Tensor,
+        mY0: cute.Tensor,
+        mQg: cute.Tensor,
+        mAttn: cute.Tensor,
+        mStates: cute.Tensor,
+        mFinal: cute.Tensor,
+        mO: cute.Tensor,
+        mma_x: cute.TiledMma,
+        mma_y: cute.TiledMma,
+    ):
+        vsl, h, n = cute.arch.block_idx()
+        accumulate_always(mma_x, mma_y)
+        buffers = self.scan.allocate(self.scan.addend_rows)
+        self.scan.scan(mA, mBt, mDecay, mAdd, mCu, mY0, mStates, mFinal, mma_x, mma_y, buffers,
+                       vsl, h, n, (mQg, mAttn, mO))  # fmt: skip
+
+
+class ChunkOutputsScanTcSm90(ChunkStateScanOutputsTcSm90):
+    """ChunkStateScanOutputsTcSm90 without the chunk states: (final, o) from the same inputs,
+    for a forward that autodiff does not differentiate (64 KiB a chunk and head not stored)."""
+
+    def __init__(self, v_slice: int):
+        super().__init__(v_slice, states=False)
+
+    @cute.jit
+    def __call__(
+        self,
+        a_img: cute.Tensor,
+        bt_img: cute.Tensor,
+        decay: cute.Tensor,
+        addend: cute.Tensor,
+        cu_seqlens: cute.Tensor,
+        y0: cute.Tensor,
+        qg: cute.Tensor,
+        attn: cute.Tensor,
+        final: cute.Tensor,
+        o: cute.Tensor,
+        stream: cuda.CUstream,
+    ):
+        n_seq = cu_seqlens.shape[0] - 1
+        heads = y0.shape[1]
+        mma_x, mma_y = scan_mmas(self.vs)
+        self.kernel(
+            a_img, bt_img, decay, addend, cu_seqlens, y0, qg, attn, final, o, mma_x, mma_y
+        ).launch(grid=[HEAD_DIM // self.vs, heads, n_seq], block=[NTHREADS, 1, 1], stream=stream)
+
+    @cute.kernel
+    def kernel(
+        self,
+        mA: cute.Tensor,
+        mBt: cute.Tensor,
+        mDecay: cute.Tensor,
+        mAdd: cute.Tensor,
+        mCu: cute.Tensor,
+        mY0: cute.Tensor,
+        mQg: cute.Tensor,
+        mAttn: cute.Tensor,
+        mFinal: cute.Tensor,
+        mO: cute.Tensor,
+        mma_x: cute.TiledMma,
+        mma_y: cute.TiledMma,
+    ):
+        vsl, h, n = cute.arch.block_idx()
+        accumulate_always(mma_x, mma_y)
+        buffers = self.scan.allocate(self.scan.addend_rows)
+        self.scan.scan(mA, mBt, mDecay, mAdd, mCu, mY0, None, mFinal, mma_x, mma_y, buffers,
+                       vsl, h, n, (mQg, mAttn, mO))  # fmt: skip
