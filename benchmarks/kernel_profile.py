@@ -152,7 +152,8 @@ def _main():
         "VJP, its backward's products on their kernel), 'tok' (with dense: the element-wise rest "
         "on its kernel, into the tokens' rows, fused into the decayed kernel where both are "
         "on), 'sep' (with tok: the decayed and tokens kernels one after the other), 'fo' (with "
-        "dense: the forward scan writes the outputs where the plan fuses them), 'bs' "
+        "dense: the forward scan writes the outputs where the plan fuses them), 'ua' (with "
+        "dense: the forward scan reads the chunk core's bf16 U as it is), 'bs' "
         "(with dense: both state scans in the "
         "backward, in one launch), joined by '+' (e.g. base,core+dbwd+v64+x3)",
     )
@@ -228,6 +229,7 @@ def _variants(text: str) -> list[tuple[str, dict]]:
             "tokens_bwd": False,
             "both_scans": False,
             "fuse_outputs": False,
+            "scan_plain_addend": False,
         }
         for part in name.split("+"):
             if part == "core":
@@ -251,6 +253,8 @@ def _variants(text: str) -> list[tuple[str, dict]]:
                 options["fuse_tokens"] = False
             elif part == "fo":  # with dense: the forward scan writes the outputs (as planned)
                 options["fuse_outputs"] = True
+            elif part == "ua":  # with dense: the forward scan reads U bf16, plain
+                options["scan_plain_addend"] = True
             elif part == "bs":  # with dense: both state scans in the backward, one launch
                 options["both_scans"] = True
             elif part in SCAN_VARIANTS:

@@ -68,6 +68,7 @@ def test_train_variants_parse_into_training_forward_options():
         "tokens_bwd": False,
         "both_scans": False,
         "fuse_outputs": False,
+        "scan_plain_addend": False,
     }
     assert _variants("x1+dense+bs")[0][1] == {
         **off, "dense_precision": "bf16", "dense_bwd": True, "both_scans": True,
@@ -97,6 +98,9 @@ def test_train_variants_parse_into_training_forward_options():
     }  # fmt: skip
     assert _variants("x1+dense+fo")[0][1] == {
         **off, "dense_precision": "bf16", "dense_bwd": True, "fuse_outputs": True,
+    }  # fmt: skip
+    assert _variants("x1+dense+ua")[0][1] == {
+        **off, "dense_precision": "bf16", "dense_bwd": True, "scan_plain_addend": True,
     }  # fmt: skip
     assert _variants("core+x1")[0][1] == {
         **off, "chunk_core": True, "dense_precision": "bf16",

@@ -681,6 +681,70 @@ def test_chunk_outputs_kernel_matches_xla(lengths):
     assert error <= 2e-2 and same_ops <= 5e-3, (error, same_ops)
 
 
+@pytest.mark.parametrize("passes", [1, 3])
+@pytest.mark.parametrize("v_slice", SCAN_TC_V_SLICES)
+@pytest.mark.parametrize(
+    "lengths, data",
+    [
+        ([130, 0, 70, 1], "production"),
+        ([64, 10, 128, 0, 65], "production"),
+        ([3000, 257], "long-memory"),
+        ([0, 0], "production"),
+    ],
+    ids=str,
+)
+def test_forward_scan_on_the_plain_bf16_addend_equals_the_sliced_one(
+    lengths, data, v_slice, passes
+):
+    """The forward tensor-core scan that copies its slice of the chunk core's bf16 U row by row
+    (state_scan_artifact's plain_addend variant) against the one that reads XLA's float32
+    V-sliced copy of the same values: states and final states bit for bit (the same numbers
+    start the same products), every result NaN-poisoned first; the chunk core's own operands,
+    a non-zero initial state, ragged, empty and gap slots, long-memory data, no tokens at all
+    (state_scan_kernel then passes the state through)."""
+    register()
+    make = long_memory_inputs if data == "long-memory" else production_inputs
+    x = make(lengths, 3, seed=SEED + 5 * len(lengths))
+    tokens, heads = x.q.shape[:2]
+    num_slots = xla.chunk_slot_count(tokens, len(lengths))
+    cu = jnp.asarray(x.cu_seqlens, jnp.int32)
+    token_inputs = [jnp.asarray(a) for a in x[:5]]
+    core = jax.jit(sm90.chunk_core_kernel, static_argnums=(6, 7))(*token_inputs, cu, num_slots, 0.3)
+    w, u, _, _, kd, decay = core[:6]
+    assert u.dtype == jnp.bfloat16  # what the plain variant takes
+    w_op = sm90.backend.ImagedOperand(sm90.backend.chunk_rows(w), w)
+    kd_op = sm90.backend.ImagedOperand(sm90.backend.chunk_rows(kd), kd)
+    y0 = jnp.swapaxes(jnp.asarray(x.initial_state, jnp.float32), -1, -2)
+    options = {"reverse": False, "v_slice": v_slice, "tensor_cores": True, "passes": passes}
+    sliced = jax.jit(functools.partial(sm90.state_scan_kernel, **options))
+    plain = jax.jit(functools.partial(sm90.state_scan_kernel, **options, plain_addend=True))
+    ref_states, ref_final = sliced(w_op, kd_op, decay, u, cu, y0)
+    states, final = plain(w_op, kd_op, decay, u, cu, y0)
+    np.testing.assert_array_equal(np.asarray(final), np.asarray(ref_final))
+    np.testing.assert_array_equal(np.asarray(states), np.asarray(ref_states))
+    if not num_slots:  # no launch of the plain variant: the state passes through
+        np.testing.assert_array_equal(np.asarray(final), np.asarray(y0))
+        return
+    results = [
+        jax.ShapeDtypeStruct((num_slots, heads, 128, 128), jnp.float32),
+        jax.ShapeDtypeStruct(y0.shape, jnp.float32),
+    ]
+
+    @jax.jit
+    def poisoned(w_op, kd_op, decay, u, y0):
+        a_img, bt_img, _ = sm90.state_scan_operands(w_op, kd_op, None, v_slice, passes)
+        inputs = [a_img, bt_img, decay, u.reshape(num_slots, heads, -1), cu, y0]
+        poison = [jnp.full(r.shape, jnp.nan, r.dtype) for r in results]
+        aliases = {len(inputs) + i: i for i in range(len(results))}
+        artifact = sm90.state_scan_artifact(False, v_slice, True, passes, True)
+        return cute_call(artifact, [*inputs, *poison], results, aliases=aliases)
+
+    states, final = poisoned(w_op, kd_op, decay, u, y0)
+    for name, a, b in (("states", states, ref_states), ("final", final, ref_final)):
+        assert not np.isnan(np.asarray(a)).any(), name
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=name)
+
+
 @pytest.mark.parametrize("v_slice", SCAN_TC_V_SLICES)
 @pytest.mark.parametrize(
     "lengths, data",

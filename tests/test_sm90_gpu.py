@@ -130,11 +130,22 @@ def test_long_memory_data_with_custom_scale(lengths):
         assert err_o <= RMS_RATIO_BAR and err_final <= RMS_RATIO_BAR
 
 
-def _exact_prefill(scale=None, fuse_outputs=False):
+EXACT_VARIANTS = {
+    "default": {},
+    "scan-outputs": {"fuse_outputs": True},
+    "plain-addend": {"scan_plain_addend": True},
+}
+"""The exact forward's opt-in variants (sm90.training_forward switches, off by default until
+they have run on a GPU): the forward scan writing the outputs where the plan fuses them, and
+the forward scan reading the chunk core's bf16 U as it is."""
+
+
+def _exact_prefill(scale=None, variant="default"):
     """The exact 64-token forward (no gate bound): prefill on sm90 (the chunk core, the forward
-    scan, the outputs kernel), or with fuse_outputs=True sm90.training_forward's opt-in variant
-    whose forward scan writes the outputs where the plan fuses them (its only callers so far)."""
-    if not fuse_outputs:
+    scan, the outputs kernel), or an opt-in variant through sm90.training_forward (its only
+    callers so far)."""
+    options = EXACT_VARIANTS[variant]
+    if not options:
         return jax.jit(
             lambda q, k, v, g, b, cu, s: jax_kda.prefill(
                 q, k, v, g, b, cu_seqlens=cu, initial_state=s, backend="sm90", scale=scale
@@ -144,28 +155,27 @@ def _exact_prefill(scale=None, fuse_outputs=False):
     def call(q, k, v, g, b, cu, s):  # packed THD, the state [N, H, V, K] inside
         o, final = sm90.training_forward(
             q, k, v, g, b, cu, jnp.swapaxes(s, -1, -2),
-            default_scale() if scale is None else scale, fuse_outputs=True,
+            default_scale() if scale is None else scale, **options,
         )  # fmt: skip
         return o, jnp.swapaxes(final, -1, -2)
 
     return jax.jit(call)
 
 
-@pytest.mark.parametrize("fuse_outputs", [False, True], ids=["outputs-kernel", "scan-outputs"])
+@pytest.mark.parametrize("variant", EXACT_VARIANTS)
 @pytest.mark.parametrize("case", CASES)
-def test_exact_forward_matches_float64_oracle(case, fuse_outputs):
-    """The no-bound forward on SPEC's length sets and a non-zero initial state, with the outputs
-    on their kernel and (fuse_outputs) written by the forward scan where the plan fuses them
-    (the single sequences of few heads; the packed sets with more scan CTAs than SMs, such as
-    64 sequences of 32 heads, still the two kernels); empty sequences pass the state bit for
-    bit."""
+def test_exact_forward_matches_float64_oracle(case, variant):
+    """The no-bound forward on SPEC's length sets and a non-zero initial state, as prefill runs
+    it and in each opt-in variant (with scan-outputs the single sequences of few heads take the
+    fused scan; the packed sets with more scan CTAs than SMs, such as 64 sequences of 32 heads,
+    still the two kernels); empty sequences pass the state bit for bit."""
     lengths, heads = CASES[case]
     x = production_inputs(lengths, heads, seed=SEED + 3 * len(case))
     ref_o, ref_final = recurrent_oracle(*x)
-    o, final = _exact_prefill(fuse_outputs=fuse_outputs)(*x)
+    o, final = _exact_prefill(variant=variant)(*x)
     err_o = rms_ratio(o, ref_o) if o.size else 0.0
     err_final = rms_ratio(final, ref_final)
-    print(f"exact forward {case} fuse_outputs={fuse_outputs}: o {err_o:.2e} final {err_final:.2e}")
+    print(f"exact forward {case} {variant}: o {err_o:.2e} final {err_final:.2e}")
     assert not np.isnan(np.asarray(o, np.float32)).any() and not np.isnan(final).any()
     assert err_o <= RMS_RATIO_BAR and err_final <= RMS_RATIO_BAR
     for s, n in enumerate(lengths):
@@ -173,18 +183,18 @@ def test_exact_forward_matches_float64_oracle(case, fuse_outputs):
             np.testing.assert_array_equal(np.asarray(final[s]), x.initial_state[s])
 
 
-@pytest.mark.parametrize("fuse_outputs", [False, True], ids=["outputs-kernel", "scan-outputs"])
+@pytest.mark.parametrize("variant", EXACT_VARIANTS)
 @pytest.mark.parametrize("lengths", [[4000, 0, 700, 65], [16384]])
-def test_exact_forward_long_memory_with_custom_scale(lengths, fuse_outputs):
+def test_exact_forward_long_memory_with_custom_scale(lengths, variant):
     """The no-bound forward where the carried and the initial states matter to every output
     (g = -0.05 * sigmoid(.), g = 0 on every 8th channel, a large initial state)."""
     x = long_memory_inputs(lengths, 2, seed=SEED + 13)
     ref_o, ref_final = recurrent_oracle(*x, scale=0.3)
     forgot, _ = recurrent_oracle(*x[:6], x.initial_state * 0, scale=0.3)
     assert rms_ratio(forgot, ref_o) > 10 * RMS_RATIO_BAR  # the data exposes a dropped state
-    o, final = _exact_prefill(0.3, fuse_outputs)(*x)
+    o, final = _exact_prefill(0.3, variant)(*x)
     err_o, err_final = rms_ratio(o, ref_o), rms_ratio(final, ref_final)
-    print(f"exact forward, long memory {lengths}: o {err_o:.2e} final {err_final:.2e}")
+    print(f"exact forward, long memory {lengths} {variant}: o {err_o:.2e} final {err_final:.2e}")
     assert err_o <= RMS_RATIO_BAR and err_final <= RMS_RATIO_BAR
 
 

@@ -504,6 +504,39 @@ def test_state_scan_single_pass_variants_export_for_sm90a(reverse):
         sm90.state_scan_artifact(reverse, 16, False, 1)
 
 
+@pytest.mark.parametrize("passes", [1, 3])
+@pytest.mark.parametrize("v_slice", SCAN_TC_V_SLICES)
+def test_forward_scan_on_the_plain_addend_exports_and_lowers(v_slice, passes):
+    """The forward tensor-core scan that reads the chunk core's bf16 U as it is exports as a
+    variant of its own (addend bf16 [slots, H, 64 * 128]); reverse and SIMT scans are refused.
+    training_forward(scan_plain_addend=True) lowers to it, and its U then reaches the scan
+    without XLA's float32 V-sliced copy (the default keeps that copy: the variant has not yet
+    run on a GPU)."""
+    artifact = sm90.state_scan_artifact(False, v_slice, True, passes, True)
+    assert artifact.object_bytes[:4] == b"\x7fELF"
+    suffix = f"t{v_slice}{'x1' if passes == 1 else ''}u"
+    assert artifact.prefix == f"kda_state_scan_sm90_fwd_{suffix}"
+    assert artifact.key != sm90.state_scan_artifact(False, v_slice, True, passes).key
+    assert len(artifact.tensors) == 8
+    for reverse, cores in ((True, True), (False, False)):
+        with pytest.raises(ValueError, match="only the forward tensor-core scan"):
+            sm90.state_scan_artifact(reverse, v_slice, cores, passes, True)
+    x = production_inputs([300, 0, 77], 2, seed=8)
+
+    def forward(q, k, v, g, beta, cu, state, **options):
+        return sm90.training_forward(
+            q, k, v, g, beta, cu, state, 0.3, scan_v_slice=v_slice, scan_passes=passes,
+            **options,
+        )  # fmt: skip
+
+    # XLA's float32 copy of U in the scan's V slices [slots, H, 128 / VS, 64 VS]
+    copy = re.compile(rf"stablehlo.convert .*x{128 // v_slice}x{64 * v_slice}xbf16>\) -> ")
+    text = _lower(functools.partial(forward, scan_plain_addend=True), *x)
+    assert f'"kda_state_scan_sm90_fwd_{suffix}"' in text and not copy.search(text)
+    text = _lower(forward, *x)
+    assert f'"kda_state_scan_sm90_fwd_{suffix[:-1]}"' in text and copy.search(text)
+
+
 @pytest.mark.parametrize("v_slice", [16, 32])
 def test_both_state_scans_export_for_sm90a(v_slice):
     """The backward's two scans in one launch (single-pass tensor-core scans)."""

@@ -222,13 +222,17 @@ def forward(q, k, v, g, beta, cu_seqlens, initial_state, scale, *, segments=None
 
 
 @functools.cache
-def state_scan_artifact(reverse: bool, v_slice: int, tensor_cores: bool = False, passes: int = 3):
+def state_scan_artifact(
+    reverse: bool, v_slice: int, tensor_cores: bool = False, passes: int = 3,
+    plain_addend: bool = False,
+):  # fmt: skip
     """The exported state-scan kernel for one direction and V-slice width: the SIMT kernel
     (kernels/kda_state_scan_sm90.py; v_slice 64 the m64 wgmma one), or with tensor_cores the
     one with the slice as wgmma N (kernels/kda_state_scan_tc_sm90.py, bf16 [hi | lo] operand
     images from state_scan_operands; passes=1: one bf16 product each, images of the values
-    alone). Slots, heads and sequences are all symbolic: one compile
-    serves every call."""
+    alone). plain_addend (forward, tensor cores): the addend U as the chunk core stores it,
+    bf16 [slots, H, 64 * 128], each CTA copying its slice row by row. Slots, heads and
+    sequences are all symbolic: one compile serves every call."""
     import cutlass.cute as cute
     from cutlass import BFloat16, Float32, Int32
 
@@ -242,10 +246,12 @@ def state_scan_artifact(reverse: bool, v_slice: int, tensor_cores: bool = False,
     slots, heads, seqs = cute.sym_int32(), cute.sym_int32(), cute.sym_int32()
     chunk_shape = (slots, heads, SCAN_CHUNK, HEAD_DIM)
     square = (HEAD_DIM, HEAD_DIM)
+    if plain_addend and (reverse or not tensor_cores):
+        raise ValueError("only the forward tensor-core scan takes its addend plain")
     if passes != 3 and not tensor_cores:
         raise ValueError("only the tensor-core state scan has a single-pass variant")
     if tensor_cores:
-        kernel = ChunkStateScanTcSm90(config, passes)
+        kernel = ChunkStateScanTcSm90(config, passes, plain_addend=plain_addend)
         image = (slots, heads, image_elems(passes))
         operands = {
             "a_img": row_major_fake(BFloat16, image),
@@ -260,10 +266,14 @@ def state_scan_artifact(reverse: bool, v_slice: int, tensor_cores: bool = False,
             "b_op": row_major_fake(Float32, chunk_shape),
         }
         addend = (slots, heads, config.addend_rows, HEAD_DIM)
+    if plain_addend:  # U as the chunk core stores it
+        add_type, addend = BFloat16, (slots, heads, SCAN_CHUNK * HEAD_DIM)
+    else:
+        add_type = Float32
     fakes = {
         **operands,
         "decay": row_major_fake(Float32, (slots, heads, HEAD_DIM)),
-        "addend": row_major_fake(Float32, addend),
+        "addend": row_major_fake(add_type, addend),
         "cu_seqlens": row_major_fake(Int32, (cute.sym_int32(),), align=4),
         "y0": row_major_fake(Float32, (seqs, heads, *square)),
         "states": row_major_fake(Float32, (slots, heads, *square)),
@@ -276,6 +286,9 @@ def state_scan_artifact(reverse: bool, v_slice: int, tensor_cores: bool = False,
     if passes != 3:
         config["passes"] = passes
         suffix = f"x{passes}"
+    if plain_addend:
+        config["plain_addend"] = True
+        suffix += "u"
     return export(
         kernel, fakes, prefix=f"kda_state_scan_sm90_{direction}_{kind}{v_slice}{suffix}",
         config=config,
@@ -581,19 +594,31 @@ def scan_variant(
 
 def state_scan_kernel(
     a_op, b_op, decay, addend, cu_seqlens, y0, *, reverse: bool, v_slice=None, tensor_cores=None,
-    passes=None,
+    passes=None, plain_addend=False,
 ):  # fmt: skip
     """xla.state_scan's contract, run by an sm90 state-scan kernel (no autodiff rule); the
     addend may come as SlicedAddend. v_slice, tensor_cores: the variant (kernels/layout.py
     SCAN_VARIANTS); None: scan_variant's. passes: bf16 passes a product of the tensor-core
-    kernel (1 or 3); None: one there, and the float32 SIMT kernels' own arithmetic elsewhere."""
+    kernel (1 or 3); None: one there, and the float32 SIMT kernels' own arithmetic elsewhere.
+    plain_addend: the forward tensor-core scan reads a bfloat16 addend (the chunk core's U) as
+    it is, each CTA its slice (state_scan_artifact's variant), instead of a float32 V-sliced
+    copy that XLA makes (6.0 / 28.3 us at 2048x12x1 / 8192x16x1 on the H200); the same
+    values, so the same results. Off by default: that variant has not yet run on a GPU."""
     from jax_kda.sm90.ffi_call import cute_call
 
     num_heads, num_sequences = y0.shape[1], y0.shape[0]
     v_slice, tensor_cores = scan_variant(num_heads, num_sequences, v_slice, tensor_cores)
     if passes is None:
         passes = 1 if tensor_cores else 3
-    if tensor_cores:
+    plain_addend = (
+        plain_addend and tensor_cores and not reverse and not isinstance(addend, SlicedAddend)
+        and addend.dtype == jnp.bfloat16 and addend.shape[0] > 0
+    )  # fmt: skip
+    if plain_addend:
+        slots, heads = addend.shape[:2]
+        a_op, b_op, _ = state_scan_operands(a_op, b_op, None, v_slice, passes)
+        addend = addend.reshape(slots, heads, SCAN_CHUNK * HEAD_DIM)
+    elif tensor_cores:
         a_op, b_op, addend = state_scan_operands(a_op, b_op, addend, v_slice, passes)
     else:
         a_op, b_op = _values(a_op), _values(b_op)
@@ -604,7 +629,7 @@ def state_scan_kernel(
         jax.ShapeDtypeStruct(y0.shape, jnp.float32),
     ]
     inputs = [a_op, b_op, decay, addend, jnp.asarray(cu_seqlens, jnp.int32), y0]
-    artifact = state_scan_artifact(reverse, v_slice, tensor_cores, passes)
+    artifact = state_scan_artifact(reverse, v_slice, tensor_cores, passes, plain_addend)
     states, final = cute_call(artifact, inputs, results)
     return states, final
 
@@ -1514,6 +1539,7 @@ def _training_chunks(
     num_heads, num_sequences, *, both_scans, chunk_core=True, decayed_bwd=True,
     scan_v_slice=None, scan_tensor_cores=None, dense_precision="bf16", chunk_core_passes=1,
     scan_passes=None, tokens_bwd=True, fuse_tokens=True, fuse_outputs=False,
+    scan_plain_addend=False,
 ):  # fmt: skip
     """training_forward's differentiable_chunks for these switches (its dense_bwd=True form);
     the defaults are the training path's kernels, which training_residual_forward and
@@ -1542,7 +1568,7 @@ def _training_chunks(
         core if chunk_core else xla_chunk_core,
         functools.partial(
             state_scan_kernel, v_slice=scan_v_slice, tensor_cores=scan_tensor_cores,
-            passes=scan_passes,
+            passes=scan_passes, plain_addend=scan_plain_addend,
         ),
         chunk_bwd,
         precision,
@@ -1567,7 +1593,7 @@ def training_forward(
     q, k, v, g, beta, cu_seqlens, initial_state, scale, *, chunk_core=True, decayed_bwd=True,
     scan_v_slice=None, scan_tensor_cores=None, dense_precision="bf16", chunk_core_passes=1,
     scan_passes=None, dense_bwd=True, tokens_bwd=None, both_scans=True, fuse_tokens=True,
-    fuse_outputs=False,
+    fuse_outputs=False, scan_plain_addend=False,
 ):  # fmt: skip
     """The forward the sm90 backward differentiates (and the no-bound forward), exact for any
     g <= 0: the chunk-core kernel's per-chunk operands (their backward written out,
@@ -1609,6 +1635,8 @@ def training_forward(
     would run): the forward scan writes the outputs itself where plan.scan_fuses_outputs says
     so, state_scan_outputs_kernel (on tensor cores at one pass; elsewhere it runs the two
     kernels). Off by default: that kernel compiles and lowers but has not yet run on a GPU.
+    scan_plain_addend=True (with dense_bwd): the forward scan reads the chunk core's bf16 U as
+    it is (state_scan_kernel's plain_addend; off by default, not yet run on a GPU).
     both_scans=True (with dense_bwd): the backward runs the chunk states' scan again beside the
     reverse scan, in one launch (state_scans_kernel), instead of saving the states from the
     forward's scan.
@@ -1644,6 +1672,7 @@ def training_forward(
             scan_tensor_cores=scan_tensor_cores, dense_precision=dense_precision,
             chunk_core_passes=chunk_core_passes, scan_passes=scan_passes, tokens_bwd=tokens_bwd,
             fuse_tokens=fuse_tokens, fuse_outputs=fuse_outputs,
+            scan_plain_addend=scan_plain_addend,
         )  # fmt: skip
         return xla.forward(
             q, k, v, g, beta, cu_seqlens, initial_state, scale, precision=precision,

@@ -234,10 +234,10 @@ def scan_fuses_outputs(
 ) -> bool:
     """Whether the forward tensor-core scan writes the chunk outputs itself
     (backend.state_scan_outputs_kernel): where each of its CTAs has an SM of its own. The
-    outputs' operands (U, Qg and Aqk, two stages, and images) take its shared memory from
-    about 79 to 176 KiB (v_slice 16), one CTA an SM, so where the scan's CTAs outnumber the SMs
-    the two kernels run one after the other instead. Unknown SM count: no. (Not yet timed on a
-    GPU.)"""
+    outputs' operands (Qg and Aqk, two stages, and images) take its shared memory from
+    about 77 to 149 KiB (v_slice 16), one CTA an SM, so where the scan's CTAs outnumber the SMs
+    the two kernels run one after the other instead. Unknown SM count: no. (Asked for only
+    through training_forward(fuse_outputs=True); not yet run on a GPU.)"""
     if sm_count is None:
         return False
     return (HEAD_DIM // v_slice) * num_heads * num_sequences <= sm_count

@@ -25,12 +25,18 @@ chunk's outputs for the CTA's V slice, O = Qg S + Aqk X (X = U - W S, the -acc o
 straight into the tokens' rows: both products take operands the step has built anyway (S's image
 for product 1, X's for product 2) and the chunk core's Qg [64, 128] and Aqk [64, 64], which the
 bulk copies bring in plain beside the chunk's other operands and the threads lay out as images
-while product 1 runs; the addend U comes plain too (bf16 [64, 128] as the chunk core stores
-it, the CTA reading its slice), so no V-sliced float32 copy of it is made in XLA. That
-replaces kda_chunk_outputs_sm90 (its pass over every chunk state, 64 KiB a chunk and head read
-back from HBM); a call that is not differentiated stores no chunk states at all
-(ChunkOutputsScanTcSm90). Shared memory: about 176 KiB at VS = 16 (one CTA an SM, against
-two for the scan alone), so the plan fuses only where every CTA has an SM of its own.
+while product 1 runs. That replaces kda_chunk_outputs_sm90 (its pass over every chunk state,
+64 KiB a chunk and head read back from HBM); a call that is not differentiated stores no chunk
+states at all (ChunkOutputsScanTcSm90). Shared memory: about 149 KiB at VS = 16, 159 at 32
+(one CTA an SM, against two for the scan alone), so the plan fuses only where every CTA has an
+SM of its own.
+
+Plain addend (the forward scan with outputs always; alone with plain_addend): U comes as the
+chunk core stores it, bf16 [slots, H, 64 * 128] row-major, and threads 0-63 each bring one
+row's VS columns (32 or 64 bytes) by a bulk copy on the stage's mbarrier into a [64, VS + 8]
+slice (padded rows: the -P reads hit distinct banks), so XLA makes no float32 V-sliced copy
+of U (6.0 / 28.3 us at 2048x12x1 / 8192x16x1 on the H200). Neither variant has yet run on a
+GPU; the backend takes them only where asked.
 """
 
 from __future__ import annotations
@@ -71,6 +77,9 @@ def image_elems(passes: int = 3) -> int:
 
 
 HALF = HEAD_DIM // 2  # product 2 is two m64 products: channels [0, 64) and [64, 128)
+ROW_PAD = 8
+"""bf16 elements after each row of the CTA's U slice in shared memory ([64, VS + 8]): the
+-P reads (8 rows x 4 column pairs a warp) then fall in distinct banks at VS = 16 and 32."""
 QG_ELEMS = SCAN_CHUNK * HEAD_DIM  # the outputs' Qg [64, 128] and Aqk [64, 64], bf16
 AT_ELEMS = SCAN_CHUNK * SCAN_CHUNK
 PIECE = 8  # bf16 elements in 16 bytes
@@ -114,8 +123,9 @@ def accumulate_always(*mmas):
 
 class ChunkStateScanTcSm90:
     def __init__(
-        self, config: ScanConfig, passes: int = 3, outputs: bool = False, states: bool = True
-    ):
+        self, config: ScanConfig, passes: int = 3, outputs: bool = False, states: bool = True,
+        plain_addend: bool = False,
+    ):  # fmt: skip
         if config.v_slice not in SCAN_TC_V_SLICES:
             raise ValueError(
                 f"the tensor-core scan owns {SCAN_TC_V_SLICES} state columns, got {config.v_slice}"
@@ -124,6 +134,11 @@ class ChunkStateScanTcSm90:
             raise ValueError("the scan writes the outputs forward at one bf16 pass only")
         if not states and not outputs:
             raise ValueError("a scan that stores no states writes the outputs")
+        if plain_addend and config.reverse:
+            raise ValueError("the forward scan alone takes its addend U plain")
+        # the addend U as the chunk core stores it, bf16 [slots, H, 64 * 128] row-major, each CTA
+        # copying its V slice row by row (with outputs always): no V-sliced float32 copy of U
+        self.u_rows = plain_addend or outputs
         self.outputs = outputs  # ChunkStateScanOutputsTcSm90's: the chunk's O as well
         self.states = states  # False: the chunk states are not stored (mStates is None)
         self.reverse = config.reverse
@@ -176,9 +191,9 @@ class ChunkStateScanTcSm90:
 
     def allocate(self, addend_rows: int):
         """The kernel's shared memory (addend stages of addend_rows x VS float32: a kernel that
-        runs both directions allocates the larger, the reverse's; with outputs, U's [64, 128]
-        bf16 instead, and the Qg and Aqk stages and images: about 176 KiB at VS = 16, 182 at
-        32)."""
+        runs both directions allocates the larger, the reverse's; with a plain addend U's
+        slice, bf16 [64, VS + 8], instead; with outputs the Qg and Aqk stages and images too:
+        about 149 KiB at VS = 16, 159 at 32)."""
         smem = SmemAllocator()
         flat = cute.make_layout(self.image_elems)
         raw_a = [smem.allocate_tensor(BFloat16, flat, 1024) for _ in range(STAGES)]
@@ -189,8 +204,8 @@ class ChunkStateScanTcSm90:
         s_x = smem.allocate_tensor(BFloat16, lay_x.outer, 1024, swizzle=lay_x.inner)
         add_elems = addend_rows * self.vs
         add_type = Float32
-        if self.outputs:  # the addend U as the chunk core gives it: bf16 [64, 128], plain
-            add_elems, add_type = QG_ELEMS, BFloat16
+        if self.u_rows:  # the CTA's slice of U, bf16 [64, VS], rows padded
+            add_elems, add_type = SCAN_CHUNK * (self.vs + ROW_PAD), BFloat16
         raw_add = [smem.allocate_tensor(add_type, cute.make_layout(add_elems), 128)
                    for _ in range(STAGES)]  # fmt: skip
         s_decay = [smem.allocate_tensor(Float32, cute.make_layout(HEAD_DIM), 128)
@@ -227,11 +242,9 @@ class ChunkStateScanTcSm90:
         s_a = [cute.make_tensor(r.iterator, lay_a) for r in raw_a]
         s_bt = [cute.make_tensor(r.iterator, lay_bt) for r in raw_bt]
         add_layout = cute.make_layout((self.addend_rows, VS), stride=(VS, 1))
-        if cutlass.const_expr(self.outputs):  # U [64, 128] bf16: the CTA's slice at vbase
-            add_layout = cute.make_layout((SCAN_CHUNK, VS), stride=(HEAD_DIM, 1))
-            s_add = [cute.make_tensor(r.iterator + vbase, add_layout) for r in raw_add]
-        else:
-            s_add = [cute.make_tensor(r.iterator, add_layout) for r in raw_add]
+        if cutlass.const_expr(self.u_rows):  # U's slice, bf16 [64, VS] in padded rows
+            add_layout = cute.make_layout((SCAN_CHUNK, VS), stride=(VS + ROW_PAD, 1))
+        s_add = [cute.make_tensor(r.iterator, add_layout) for r in raw_add]
         if tid == 0:
             for s in cutlass.range_constexpr(STAGES):
                 cute.arch.mbarrier_init(s_mbar.iterator + s, 1)
@@ -272,17 +285,25 @@ class ChunkStateScanTcSm90:
                 ch, v = c_y[i]
                 acc_y[m][i] = mY0[n, h, m * HALF + ch, vbase + v]
 
-        if nch > 0 and tid == 0:
+        if nch > 0:
             first = step_slot(slot0, nch, self.reverse, 0)
-            self._load(mA, mBt, mDecay, mAdd, first, h, vsl, 0, loads)
+            if tid == 0:
+                self._load(mA, mBt, mDecay, mAdd, first, h, vsl, 0, loads)
+            if cutlass.const_expr(self.u_rows):
+                if tid < SCAN_CHUNK:
+                    self._load_row(mAdd, first, h, vbase, 0, raw_add, s_mbar)
 
         for j in cutlass.range(nch, unroll=1):
             slot = step_slot(slot0, nch, self.reverse, j)
             for s in cutlass.range_constexpr(STAGES):
                 if j % STAGES == s:
-                    if j + 1 < nch and tid == 0:
+                    if j + 1 < nch:
                         nxt = step_slot(slot0, nch, self.reverse, j + 1)
-                        self._load(mA, mBt, mDecay, mAdd, nxt, h, vsl, 1 - s, loads)
+                        if tid == 0:
+                            self._load(mA, mBt, mDecay, mAdd, nxt, h, vsl, 1 - s, loads)
+                        if cutlass.const_expr(self.u_rows):
+                            if tid < SCAN_CHUNK:
+                                self._load_row(mAdd, nxt, h, vbase, 1 - s, raw_add, s_mbar)
                     phase = (j // STAGES) % 2
                     o_step = None
                     if cutlass.const_expr(self.outputs):
@@ -338,7 +359,7 @@ class ChunkStateScanTcSm90:
             acc_x[i] = Float32(0.0)
             if cutlass.const_expr(not self.reverse):
                 tok, v = c_x[i]
-                if cutlass.const_expr(self.outputs):  # U in bf16
+                if cutlass.const_expr(self.u_rows):  # U in bf16
                     acc_x[i] = -s_add[tok, v].to(Float32)
                 else:
                     acc_x[i] = -s_add[tok, v]
@@ -427,25 +448,25 @@ class ChunkStateScanTcSm90:
 
     @cute.jit
     def _load(self, mA, mBt, mDecay, mAdd, slot, h, vsl, stage: cutlass.Constexpr[int], loads):
-        """One thread: one chunk's A and B^T images, addend slice (with outputs: U, Qg and Aqk
-        plain) and decay into `stage`, four (six) bulk copies completing on the stage's
-        mbarrier."""
+        """One thread: one chunk's A and B^T images, addend slice (unless U comes row by row,
+        _load_row; with outputs Qg and Aqk plain) and decay into `stage`, four (three, five)
+        bulk copies completing on the stage's mbarrier, which expects the rows' bytes too."""
         raw_a, raw_bt, raw_add, s_decay, s_mbar = loads[:5]
         mbar = s_mbar.iterator + stage
         add_elems = self.addend_rows * self.vs
         nbytes = 2 * self.image_elems * 2 + (add_elems + HEAD_DIM) * 4
-        if cutlass.const_expr(self.outputs):  # U, Qg and Aqk plain, bf16
-            nbytes = 2 * self.image_elems * 2 + HEAD_DIM * 4 + (2 * QG_ELEMS + AT_ELEMS) * 2
+        if cutlass.const_expr(self.u_rows):  # U's slice, bf16, row by row
+            nbytes = 2 * self.image_elems * 2 + HEAD_DIM * 4 + SCAN_CHUNK * self.vs * 2
+        if cutlass.const_expr(self.outputs):  # Qg and Aqk plain, bf16
+            nbytes = nbytes + (QG_ELEMS + AT_ELEMS) * 2
         cute.arch.mbarrier_arrive_and_expect_tx(mbar, nbytes)
-        images = (
+        pieces = (
             (mA[slot, h, None], raw_a[stage], BFloat16, self.image_elems),
             (mBt[slot, h, None], raw_bt[stage], BFloat16, self.image_elems),
         )
-        if cutlass.const_expr(self.outputs):
-            addend = (mAdd[slot, h, None], raw_add[stage], BFloat16, QG_ELEMS)
-        else:
-            addend = (mAdd[slot, h, vsl, None], raw_add[stage], Float32, add_elems)
-        pieces = (*images, addend, (mDecay[slot, h, None], s_decay[stage], Float32, HEAD_DIM))
+        if cutlass.const_expr(not self.u_rows):
+            pieces = (*pieces, (mAdd[slot, h, vsl, None], raw_add[stage], Float32, add_elems))
+        pieces = (*pieces, (mDecay[slot, h, None], s_decay[stage], Float32, HEAD_DIM))
         if cutlass.const_expr(self.outputs):
             raw_qg, raw_at, mQg, mAttn = loads[5:]
             pieces = (
@@ -459,6 +480,26 @@ class ChunkStateScanTcSm90:
                 cpasync.CopyBulkG2SOp(), dtype, num_bits_per_copy=elems * dtype.width
             )
             cute.copy(atom, src, dst, mbar_ptr=mbar)
+
+    @cute.jit
+    def _load_row(self, mAdd, slot, h, vbase, stage: cutlass.Constexpr[int], raw_add, s_mbar):
+        """Thread t < 64: row t of the chunk's U, its VS columns from vbase (32 or 64 bytes,
+        16-byte aligned), into the stage's padded [64, VS + 8] slice, one bulk copy completing
+        on the stage's mbarrier (whose expected bytes _load counts; a copy that lands before
+        that arrival only takes the count below zero, and the phase waits for the arrival)."""
+        tid, _, _ = cute.arch.thread_idx()
+        src = cute.make_tensor(
+            (mAdd[slot, h, None].iterator + tid * HEAD_DIM + vbase).align(16),
+            cute.make_layout(self.vs),
+        )
+        dst = cute.make_tensor(
+            (raw_add[stage].iterator + tid * (self.vs + ROW_PAD)).align(16),
+            cute.make_layout(self.vs),
+        )
+        atom = cute.make_copy_atom(
+            cpasync.CopyBulkG2SOp(), BFloat16, num_bits_per_copy=self.vs * BFloat16.width
+        )
+        cute.copy(atom, src, dst, mbar_ptr=s_mbar.iterator + stage)
 
 
 class ChunkStateScanOutputsTcSm90:
