@@ -111,31 +111,49 @@ def test_single_pass_scan_kernel_matches_xla_scan(name, reverse, v_slice):
     assert err_states <= 2e-2 and err_final <= 2e-2
 
 
+@pytest.mark.parametrize("plain", [False, True], ids=["sliced-u", "plain-u"])
 @pytest.mark.parametrize("v_slice", [16, 32])
 @pytest.mark.parametrize("name", ["ragged", "long", "gaps", "all-empty", "one-chunk"])
-def test_both_state_scans_kernel_matches_two_xla_scans(name, v_slice):
+def test_both_state_scans_kernel_matches_two_xla_scans(name, v_slice, plain):
     """The backward's two scans in one launch (state_scans_artifact) against xla.state_scan in
     each direction: the single-pass images (bf16-rounded operands, about 3e-3; a wrong step or
     a swapped role is off by O(1)), outputs poisoned with NaN, empty sequences pass y0 and
-    d_final through exactly, gap slots zero."""
+    d_final through exactly, gap slots zero. plain: the variant whose forward scan reads U as
+    bf16 [slots, H, 64 * 128] (U rounded to bf16 first), also bit for bit against the sliced
+    variant on the same values."""
     register()
     lengths = SCAN_LENGTHS[name]
     w, kd, decay, u, cu, y0 = scan_operands(lengths, 3, SEED + 7 * len(name))
     _, _, _, d_states, _, d_final = scan_operands(lengths, 3, SEED + 1, reverse=True)
+    if plain:  # the values a bf16 U holds
+        u = u.astype(jnp.bfloat16).astype(jnp.float32)
     w_img, kd_img, u_slices = sm90.state_scan_operands(w, kd, u, v_slice, 1)
     _, _, ds_slices = sm90.state_scan_operands(w, kd, d_states, v_slice, 1)
     square = jax.ShapeDtypeStruct((w.shape[0], *y0.shape[1:]), jnp.float32)
     final = jax.ShapeDtypeStruct(y0.shape, jnp.float32)
     results = [square, final, square, final]
-    artifact = sm90.state_scans_artifact(v_slice)
 
-    @jax.jit
-    def run(*inputs):
-        poison = [jnp.full(r.shape, jnp.nan, r.dtype) for r in results]
-        aliases = {8: 0, 9: 1, 10: 2, 11: 3}
-        return cute_call(artifact, [*inputs, *poison], results, aliases=aliases)
+    def runner(artifact):
+        @jax.jit
+        def run(*inputs):
+            poison = [jnp.full(r.shape, jnp.nan, r.dtype) for r in results]
+            aliases = {8: 0, 9: 1, 10: 2, 11: 3}
+            return cute_call(artifact, [*inputs, *poison], results, aliases=aliases)
 
-    got = run(w_img, kd_img, decay, u_slices, ds_slices, cu, y0, d_final)
+        return run
+
+    got = runner(sm90.state_scans_artifact(v_slice))(
+        w_img, kd_img, decay, u_slices, ds_slices, cu, y0, d_final
+    )
+    if plain:
+        u_plain = u.astype(jnp.bfloat16).reshape(u.shape[0], u.shape[1], -1)
+        sliced = got
+        got = runner(sm90.state_scans_artifact(v_slice, True))(
+            w_img, kd_img, decay, u_plain, ds_slices, cu, y0, d_final
+        )
+        for what, a, b in zip(("states", "final", "g_end", "d_y0"), got, sliced, strict=True):
+            assert not np.isnan(np.asarray(a)).any(), what
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=what)
     ref = (
         *jax.jit(lambda *a: xla.state_scan(*a, reverse=False))(w, kd, decay, u, cu, y0),
         *jax.jit(lambda *a: xla.state_scan(*a, reverse=True))(kd, w, decay, d_states, cu, d_final),
@@ -1172,6 +1190,33 @@ def test_training_forward_with_single_pass_products_matches_float64_oracle(data,
     assert rms_ratio(o, ref_o) <= RMS_RATIO_BAR and rms_ratio(final, ref_final) <= RMS_RATIO_BAR
     name = f"single-pass {single} {data}"
     _check_grads(name, x, forward, scale=0.3, dg_scale_of_terms=data == "-30")
+
+
+@pytest.mark.parametrize(
+    "options",
+    [{"fuse_outputs": True}, {"scan_plain_addend": True},
+     {"fuse_outputs": True, "scan_plain_addend": True}],
+    ids=["scan-outputs", "plain-addend", "both"],
+)  # fmt: skip
+@pytest.mark.parametrize("data", ["production", "long-memory", "-30"])
+def test_training_forward_opt_in_variants_match_float64_oracle(data, options):
+    """sm90.training_forward's opt-in variants (off by default until this passes on a GPU): the
+    forward scan writing the outputs (2 heads of 4 sequences: 64 scan CTAs, fused on 132 SMs),
+    and the forward scans reading the chunk core's bf16 U as it is; output and all six
+    gradients against the float64 oracle, ragged and empty sequences, harsh gates."""
+    register()
+    x = _training_case(data, SEED + 29)
+
+    def forward(q, k, v, g, beta, cu, state):
+        return sm90.training_forward(q, k, v, g, beta, cu, state, 0.3, **options)
+
+    o, final = jax.jit(forward)(*x)
+    ref_o, ref_final = recurrent_oracle(*x, scale=0.3)
+    print(f"{options} {data}: o {rms_ratio(o, ref_o):.2e} final {rms_ratio(final, ref_final):.2e}")
+    assert not np.isnan(np.asarray(o, np.float32)).any()
+    assert rms_ratio(o, ref_o) <= RMS_RATIO_BAR and rms_ratio(final, ref_final) <= RMS_RATIO_BAR
+    harsh = data == "-30"
+    _check_grads(f"opt-in {options} {data}", x, forward, scale=0.3, dg_scale_of_terms=harsh)
 
 
 def _stacked_calls(lengths, heads, count, seed):

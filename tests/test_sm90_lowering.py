@@ -535,6 +535,15 @@ def test_forward_scan_on_the_plain_addend_exports_and_lowers(v_slice, passes):
     assert f'"kda_state_scan_sm90_fwd_{suffix}"' in text and not copy.search(text)
     text = _lower(forward, *x)
     assert f'"kda_state_scan_sm90_fwd_{suffix[:-1]}"' in text and copy.search(text)
+    if passes == 1:  # a training step: the backward's both scans take U as it is too
+
+        def loss(q, k, v, g, beta, cu, state, **options):
+            o, final = forward(q, k, v, g, beta, cu, state, **options)
+            return jnp.sum(o.astype(jnp.float32) ** 2) + jnp.sum(final**2)
+
+        grad = jax.grad(functools.partial(loss, scan_plain_addend=True), argnums=(0, 1, 2, 3))
+        text = _lower(grad, *x)
+        assert re.search(r'"kda_state_scans_sm90_t\d+x1u"', text) and not copy.search(text)
 
 
 @pytest.mark.parametrize("v_slice", [16, 32])
@@ -543,6 +552,9 @@ def test_both_state_scans_export_for_sm90a(v_slice):
     artifact = sm90.state_scans_artifact(v_slice)
     assert artifact.object_bytes[:4] == b"\x7fELF"
     assert len(artifact.tensors) == 12  # 8 inputs (both directions), 4 results
+    plain = sm90.state_scans_artifact(v_slice, True)  # U bf16 as the chunk core stores it
+    assert plain.prefix == f"kda_state_scans_sm90_t{v_slice}x1u" and plain.key != artifact.key
+    assert len(plain.tensors) == 12
     with pytest.raises(ValueError, match="tensor cores"):
         sm90.state_scans_artifact(64)
 

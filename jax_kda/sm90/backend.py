@@ -390,11 +390,12 @@ def state_scan_outputs_kernel(
 
 
 @functools.cache
-def state_scans_artifact(v_slice: int):
+def state_scans_artifact(v_slice: int, plain_addend: bool = False):
     """The exported kernel that runs both state scans of the training backward in one launch
     (kernels/kda_state_scans_sm90.py: the single-pass tensor-core scan, forward and reverse
-    side by side; at one pass an operand's image is the same in both roles). Slots, heads and
-    sequences are symbolic: one compile serves every call."""
+    side by side; at one pass an operand's image is the same in both roles; plain_addend: the
+    forward one takes U as the chunk core stores it, bf16 [slots, H, 64 * 128]). Slots, heads
+    and sequences are symbolic: one compile serves every call."""
     import cutlass.cute as cute
     from cutlass import BFloat16, Float32, Int32
 
@@ -412,7 +413,11 @@ def state_scans_artifact(v_slice: int):
         "w_img": row_major_fake(BFloat16, image),
         "kd_img": row_major_fake(BFloat16, image),
         "decay": row_major_fake(Float32, (slots, heads, HEAD_DIM)),
-        "u": row_major_fake(Float32, (slots, heads, slices, SCAN_CHUNK * v_slice)),
+        "u": (
+            row_major_fake(BFloat16, (slots, heads, SCAN_CHUNK * HEAD_DIM))
+            if plain_addend
+            else row_major_fake(Float32, (slots, heads, slices, SCAN_CHUNK * v_slice))
+        ),
         "d_states": row_major_fake(Float32, (slots, heads, slices, HEAD_DIM * v_slice)),
         "cu_seqlens": row_major_fake(Int32, (cute.sym_int32(),), align=4),
         "y0": row_major_fake(Float32, (seqs, heads, *square)),
@@ -422,21 +427,25 @@ def state_scans_artifact(v_slice: int):
         "g_end": row_major_fake(Float32, (slots, heads, *square)),
         "d_y0": row_major_fake(Float32, (seqs, heads, *square)),
     }
+    config = {"v_slice": v_slice, "passes": 1}
+    if plain_addend:
+        config["plain_addend"] = True
     return export(
-        BothStateScansSm90(v_slice, 1), fakes, prefix=f"kda_state_scans_sm90_t{v_slice}x1",
-        config={"v_slice": v_slice, "passes": 1},
+        BothStateScansSm90(v_slice, 1, plain_addend), fakes,
+        prefix=f"kda_state_scans_sm90_t{v_slice}x1{'u' if plain_addend else ''}", config=config,
     )  # fmt: skip
 
 
 def state_scans_kernel(
     w_op, kd_op, decay, u, d_states, cu_seqlens, y0, d_final, *, v_slice=None,
-    tensor_cores=None, passes=None,
+    tensor_cores=None, passes=None, plain_addend=False,
 ):  # fmt: skip
     """Both scans of the training backward: (states, final) = xla.state_scan(w, kd, decay, u,
     cu_seqlens, y0) and (g_end, d_y0) = xla.state_scan(kd, w, decay, d_states, cu_seqlens,
     d_final, reverse=True), in one launch where the variant (scan_variant's) runs on tensor
     cores at one pass (state_scans_artifact), else as two state_scan_kernel calls. The
-    operands as state_scan_kernel takes them (ImagedOperand, SlicedAddend)."""
+    operands as state_scan_kernel takes them (ImagedOperand, SlicedAddend); plain_addend as
+    there (the forward scan reads a bf16 U as it is; off by default, not yet run on a GPU)."""
     from jax_kda.sm90.ffi_call import cute_call
 
     num_heads, num_sequences = y0.shape[1], y0.shape[0]
@@ -447,10 +456,20 @@ def state_scans_kernel(
         run = functools.partial(
             state_scan_kernel, v_slice=v_slice, tensor_cores=tensor_cores, passes=passes
         )
-        states, final = run(w_op, kd_op, decay, u, cu_seqlens, y0, reverse=False)
+        states, final = run(
+            w_op, kd_op, decay, u, cu_seqlens, y0, reverse=False, plain_addend=plain_addend
+        )
         g_end, d_y0 = run(kd_op, w_op, decay, d_states, cu_seqlens, d_final, reverse=True)
         return states, final, g_end, d_y0
-    w_img, kd_img, u_slices = state_scan_operands(w_op, kd_op, u, v_slice, 1)
+    plain_addend = (
+        plain_addend and not isinstance(u, SlicedAddend) and u.dtype == jnp.bfloat16
+        and u.shape[0] > 0
+    )  # fmt: skip
+    if plain_addend:
+        w_img, kd_img, _ = state_scan_operands(w_op, kd_op, None, v_slice, 1)
+        u_slices = u.reshape(u.shape[0], u.shape[1], SCAN_CHUNK * HEAD_DIM)
+    else:
+        w_img, kd_img, u_slices = state_scan_operands(w_op, kd_op, u, v_slice, 1)
     ds_slices = addend_slices(d_states, v_slice)
     slots = w_img.shape[0]
     results = [
@@ -463,7 +482,8 @@ def state_scans_kernel(
         w_img, kd_img, decay, u_slices, ds_slices, jnp.asarray(cu_seqlens, jnp.int32), y0,
         d_final,
     ]  # fmt: skip
-    states, final, g_end, d_y0 = cute_call(state_scans_artifact(v_slice), inputs, results)
+    artifact = state_scans_artifact(v_slice, plain_addend)
+    states, final, g_end, d_y0 = cute_call(artifact, inputs, results)
     return states, final, g_end, d_y0
 
 
@@ -1578,7 +1598,7 @@ def _training_chunks(
         chunk_outputs=chunk_outputs_kernel if dense_precision == "bf16" else None,
         both_scans=functools.partial(
             state_scans_kernel, v_slice=bwd_v_slice, tensor_cores=scan_tensor_cores,
-            passes=scan_passes,
+            passes=scan_passes, plain_addend=scan_plain_addend,
         ) if both_scans else None,
         primal_core=primal_core if chunk_core else None,
         # the forward scan and the outputs in one launch (the outputs kernel's bf16 products)
@@ -1635,8 +1655,9 @@ def training_forward(
     would run): the forward scan writes the outputs itself where plan.scan_fuses_outputs says
     so, state_scan_outputs_kernel (on tensor cores at one pass; elsewhere it runs the two
     kernels). Off by default: that kernel compiles and lowers but has not yet run on a GPU.
-    scan_plain_addend=True (with dense_bwd): the forward scan reads the chunk core's bf16 U as
-    it is (state_scan_kernel's plain_addend; off by default, not yet run on a GPU).
+    scan_plain_addend=True (with dense_bwd): the forward scans (the forward's, and the
+    backward's recompute beside the reverse one) read the chunk core's bf16 U as it is
+    (state_scan_kernel's plain_addend; off by default, not yet run on a GPU).
     both_scans=True (with dense_bwd): the backward runs the chunk states' scan again beside the
     reverse scan, in one launch (state_scans_kernel), instead of saving the states from the
     forward's scan.

@@ -244,7 +244,10 @@ class ChunkStateScanTcSm90:
         add_layout = cute.make_layout((self.addend_rows, VS), stride=(VS, 1))
         if cutlass.const_expr(self.u_rows):  # U's slice, bf16 [64, VS] in padded rows
             add_layout = cute.make_layout((SCAN_CHUNK, VS), stride=(VS + ROW_PAD, 1))
-        s_add = [cute.make_tensor(r.iterator, add_layout) for r in raw_add]
+        add_ptrs = [r.iterator for r in raw_add]
+        if cutlass.const_expr(self.u_rows):  # bf16, in stages that may be typed float32
+            add_ptrs = [cute.recast_ptr(p, dtype=BFloat16) for p in add_ptrs]  # (both scans)
+        s_add = [cute.make_tensor(p, add_layout) for p in add_ptrs]
         if tid == 0:
             for s in cutlass.range_constexpr(STAGES):
                 cute.arch.mbarrier_init(s_mbar.iterator + s, 1)
@@ -291,7 +294,7 @@ class ChunkStateScanTcSm90:
                 self._load(mA, mBt, mDecay, mAdd, first, h, vsl, 0, loads)
             if cutlass.const_expr(self.u_rows):
                 if tid < SCAN_CHUNK:
-                    self._load_row(mAdd, first, h, vbase, 0, raw_add, s_mbar)
+                    self._load_row(mAdd, first, h, vbase, 0, add_ptrs, s_mbar)
 
         for j in cutlass.range(nch, unroll=1):
             slot = step_slot(slot0, nch, self.reverse, j)
@@ -303,7 +306,7 @@ class ChunkStateScanTcSm90:
                             self._load(mA, mBt, mDecay, mAdd, nxt, h, vsl, 1 - s, loads)
                         if cutlass.const_expr(self.u_rows):
                             if tid < SCAN_CHUNK:
-                                self._load_row(mAdd, nxt, h, vbase, 1 - s, raw_add, s_mbar)
+                                self._load_row(mAdd, nxt, h, vbase, 1 - s, add_ptrs, s_mbar)
                     phase = (j // STAGES) % 2
                     o_step = None
                     if cutlass.const_expr(self.outputs):
@@ -482,7 +485,7 @@ class ChunkStateScanTcSm90:
             cute.copy(atom, src, dst, mbar_ptr=mbar)
 
     @cute.jit
-    def _load_row(self, mAdd, slot, h, vbase, stage: cutlass.Constexpr[int], raw_add, s_mbar):
+    def _load_row(self, mAdd, slot, h, vbase, stage: cutlass.Constexpr[int], add_ptrs, s_mbar):
         """Thread t < 64: row t of the chunk's U, its VS columns from vbase (32 or 64 bytes,
         16-byte aligned), into the stage's padded [64, VS + 8] slice, one bulk copy completing
         on the stage's mbarrier (whose expected bytes _load counts; a copy that lands before
@@ -493,7 +496,7 @@ class ChunkStateScanTcSm90:
             cute.make_layout(self.vs),
         )
         dst = cute.make_tensor(
-            (raw_add[stage].iterator + tid * (self.vs + ROW_PAD)).align(16),
+            (add_ptrs[stage] + tid * (self.vs + ROW_PAD)).align(16),
             cute.make_layout(self.vs),
         )
         atom = cute.make_copy_atom(

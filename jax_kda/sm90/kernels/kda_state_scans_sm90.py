@@ -11,11 +11,13 @@ sequence)'s two directions next to each other in launch order). Each CTA allocat
 direction's shared memory (its addend stages are [128, VS], the forward's [64, VS]).
 One bf16 pass a product only: at one pass an operand's image is the same in both roles.
 
-Inputs: the forward scan's (A = W image, B^T = Kd image, decay, the addend U in V slices,
-cu_seqlens, y0) and the reverse scan's (A = Kd image, B^T = W image, the same decay, the addend
-dL/dS in V slices, d_final); outputs: the states entering each chunk and the final states, then
-the cotangents at each chunk's end and of the initial states. The images are the same two
-arrays, in swapped roles: the caller passes them once each.
+Inputs: the forward scan's (A = W image, B^T = Kd image, decay, the addend U in V slices, or
+with plain_addend as the chunk core stores it, bf16 [slots, H, 64 * 128], each CTA copying its
+slice row by row (not yet run on a GPU), cu_seqlens, y0) and the reverse scan's (A = Kd image,
+B^T = W image, the same decay, the addend dL/dS in V slices, d_final); outputs: the states
+entering each chunk and the final states, then the cotangents at each chunk's end and of the
+initial states. The images are the same two arrays, in swapped roles: the caller passes them
+once each.
 """
 
 from __future__ import annotations
@@ -34,14 +36,16 @@ from jax_kda.sm90.kernels.kda_state_scan_tc_sm90 import (
 
 
 class BothStateScansSm90:
-    def __init__(self, v_slice: int, passes: int = 1):
+    def __init__(self, v_slice: int, passes: int = 1, plain_addend: bool = False):
         if passes != 1:
             raise ValueError(
                 "both scans in one launch take one bf16 pass a product (at three the A and B^T "
                 f"images of an operand differ, so one array cannot serve both roles); got {passes}"
             )
         self.vs = v_slice
-        self.forward = ChunkStateScanTcSm90(ScanConfig(reverse=False, v_slice=v_slice), passes)
+        self.forward = ChunkStateScanTcSm90(
+            ScanConfig(reverse=False, v_slice=v_slice), passes, plain_addend=plain_addend
+        )
         self.reverse = ChunkStateScanTcSm90(ScanConfig(reverse=True, v_slice=v_slice), passes)
 
     @cute.jit
@@ -91,7 +95,8 @@ class BothStateScansSm90:
         x, h, n = cute.arch.block_idx()
         slices = HEAD_DIM // self.vs
         accumulate_always(mma_x, mma_y)
-        buffers = self.reverse.allocate(self.reverse.addend_rows)  # the larger addend stages
+        # the larger addend stages (the reverse's [128, VS] float32; U's bf16 slice is smaller)
+        buffers = self.reverse.allocate(self.reverse.addend_rows)
         if x < slices:
             self.forward.scan(mW, mKd, mDecay, mU, mCu, mY0, mStates, mFinal, mma_x, mma_y,
                               buffers, x, h, n)  # fmt: skip
