@@ -32,8 +32,8 @@ states at all (ChunkOutputsScanTcSm90). Shared memory: about 149 KiB at VS = 16,
 SM of its own.
 
 Plain addend (the forward scan with outputs always; alone with plain_addend): U comes as the
-chunk core stores it, bf16 [slots, H, 64 * 128] row-major, and threads 0-63 each bring one
-row's VS columns (32 or 64 bytes) by a bulk copy on the stage's mbarrier into a [64, VS + 8]
+chunk core stores it, bf16 [slots, H, 64 * 128] row-major, and lanes 0-15 of each warp bring
+one row's VS columns (32 or 64 bytes) by a bulk copy on the stage's mbarrier into a [64, VS + 8]
 slice (padded rows: the -P reads hit distinct banks), so XLA makes no float32 V-sliced copy
 of U (6.0 / 28.3 us at 2048x12x1 / 8192x16x1 on the H200). Neither variant has yet run on a
 GPU; the backend takes them only where asked.
@@ -78,6 +78,7 @@ def image_elems(passes: int = 3) -> int:
 
 HALF = HEAD_DIM // 2  # product 2 is two m64 products: channels [0, 64) and [64, 128)
 ROW_PAD = 8
+ROWS_A_WARP = SCAN_CHUNK // (NTHREADS // 32)  # U rows whose copies each warp issues
 """bf16 elements after each row of the CTA's U slice in shared memory ([64, VS + 8]): the
 -P reads (8 rows x 4 column pairs a warp) then fall in distinct banks at VS = 16 and 32."""
 QG_ELEMS = SCAN_CHUNK * HEAD_DIM  # the outputs' Qg [64, 128] and Aqk [64, 64], bf16
@@ -288,25 +289,32 @@ class ChunkStateScanTcSm90:
                 ch, v = c_y[i]
                 acc_y[m][i] = mY0[n, h, m * HALF + ch, vbase + v]
 
-        if nch > 0:
-            first = step_slot(slot0, nch, self.reverse, 0)
-            if tid == 0:
-                self._load(mA, mBt, mDecay, mAdd, first, h, vsl, 0, loads)
-            if cutlass.const_expr(self.u_rows):
-                if tid < SCAN_CHUNK:
+        # (the scan without U's rows keeps its branches as they were: its code is GPU-verified)
+        if cutlass.const_expr(self.u_rows):
+            if nch > 0:
+                first = step_slot(slot0, nch, self.reverse, 0)
+                if tid == 0:
+                    self._load(mA, mBt, mDecay, mAdd, first, h, vsl, 0, loads)
+                if tid % 32 < ROWS_A_WARP:
                     self._load_row(mAdd, first, h, vbase, 0, add_ptrs, s_mbar)
+        elif nch > 0 and tid == 0:
+            first = step_slot(slot0, nch, self.reverse, 0)
+            self._load(mA, mBt, mDecay, mAdd, first, h, vsl, 0, loads)
 
         for j in cutlass.range(nch, unroll=1):
             slot = step_slot(slot0, nch, self.reverse, j)
             for s in cutlass.range_constexpr(STAGES):
                 if j % STAGES == s:
-                    if j + 1 < nch:
-                        nxt = step_slot(slot0, nch, self.reverse, j + 1)
-                        if tid == 0:
-                            self._load(mA, mBt, mDecay, mAdd, nxt, h, vsl, 1 - s, loads)
-                        if cutlass.const_expr(self.u_rows):
-                            if tid < SCAN_CHUNK:
+                    if cutlass.const_expr(self.u_rows):
+                        if j + 1 < nch:
+                            nxt = step_slot(slot0, nch, self.reverse, j + 1)
+                            if tid == 0:
+                                self._load(mA, mBt, mDecay, mAdd, nxt, h, vsl, 1 - s, loads)
+                            if tid % 32 < ROWS_A_WARP:
                                 self._load_row(mAdd, nxt, h, vbase, 1 - s, add_ptrs, s_mbar)
+                    elif j + 1 < nch and tid == 0:
+                        nxt = step_slot(slot0, nch, self.reverse, j + 1)
+                        self._load(mA, mBt, mDecay, mAdd, nxt, h, vsl, 1 - s, loads)
                     phase = (j // STAGES) % 2
                     o_step = None
                     if cutlass.const_expr(self.outputs):
@@ -486,17 +494,20 @@ class ChunkStateScanTcSm90:
 
     @cute.jit
     def _load_row(self, mAdd, slot, h, vbase, stage: cutlass.Constexpr[int], add_ptrs, s_mbar):
-        """Thread t < 64: row t of the chunk's U, its VS columns from vbase (32 or 64 bytes,
-        16-byte aligned), into the stage's padded [64, VS + 8] slice, one bulk copy completing
-        on the stage's mbarrier (whose expected bytes _load counts; a copy that lands before
-        that arrival only takes the count below zero, and the phase waits for the arrival)."""
+        """Lane l < 16 of warp w: row 16 w + l of the chunk's U (the four warps share the 64
+        copies: a bulk copy takes uniform operands, so a warp's lanes are likely issued one
+        after another), its VS columns from vbase (32 or 64 bytes, 16-byte aligned), into the
+        stage's padded [64, VS + 8] slice, one bulk copy completing on the stage's mbarrier
+        (whose expected bytes _load counts; a copy that lands before that arrival only takes
+        the count below zero, and the phase waits for the arrival)."""
         tid, _, _ = cute.arch.thread_idx()
+        row = (tid // 32) * ROWS_A_WARP + tid % 32
         src = cute.make_tensor(
-            (mAdd[slot, h, None].iterator + tid * HEAD_DIM + vbase).align(16),
+            (mAdd[slot, h, None].iterator + row * HEAD_DIM + vbase).align(16),
             cute.make_layout(self.vs),
         )
         dst = cute.make_tensor(
-            (add_ptrs[stage] + tid * (self.vs + ROW_PAD)).align(16),
+            (add_ptrs[stage] + row * (self.vs + ROW_PAD)).align(16),
             cute.make_layout(self.vs),
         )
         atom = cute.make_copy_atom(
