@@ -1261,28 +1261,31 @@ def xla_dense_bwd(
     return d_rhs, d_qg, d_attn, d_kd, d_decay, d_kk, d_beta_kk
 
 
-def _token_rows_fakes(tokens, heads):
-    """The fake tensors the tokens' backward kernels share, (inputs, results): q, k, v
-    bfloat16, g float32 [T, H, 128], beta [T, H], cu_seqlens; dq, dk, dv bfloat16, dg float32
-    [T, H, 128] and dbeta's two partial sums [2, T, H]."""
+def _token_rows_fakes(tokens, heads, results: bool):
+    """The fake tensors the tokens' backward kernels share: q, k, v bfloat16, g float32
+    [T, H, 128], beta [T, H], cu_seqlens; or (results) dq, dk, dv bfloat16, dg float32
+    [T, H, 128] and dbeta's two partial sums [2, T, H]. Each artifact makes the inputs first
+    and the results last, in its argument order: made in another order (both at once, 6d133c9)
+    the same kernel compiled to other code than the GPU-verified one
+    (benchmarks.kernel_fingerprints)."""
     import cutlass.cute as cute
     from cutlass import BFloat16, Float32, Int32
 
     from jax_kda.sm90.export import row_major_fake
 
     token_shape = (tokens, heads, HEAD_DIM)
-    inputs = {
+    if results:
+        return {
+            **{name: row_major_fake(BFloat16, token_shape) for name in ("dq", "dk", "dv")},
+            "dg": row_major_fake(Float32, token_shape),
+            "dbeta": row_major_fake(Float32, (2, tokens, heads), align=4),  # partial sums
+        }
+    return {
         **{name: row_major_fake(BFloat16, token_shape) for name in ("q", "k", "v")},
         "g": row_major_fake(Float32, token_shape),
         "beta": row_major_fake(Float32, (tokens, heads), align=4),
         "cu_seqlens": row_major_fake(Int32, (cute.sym_int32(),), align=4),
     }
-    results = {
-        **{name: row_major_fake(BFloat16, token_shape) for name in ("dq", "dk", "dv")},
-        "dg": row_major_fake(Float32, token_shape),
-        "dbeta": row_major_fake(Float32, (2, tokens, heads), align=4),  # partial sums
-    }
-    return inputs, results
 
 
 @functools.cache
@@ -1299,15 +1302,14 @@ def tokens_bwd_artifact(scale: float, bf16_cotangents: bool = True):
     tokens, heads, slots = cute.sym_int32(), cute.sym_int32(), cute.sym_int32()
     chunk = (slots, heads, SCAN_CHUNK, HEAD_DIM)
     cotangent = BFloat16 if bf16_cotangents else Float32
-    token_inputs, token_results = _token_rows_fakes(tokens, heads)
     fakes = {
-        **token_inputs,
+        **_token_rows_fakes(tokens, heads, results=False),
         **{name: row_major_fake(Float32, chunk) for name in ("gamma", "dq_c", "dk_c", "dgamma_c")},
         "d_rhs": row_major_fake(cotangent, (slots, heads, SCAN_CHUNK, 2 * HEAD_DIM)),
         **{name: row_major_fake(cotangent, chunk) for name in ("d_qg", "d_kd")},
         "d_decay": row_major_fake(Float32, (slots, heads, HEAD_DIM)),
         "d_beta_kk": row_major_fake(Float32, (slots, heads, SCAN_CHUNK)),
-        **token_results,
+        **_token_rows_fakes(tokens, heads, results=True),
     }
     scale_tag = hashlib.sha256(repr(scale).encode()).hexdigest()[:8]
     dtype_tag = "" if bf16_cotangents else "_f32"
@@ -1395,9 +1397,8 @@ def decayed_tokens_bwd_artifact(scale: float):
     tokens, heads, slots = cute.sym_int32(), cute.sym_int32(), cute.sym_int32()
     chunk = (slots, heads, SCAN_CHUNK, HEAD_DIM)
     pairs = (slots, heads, SCAN_CHUNK, SCAN_CHUNK)
-    token_inputs, token_results = _token_rows_fakes(tokens, heads)
     fakes = {
-        **token_inputs,
+        **_token_rows_fakes(tokens, heads, results=False),
         "gamma": row_major_fake(Float32, chunk),
         "d_kk": row_major_fake(BFloat16, pairs),
         "d_qk": row_major_fake(BFloat16, pairs),
@@ -1406,7 +1407,7 @@ def decayed_tokens_bwd_artifact(scale: float):
         "d_kd": row_major_fake(BFloat16, chunk),
         "d_decay": row_major_fake(Float32, (slots, heads, HEAD_DIM)),
         "d_beta_kk": row_major_fake(Float32, (slots, heads, SCAN_CHUNK)),
-        **token_results,
+        **_token_rows_fakes(tokens, heads, results=True),
     }
     scale_tag = hashlib.sha256(repr(scale).encode()).hexdigest()[:8]
     return export(
