@@ -1,13 +1,19 @@
-"""Fingerprints of the sm90 kernels a default call runs: the SHA-256 of each exported artifact's
-embedded cubin, with its registers and stack frame, compiled here for sm_90a (no GPU needed).
+"""Fingerprints of the sm90 kernels a default call runs: the SHA-256 of the PTX each one compiles
+to here for sm_90a (no GPU needed), with the registers and stack frame of its cubin.
 
 ``python -m benchmarks.kernel_fingerprints [--save FILE] [--against FILE]`` prints them, saves
-them as JSON, or compares them with a saved set and exits non-zero on a difference. The use: a
-change that must leave the GPU-verified kernels alone (a new opt-in variant beside them, a
-refactor of shared code) shows that it did, kernel by kernel, before any device time is spent;
-a kernel whose fingerprint moved runs on the GPU again before it lands. Fingerprints hold for one
-nvidia-cutlass-dsl version (saved beside them; a comparison across versions is refused). Run it
-from the checkout it describes (``python -m``, so that ``jax_kda`` imports from there).
+them as JSON, or compares them with a saved set and exits non-zero when a PTX hash differs. The
+use: a change that must leave the GPU-verified kernels alone (a new opt-in variant beside them,
+a refactor of shared code) shows that it did, kernel by kernel, before any device time is spent;
+a kernel whose fingerprint moved runs on the GPU again before it lands.
+
+Why the PTX: it is what our code decides. ptxas does not always turn the same PTX into the same
+cubin (compiled again in a fresh process, the fused decayed+tokens backward and the m64 wgmma
+scan each came out as one of several binaries, PTX identical; nvidia-cutlass-dsl 4.8.1), so
+the cubin's hash is printed for information only. The kernels are compiled in a child process
+with a private kernel cache (the DSL reads its dump settings when it loads), from the checkout
+this module is in. Fingerprints hold for one nvidia-cutlass-dsl version (saved beside them; a
+comparison across versions is refused).
 """
 
 from __future__ import annotations
@@ -15,16 +21,19 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import os
 import struct
+import subprocess
 import sys
+import tempfile
 from importlib import metadata
+from pathlib import Path
 
-from jax_kda.sm90.kernels.layout import SCAN_TC_V_SLICES
-
-# EIATTR attribute ids of a cubin's .nv.info sections (their format is 4: a 2-byte size, then
+# EIATTR attribute ids of a cubin's .nv.info section (their format is 4: a 2-byte size, then
 # the kernel's symbol index and a 4-byte value)
 _REGCOUNT = 0x2F
 _FRAME_SIZE = 0x11
+_ROOT = Path(__file__).resolve().parent.parent
 
 
 def _sections(elf: bytes):
@@ -49,10 +58,10 @@ def cubin_of(object_bytes: bytes) -> bytes:
     return object_bytes[start:]
 
 
-def fingerprint(object_bytes: bytes) -> dict:
-    """{'sha256': first 16 hex digits of the cubin's hash, 'registers', 'frame_bytes'}."""
+def cubin_facts(object_bytes: bytes) -> dict:
+    """{'cubin_sha256': first 16 hex digits, 'registers', 'frame_bytes'} of an artifact."""
     cubin = cubin_of(object_bytes)
-    found = {"sha256": hashlib.sha256(cubin).hexdigest()[:16]}
+    found = {"cubin_sha256": hashlib.sha256(cubin).hexdigest()[:16]}
     for name, offset, size in _sections(cubin):
         if name != ".nv.info":
             continue
@@ -73,41 +82,73 @@ def fingerprint(object_bytes: bytes) -> dict:
 def default_artifacts():
     """The artifacts a default call can run (forward with and without a gate bound, the
     training step's backward, decode) in the variants the plan picks from, for scale 0.3 and
-    2 heads where those are compile-time constants."""
+    2 heads where those are compile-time constants. Each is compiled when first asked for."""
     from jax_kda import sm90
+    from jax_kda.sm90.kernels.layout import SCAN_TC_V_SLICES
 
     scale = 0.3
-    artifacts = [
-        sm90.forward_artifact(2, scale),
-        sm90.chunk_operands_artifact(scale, 1),
-        sm90.chunk_operands_artifact(scale, 1, False),
-        sm90.chunk_outputs_artifact(),
-        sm90.dense_bwd_artifact(),
-        sm90.tokens_bwd_artifact(scale),
-        sm90.decayed_tokens_bwd_artifact(scale),
-        sm90.state_cotangent_artifact(0),
-        sm90.decode_artifact(scale, False),
-        sm90.decode_artifact(scale, True),
+    makers = [
+        lambda: sm90.forward_artifact(2, scale),
+        lambda: sm90.chunk_operands_artifact(scale, 1),
+        lambda: sm90.chunk_operands_artifact(scale, 1, False),
+        sm90.chunk_outputs_artifact,
+        sm90.dense_bwd_artifact,
+        lambda: sm90.tokens_bwd_artifact(scale),
+        lambda: sm90.decayed_tokens_bwd_artifact(scale),
+        lambda: sm90.state_cotangent_artifact(0),
+        lambda: sm90.decode_artifact(scale, False),
+        lambda: sm90.decode_artifact(scale, True),
     ]
     for v_slice in SCAN_TC_V_SLICES:
-        artifacts += [
-            sm90.state_scan_artifact(False, v_slice, True, 1),
-            sm90.state_scan_artifact(True, v_slice, True, 1),
-            sm90.state_scans_artifact(v_slice),
-            sm90.state_cotangent_artifact(v_slice),
+        makers += [
+            lambda v=v_slice: sm90.state_scan_artifact(False, v, True, 1),
+            lambda v=v_slice: sm90.state_scan_artifact(True, v, True, 1),
+            lambda v=v_slice: sm90.state_scans_artifact(v),
+            lambda v=v_slice: sm90.state_cotangent_artifact(v),
         ]
-    return artifacts
+    return makers
+
+
+def _worker(dump_dir: str, out: str):
+    """In the child: compile every default artifact, pairing each with the PTX file its compile
+    left in dump_dir, and write {prefix: fingerprint} to `out`."""
+    found = {}
+    for make in default_artifacts():
+        for name in os.listdir(dump_dir):  # variants of one kernel class share file names
+            os.remove(os.path.join(dump_dir, name))
+        artifact = make()
+        ptx = sorted(f for f in os.listdir(dump_dir) if f.endswith(".ptx"))
+        if len(ptx) != 1:
+            raise RuntimeError(f"{artifact.prefix}: expected one new PTX file, found {ptx}")
+        text = Path(dump_dir, ptx[0]).read_bytes()
+        found[artifact.prefix] = {
+            "ptx_sha256": hashlib.sha256(text).hexdigest()[:16],
+            **cubin_facts(artifact.object_bytes),
+        }
+    Path(out).write_text(json.dumps(found))
 
 
 def fingerprints() -> dict:
-    return {
-        "nvidia-cutlass-dsl": metadata.version("nvidia-cutlass-dsl"),
-        "kernels": {a.prefix: fingerprint(a.object_bytes) for a in default_artifacts()},
-    }
+    """Every default kernel's fingerprint, compiled afresh in a child process."""
+    with tempfile.TemporaryDirectory() as tmp:
+        dump, cache, out = Path(tmp, "dump"), Path(tmp, "cache"), Path(tmp, "out.json")
+        dump.mkdir()
+        env = {
+            **os.environ,
+            "CUTE_DSL_ARCH": "sm_90a",
+            "CUTE_DSL_KEEP": "ptx",
+            "CUTE_DSL_DUMP_DIR": str(dump),
+            "JAX_KDA_CACHE_DIR": str(cache),
+            "PYTHONPATH": os.pathsep.join([str(_ROOT), os.environ.get("PYTHONPATH", "")]),
+        }
+        command = [sys.executable, "-m", "benchmarks.kernel_fingerprints", "--worker"]
+        subprocess.run([*command, str(dump), str(out)], env=env, cwd=_ROOT, check=True)
+        kernels = json.loads(out.read_text())
+    return {"nvidia-cutlass-dsl": metadata.version("nvidia-cutlass-dsl"), "kernels": kernels}
 
 
 def compare(saved: dict, current: dict) -> list[str]:
-    """The kernels whose fingerprints differ (or that only one side has), as lines to print."""
+    """The kernels whose PTX differs (or that only one side has), as lines to print."""
     if saved["nvidia-cutlass-dsl"] != current["nvidia-cutlass-dsl"]:
         raise ValueError(
             f"fingerprints from nvidia-cutlass-dsl {saved['nvidia-cutlass-dsl']} cannot be "
@@ -116,12 +157,15 @@ def compare(saved: dict, current: dict) -> list[str]:
     lines = []
     for name in sorted(set(saved["kernels"]) | set(current["kernels"])):
         before, after = saved["kernels"].get(name), current["kernels"].get(name)
-        if before != after:
+        if (before or {}).get("ptx_sha256") != (after or {}).get("ptx_sha256"):
             lines.append(f"{name}: {before} -> {after}")
     return lines
 
 
 def _main():
+    if len(sys.argv) == 4 and sys.argv[1] == "--worker":
+        _worker(sys.argv[2], sys.argv[3])
+        return
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--save", help="write the fingerprints to this JSON file")
     parser.add_argument("--against", help="compare with the fingerprints in this JSON file")
@@ -136,7 +180,7 @@ def _main():
     if options.against:
         with open(options.against) as f:
             moved = compare(json.load(f), current)
-        print("\n".join(moved) if moved else f"every kernel as in {options.against}")
+        print("\n".join(moved) if moved else f"every kernel's PTX as in {options.against}")
         sys.exit(1 if moved else 0)
 
 

@@ -1,36 +1,36 @@
-"""benchmarks.kernel_fingerprints: the cubin fingerprint of an exported kernel and the comparison
-of two sets (compiled for sm_90a here, no GPU needed)."""
+"""benchmarks.kernel_fingerprints: an exported kernel's cubin facts and the comparison of two
+fingerprint sets (compiled for sm_90a here, no GPU needed)."""
 
 import json
 from pathlib import Path
 
 import pytest
 
-from benchmarks.kernel_fingerprints import compare, cubin_of, default_artifacts, fingerprint
+from benchmarks.kernel_fingerprints import compare, cubin_facts, cubin_of, default_artifacts
 from jax_kda import sm90
 
 SAVED = Path(__file__).parent.parent / "benchmarks/results"
 
 
-def test_fingerprint_reads_the_cubins_hash_registers_and_frame():
+def test_cubin_facts_read_the_hash_registers_and_frame():
     artifact = sm90.chunk_outputs_artifact()
-    found = fingerprint(artifact.object_bytes)
+    found = cubin_facts(artifact.object_bytes)
     assert cubin_of(artifact.object_bytes)[:4] == b"\x7fELF"
-    assert len(found["sha256"]) == 16
+    assert len(found["cubin_sha256"]) == 16
     # a real register count (a warpgroup kernel: at most 255) and no stack frame
     assert 32 <= found["registers"] <= 255 and found["frame_bytes"] == 0
-    # another kernel, another hash
-    other = fingerprint(sm90.dense_bwd_artifact().object_bytes)
-    assert other["sha256"] != found["sha256"]
+    other = cubin_facts(sm90.dense_bwd_artifact().object_bytes)  # another kernel, another hash
+    assert other["cubin_sha256"] != found["cubin_sha256"]
     with pytest.raises(ValueError, match="no embedded cubin"):
         cubin_of(b"\x7fELF" + b"\0" * 64)
 
 
 def test_compare_names_every_moved_added_or_dropped_kernel_and_refuses_other_versions():
-    a = {"sha256": "0" * 16, "registers": 100, "frame_bytes": 0}
-    b = {**a, "sha256": "1" * 16}
-    saved = {"nvidia-cutlass-dsl": "4.8.1", "kernels": {"x": a, "y": a, "gone": a}}
-    current = {"nvidia-cutlass-dsl": "4.8.1", "kernels": {"x": a, "y": b, "new": a}}
+    a = {"ptx_sha256": "0" * 16, "cubin_sha256": "2" * 16, "registers": 100, "frame_bytes": 0}
+    b = {**a, "ptx_sha256": "1" * 16}
+    c = {**a, "cubin_sha256": "3" * 16}  # ptxas's own variation: not a change
+    saved = {"nvidia-cutlass-dsl": "4.8.1", "kernels": {"x": a, "y": a, "z": a, "gone": a}}
+    current = {"nvidia-cutlass-dsl": "4.8.1", "kernels": {"x": a, "y": b, "z": c, "new": a}}
     moved = compare(saved, current)
     assert [line.split(":")[0] for line in moved] == ["gone", "new", "y"]
     assert compare(saved, saved) == []
@@ -40,10 +40,10 @@ def test_compare_names_every_moved_added_or_dropped_kernel_and_refuses_other_ver
 
 def test_the_saved_verified_set_covers_the_default_kernels():
     """The committed fingerprints of the GPU-verified kernels (commit 3baf6c2's tree) name every
-    kernel the tool fingerprints today, each with a hash, registers and frame."""
+    kernel the tool fingerprints today, each with its PTX hash and cubin facts."""
     saved = json.loads((SAVED / "2026-12-06-kernel-fingerprints-3baf6c2.json").read_text())
     assert saved["nvidia-cutlass-dsl"]
     kernels = saved["kernels"]
-    assert set(kernels) == {artifact.prefix for artifact in default_artifacts()}
+    assert set(kernels) == {make().prefix for make in default_artifacts()}
     for found in kernels.values():
-        assert set(found) == {"sha256", "registers", "frame_bytes"}
+        assert set(found) == {"ptx_sha256", "cubin_sha256", "registers", "frame_bytes"}

@@ -69,6 +69,7 @@ def test_train_variants_parse_into_training_forward_options():
         "both_scans": False,
         "fuse_outputs": False,
         "scan_plain_addend": False,
+        "pipelined_outputs": False,
     }
     assert _variants("x1+dense+bs")[0][1] == {
         **off, "dense_precision": "bf16", "dense_bwd": True, "both_scans": True,
@@ -98,6 +99,10 @@ def test_train_variants_parse_into_training_forward_options():
     }  # fmt: skip
     assert _variants("x1+dense+fo")[0][1] == {
         **off, "dense_precision": "bf16", "dense_bwd": True, "fuse_outputs": True,
+    }  # fmt: skip
+    assert _variants("x1+dense+fo+fop")[0][1] == {
+        **off, "dense_precision": "bf16", "dense_bwd": True, "fuse_outputs": True,
+        "pipelined_outputs": True,
     }  # fmt: skip
     assert _variants("x1+dense+ua")[0][1] == {
         **off, "dense_precision": "bf16", "dense_bwd": True, "scan_plain_addend": True,

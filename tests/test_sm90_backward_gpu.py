@@ -774,7 +774,10 @@ def test_forward_scan_on_the_plain_bf16_addend_equals_the_sliced_one(
     ],
     ids=str,
 )
-def test_state_scan_with_outputs_equals_the_scan_and_the_outputs_kernel(lengths, data, v_slice):
+@pytest.mark.parametrize("pipelined", [False, True], ids=["serial", "pipelined"])
+def test_state_scan_with_outputs_equals_the_scan_and_the_outputs_kernel(
+    lengths, data, v_slice, pipelined
+):
     """The forward tensor-core scan that writes the outputs (ChunkStateScanOutputsTcSm90) on
     the chunk core's own operands and a non-zero initial state, against the scan and the
     outputs kernel one after the other (and its variant that stores no chunk states against
@@ -799,8 +802,9 @@ def test_state_scan_with_outputs_equals_the_scan_and_the_outputs_kernel(lengths,
     y0 = jnp.swapaxes(jnp.asarray(x.initial_state, jnp.float32), -1, -2)
     if not tokens:  # the public wrapper: nothing to write, the state passes through
         states, final, o = sm90.state_scan_outputs_kernel(
-            w_op, kd_op, decay, u, cu, y0, qg, attn, rows, v_slice=v_slice, tensor_cores=True
-        )
+            w_op, kd_op, decay, u, cu, y0, qg, attn, rows, v_slice=v_slice, tensor_cores=True,
+            pipelined=pipelined,
+        )  # fmt: skip
         assert o.shape == (0, heads, 128) and o.dtype == jnp.bfloat16
         np.testing.assert_array_equal(np.asarray(final), np.asarray(y0))
         return
@@ -819,7 +823,7 @@ def test_state_scan_with_outputs_equals_the_scan_and_the_outputs_kernel(lengths,
                   attn.reshape(num_slots, heads, -1)]  # fmt: skip
         poison = [jnp.full(r.shape, jnp.nan, r.dtype) for r in results]
         aliases = {len(inputs) + i: i for i in range(len(results))}
-        artifact = sm90.state_scan_outputs_artifact(v_slice)
+        artifact = sm90.state_scan_outputs_artifact(v_slice, True, pipelined)
         return cute_call(artifact, [*inputs, *poison], results, aliases=aliases)
 
     @jax.jit
@@ -838,7 +842,7 @@ def test_state_scan_with_outputs_equals_the_scan_and_the_outputs_kernel(lengths,
                   attn.reshape(num_slots, heads, -1)]  # fmt: skip
         poison = [jnp.full(r.shape, jnp.nan, r.dtype) for r in results[1:]]
         aliases = {len(inputs) + i: i for i in range(2)}
-        artifact = sm90.state_scan_outputs_artifact(v_slice, False)
+        artifact = sm90.state_scan_outputs_artifact(v_slice, False, pipelined)
         return cute_call(artifact, [*inputs, *poison], results[1:], aliases=aliases)
 
     args = (w_op, kd_op, decay, u, y0, qg, attn)
@@ -1195,8 +1199,9 @@ def test_training_forward_with_single_pass_products_matches_float64_oracle(data,
 @pytest.mark.parametrize(
     "options",
     [{"fuse_outputs": True}, {"scan_plain_addend": True},
-     {"fuse_outputs": True, "scan_plain_addend": True}],
-    ids=["scan-outputs", "plain-addend", "both"],
+     {"fuse_outputs": True, "scan_plain_addend": True},
+     {"fuse_outputs": True, "pipelined_outputs": True}],
+    ids=["scan-outputs", "plain-addend", "both", "pipelined-outputs"],
 )  # fmt: skip
 @pytest.mark.parametrize("data", ["production", "long-memory", "-30"])
 def test_training_forward_opt_in_variants_match_float64_oracle(data, options):

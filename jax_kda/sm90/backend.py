@@ -296,11 +296,11 @@ def state_scan_artifact(
 
 
 @functools.cache
-def state_scan_outputs_artifact(v_slice: int, states: bool = True):
+def state_scan_outputs_artifact(v_slice: int, states: bool = True, pipelined: bool = False):
     """The exported forward tensor-core scan at one bf16 pass that writes every chunk's outputs
     as well (kernels/kda_state_scan_tc_sm90.py, ChunkStateScanOutputsTcSm90; states=False:
-    ChunkOutputsScanTcSm90, no chunk states stored): tokens, slots, heads and sequences
-    symbolic."""
+    ChunkOutputsScanTcSm90, no chunk states stored; pipelined: each chunk's O products off the
+    serial chain): tokens, slots, heads and sequences symbolic."""
     import cutlass.cute as cute
     from cutlass import BFloat16, Float32, Int32
 
@@ -333,16 +333,22 @@ def state_scan_outputs_artifact(v_slice: int, states: bool = True):
     }
     if not states:
         del fakes["states"]
-    kernel = ChunkStateScanOutputsTcSm90(v_slice) if states else ChunkOutputsScanTcSm90(v_slice)
+    if states:
+        kernel = ChunkStateScanOutputsTcSm90(v_slice, pipelined=pipelined)
+    else:
+        kernel = ChunkOutputsScanTcSm90(v_slice, pipelined=pipelined)
+    config = {"v_slice": v_slice, "states": states}
+    if pipelined:
+        config["pipelined"] = True
+    suffix = ("" if states else "f") + ("p" if pipelined else "")
     return export(
-        kernel, fakes, prefix=f"kda_state_scan_sm90_fwd_t{v_slice}x1o{'' if states else 'f'}",
-        config={"v_slice": v_slice, "states": states},
+        kernel, fakes, prefix=f"kda_state_scan_sm90_fwd_t{v_slice}x1o{suffix}", config=config,
     )  # fmt: skip
 
 
 def state_scan_outputs_kernel(
     w_op, kd_op, decay, u, cu_seqlens, y0, qg, attn, rows, *, v_slice=None, tensor_cores=None,
-    passes=None, fuse=None, states=True,
+    passes=None, fuse=None, states=True, pipelined=False, plain_addend=False,
 ):  # fmt: skip
     """The forward state scan and every chunk's outputs after it: (states, final, o) =
     state_scan_kernel(w, kd, decay, u, cu_seqlens, y0) and chunk_outputs_kernel(states, w, u,
@@ -351,7 +357,10 @@ def state_scan_outputs_kernel(
     at one bf16 pass and `fuse` says so (None: plan.scan_fuses_outputs); otherwise the two
     kernels one after the other (also where U is not bfloat16: the one launch takes it plain
     in bf16). states=False: the caller needs no chunk states (a call that is not
-    differentiated); the one launch then stores none and returns None for them."""
+    differentiated); the one launch then stores none and returns None for them. pipelined:
+    the one launch's variant with each chunk's O products off the serial chain;
+    plain_addend: the two kernels' scan takes U as it is (state_scan_kernel's). Neither the
+    one launch nor those two options have yet run on a GPU."""
     from jax_kda.sm90.ffi_call import cute_call
 
     num_heads, num_sequences = y0.shape[1], y0.shape[0]
@@ -363,7 +372,7 @@ def state_scan_outputs_kernel(
     if not fuse or not tensor_cores or passes not in (None, 1) or empty or not plain:
         states, final = state_scan_kernel(
             w_op, kd_op, decay, u, cu_seqlens, y0, reverse=False, v_slice=v_slice,
-            tensor_cores=tensor_cores, passes=passes,
+            tensor_cores=tensor_cores, passes=passes, plain_addend=plain_addend,
         )  # fmt: skip
         w = w_op.image if isinstance(w_op, ImagedOperand) else w_op
         o = chunk_outputs_kernel(states, w, u, qg, attn, cu_seqlens, rows)
@@ -381,7 +390,7 @@ def state_scan_outputs_kernel(
         a_img, bt_img, decay, addend, jnp.asarray(cu_seqlens, jnp.int32), y0,
         qg.astype(bf16).reshape(slots, heads, -1), attn.astype(bf16).reshape(slots, heads, -1),
     ]  # fmt: skip
-    artifact = state_scan_outputs_artifact(v_slice, states)
+    artifact = state_scan_outputs_artifact(v_slice, states, pipelined)
     if not states:
         final, o = cute_call(artifact, inputs, results[1:])
         return None, final, o
@@ -1261,31 +1270,28 @@ def xla_dense_bwd(
     return d_rhs, d_qg, d_attn, d_kd, d_decay, d_kk, d_beta_kk
 
 
-def _token_rows_fakes(tokens, heads, results: bool):
-    """The fake tensors the tokens' backward kernels share: q, k, v bfloat16, g float32
-    [T, H, 128], beta [T, H], cu_seqlens; or (results) dq, dk, dv bfloat16, dg float32
-    [T, H, 128] and dbeta's two partial sums [2, T, H]. Each artifact makes the inputs first
-    and the results last, in its argument order: made in another order (both at once, 6d133c9)
-    the same kernel compiled to other code than the GPU-verified one
-    (benchmarks.kernel_fingerprints)."""
+def _token_rows_fakes(tokens, heads):
+    """The fake tensors the tokens' backward kernels share, (inputs, results): q, k, v
+    bfloat16, g float32 [T, H, 128], beta [T, H], cu_seqlens; dq, dk, dv bfloat16, dg float32
+    [T, H, 128] and dbeta's two partial sums [2, T, H]."""
     import cutlass.cute as cute
     from cutlass import BFloat16, Float32, Int32
 
     from jax_kda.sm90.export import row_major_fake
 
     token_shape = (tokens, heads, HEAD_DIM)
-    if results:
-        return {
-            **{name: row_major_fake(BFloat16, token_shape) for name in ("dq", "dk", "dv")},
-            "dg": row_major_fake(Float32, token_shape),
-            "dbeta": row_major_fake(Float32, (2, tokens, heads), align=4),  # partial sums
-        }
-    return {
+    inputs = {
         **{name: row_major_fake(BFloat16, token_shape) for name in ("q", "k", "v")},
         "g": row_major_fake(Float32, token_shape),
         "beta": row_major_fake(Float32, (tokens, heads), align=4),
         "cu_seqlens": row_major_fake(Int32, (cute.sym_int32(),), align=4),
     }
+    results = {
+        **{name: row_major_fake(BFloat16, token_shape) for name in ("dq", "dk", "dv")},
+        "dg": row_major_fake(Float32, token_shape),
+        "dbeta": row_major_fake(Float32, (2, tokens, heads), align=4),  # partial sums
+    }
+    return inputs, results
 
 
 @functools.cache
@@ -1302,14 +1308,15 @@ def tokens_bwd_artifact(scale: float, bf16_cotangents: bool = True):
     tokens, heads, slots = cute.sym_int32(), cute.sym_int32(), cute.sym_int32()
     chunk = (slots, heads, SCAN_CHUNK, HEAD_DIM)
     cotangent = BFloat16 if bf16_cotangents else Float32
+    token_inputs, token_results = _token_rows_fakes(tokens, heads)
     fakes = {
-        **_token_rows_fakes(tokens, heads, results=False),
+        **token_inputs,
         **{name: row_major_fake(Float32, chunk) for name in ("gamma", "dq_c", "dk_c", "dgamma_c")},
         "d_rhs": row_major_fake(cotangent, (slots, heads, SCAN_CHUNK, 2 * HEAD_DIM)),
         **{name: row_major_fake(cotangent, chunk) for name in ("d_qg", "d_kd")},
         "d_decay": row_major_fake(Float32, (slots, heads, HEAD_DIM)),
         "d_beta_kk": row_major_fake(Float32, (slots, heads, SCAN_CHUNK)),
-        **_token_rows_fakes(tokens, heads, results=True),
+        **token_results,
     }
     scale_tag = hashlib.sha256(repr(scale).encode()).hexdigest()[:8]
     dtype_tag = "" if bf16_cotangents else "_f32"
@@ -1397,8 +1404,9 @@ def decayed_tokens_bwd_artifact(scale: float):
     tokens, heads, slots = cute.sym_int32(), cute.sym_int32(), cute.sym_int32()
     chunk = (slots, heads, SCAN_CHUNK, HEAD_DIM)
     pairs = (slots, heads, SCAN_CHUNK, SCAN_CHUNK)
+    token_inputs, token_results = _token_rows_fakes(tokens, heads)
     fakes = {
-        **_token_rows_fakes(tokens, heads, results=False),
+        **token_inputs,
         "gamma": row_major_fake(Float32, chunk),
         "d_kk": row_major_fake(BFloat16, pairs),
         "d_qk": row_major_fake(BFloat16, pairs),
@@ -1407,7 +1415,7 @@ def decayed_tokens_bwd_artifact(scale: float):
         "d_kd": row_major_fake(BFloat16, chunk),
         "d_decay": row_major_fake(Float32, (slots, heads, HEAD_DIM)),
         "d_beta_kk": row_major_fake(Float32, (slots, heads, SCAN_CHUNK)),
-        **_token_rows_fakes(tokens, heads, results=True),
+        **token_results,
     }
     scale_tag = hashlib.sha256(repr(scale).encode()).hexdigest()[:8]
     return export(
@@ -1560,7 +1568,7 @@ def _training_chunks(
     num_heads, num_sequences, *, both_scans, chunk_core=True, decayed_bwd=True,
     scan_v_slice=None, scan_tensor_cores=None, dense_precision="bf16", chunk_core_passes=1,
     scan_passes=None, tokens_bwd=True, fuse_tokens=True, fuse_outputs=False,
-    scan_plain_addend=False,
+    scan_plain_addend=False, pipelined_outputs=False,
 ):  # fmt: skip
     """training_forward's differentiable_chunks for these switches (its dense_bwd=True form);
     the defaults are the training path's kernels, which training_residual_forward and
@@ -1605,7 +1613,7 @@ def _training_chunks(
         # the forward scan and the outputs in one launch (the outputs kernel's bf16 products)
         scan_outputs=functools.partial(
             state_scan_outputs_kernel, v_slice=scan_v_slice, tensor_cores=scan_tensor_cores,
-            passes=scan_passes,
+            passes=scan_passes, pipelined=pipelined_outputs, plain_addend=scan_plain_addend,
         ) if fuse_outputs and dense_precision == "bf16" else None,
     )  # fmt: skip
 
@@ -1614,7 +1622,7 @@ def training_forward(
     q, k, v, g, beta, cu_seqlens, initial_state, scale, *, chunk_core=True, decayed_bwd=True,
     scan_v_slice=None, scan_tensor_cores=None, dense_precision="bf16", chunk_core_passes=1,
     scan_passes=None, dense_bwd=True, tokens_bwd=None, both_scans=True, fuse_tokens=True,
-    fuse_outputs=False, scan_plain_addend=False,
+    fuse_outputs=False, scan_plain_addend=False, pipelined_outputs=False,
 ):  # fmt: skip
     """The forward the sm90 backward differentiates (and the no-bound forward), exact for any
     g <= 0: the chunk-core kernel's per-chunk operands (their backward written out,
@@ -1656,6 +1664,8 @@ def training_forward(
     would run): the forward scan writes the outputs itself where plan.scan_fuses_outputs says
     so, state_scan_outputs_kernel (on tensor cores at one pass; elsewhere it runs the two
     kernels). Off by default: that kernel compiles and lowers but has not yet run on a GPU.
+    pipelined_outputs=True (with fuse_outputs): that kernel's variant whose O products retire
+    during the next chunk's step (off by default, not yet run on a GPU).
     scan_plain_addend=True (with dense_bwd): the forward scans (the forward's, and the
     backward's recompute beside the reverse one) read the chunk core's bf16 U as it is
     (state_scan_kernel's plain_addend; off by default, not yet run on a GPU).
@@ -1680,6 +1690,8 @@ def training_forward(
         raise ValueError("decayed_bwd=True needs chunk_core=True (the operands' backward it is in)")
     if tokens_bwd is None:
         tokens_bwd = dense_bwd
+    if pipelined_outputs and not fuse_outputs:
+        raise ValueError("pipelined_outputs=True needs fuse_outputs=True (the kernel it picks)")
     if tokens_bwd and not dense_bwd:
         raise ValueError("tokens_bwd=True needs dense_bwd=True (the backward it ends)")
     if dense_precision not in DENSE_PRECISIONS:
@@ -1694,7 +1706,7 @@ def training_forward(
             scan_tensor_cores=scan_tensor_cores, dense_precision=dense_precision,
             chunk_core_passes=chunk_core_passes, scan_passes=scan_passes, tokens_bwd=tokens_bwd,
             fuse_tokens=fuse_tokens, fuse_outputs=fuse_outputs,
-            scan_plain_addend=scan_plain_addend,
+            scan_plain_addend=scan_plain_addend, pipelined_outputs=pipelined_outputs,
         )  # fmt: skip
         return xla.forward(
             q, k, v, g, beta, cu_seqlens, initial_state, scale, precision=precision,

@@ -125,7 +125,7 @@ def accumulate_always(*mmas):
 class ChunkStateScanTcSm90:
     def __init__(
         self, config: ScanConfig, passes: int = 3, outputs: bool = False, states: bool = True,
-        plain_addend: bool = False,
+        plain_addend: bool = False, pipelined: bool = False,
     ):  # fmt: skip
         if config.v_slice not in SCAN_TC_V_SLICES:
             raise ValueError(
@@ -137,6 +137,10 @@ class ChunkStateScanTcSm90:
             raise ValueError("a scan that stores no states writes the outputs")
         if plain_addend and config.reverse:
             raise ValueError("the forward scan alone takes its addend U plain")
+        if pipelined and not outputs:
+            raise ValueError("only the scan that writes the outputs pipelines them")
+        # the chunk's O products retire during the next step (two S, Qg and Aqk images)
+        self.pipelined = pipelined
         # the addend U as the chunk core stores it, bf16 [slots, H, 64 * 128] row-major, each CTA
         # copying its V slice row by row (with outputs always): no V-sliced float32 copy of U
         self.u_rows = plain_addend or outputs
@@ -222,7 +226,15 @@ class ChunkStateScanTcSm90:
             lay_at = inter_image_layout(SCAN_CHUNK, SCAN_CHUNK)
             s_qg = smem.allocate_tensor(BFloat16, lay_qg.outer, 1024, swizzle=lay_qg.inner)
             s_at = smem.allocate_tensor(BFloat16, lay_at.outer, 1024, swizzle=lay_at.inner)
-            return raw_a, raw_bt, s_y, s_x, raw_add, s_decay, s_mbar, (raw_qg, raw_at, s_qg, s_at)
+            second = None
+            if self.pipelined:  # the images the previous chunk's O products may still read
+                second = (
+                    smem.allocate_tensor(BFloat16, lay_y.outer, 1024, swizzle=lay_y.inner),
+                    smem.allocate_tensor(BFloat16, lay_qg.outer, 1024, swizzle=lay_qg.inner),
+                    smem.allocate_tensor(BFloat16, lay_at.outer, 1024, swizzle=lay_at.inner),
+                )
+            images = (raw_qg, raw_at, s_qg, s_at, second)
+            return raw_a, raw_bt, s_y, s_x, raw_add, s_decay, s_mbar, images
         return raw_a, raw_bt, s_y, s_x, raw_add, s_decay, s_mbar
 
     @cute.jit
@@ -256,7 +268,7 @@ class ChunkStateScanTcSm90:
         cute.arch.sync_threads()
         loads = (raw_a, raw_bt, raw_add, s_decay, s_mbar)
         if cutlass.const_expr(self.outputs):
-            raw_qg, raw_at, s_qg, s_at = buffers[7]
+            raw_qg, raw_at, s_qg, s_at, second = buffers[7]
             loads = (*loads, raw_qg, raw_at, out[0], out[1])
 
         thr_x = mma_x.get_slice(tid)
@@ -284,6 +296,13 @@ class ChunkStateScanTcSm90:
             acc_o = cute.make_rmem_tensor(mma_x.partition_shape_C((SCAN_CHUNK, VS)), Float32)
             bos, seqlen, _, _ = sequence_slots(mCu, n, SCAN_CHUNK)
             o_ctx = OutputsStep(f_qg, f_at, f_xo, acc_o, s_qg, s_at, out[2], bos, seqlen)
+            if cutlass.const_expr(self.pipelined):  # stage s's chunks use image set s
+                ys = (s_y, second[0])
+                f_ys = (f_y, mma_x.make_fragment_B(thr_x.partition_B(second[0])))
+                qgs = (s_qg, second[1])
+                ats = (s_at, second[2])
+                f_qgs = (f_qg, mma_x.make_fragment_A(thr_x.partition_A(second[1])))
+                f_ats = (f_at, mma_x.make_fragment_A(thr_x.partition_A(second[2])))
         for m in cutlass.range_constexpr(2):
             for i in cutlass.range_constexpr(cute.size(acc_y[m])):
                 ch, v = c_y[i]
@@ -317,11 +336,21 @@ class ChunkStateScanTcSm90:
                         self._load(mA, mBt, mDecay, mAdd, nxt, h, vsl, 1 - s, loads)
                     phase = (j // STAGES) % 2
                     o_step = None
+                    y_image, f_y_s = s_y, f_y
                     if cutlass.const_expr(self.outputs):
                         o_step = o_ctx._replace(raw_qg=raw_qg[s], raw_at=raw_at[s], j=j)
-                    self._step(mma_x, mma_y, acc_x, acc_y, c_x, c_y, f_a[s], f_bt[s], f_y, f_x,
-                               s_y, s_x, s_add[s], s_decay[s], s_mbar.iterator + s, phase,
-                               mStates, slot, h, vbase, o_step)  # fmt: skip
+                        if cutlass.const_expr(self.pipelined):
+                            o_step = o_step._replace(
+                                f_qg=f_qgs[s], f_at=f_ats[s], s_qg=qgs[s], s_at=ats[s]
+                            )
+                            y_image, f_y_s = ys[s], f_ys[s]
+                    self._step(mma_x, mma_y, acc_x, acc_y, c_x, c_y, f_a[s], f_bt[s], f_y_s,
+                               f_x, y_image, s_x, s_add[s], s_decay[s], s_mbar.iterator + s,
+                               phase, mStates, slot, h, vbase, o_step)  # fmt: skip
+        if cutlass.const_expr(self.pipelined):  # the last chunk's O products, then its rows
+            cute.nvgpu.warpgroup.wait_group(0)
+            if nch > 0:
+                self._store_outputs(o_ctx, c_x, h, vbase, nch - 1)
 
         for m in cutlass.range_constexpr(2):
             for i in cutlass.range_constexpr(cute.size(acc_y[m])):
@@ -338,7 +367,8 @@ class ChunkStateScanTcSm90:
     def _step(self, mma_x, mma_y, acc_x, acc_y, c_x, c_y, f_a, f_bt, f_y, f_x, s_y, s_x,
               s_add, s_decay, mbar, phase, mStates, slot, h, vbase, o_step=None):  # fmt: skip
         """One chunk: store the state entering it, then the two products (with outputs, the
-        chunk's O after them: o_step)."""
+        chunk's O after them: o_step; pipelined, the previous chunk's O rows leave after
+        product 1, and this chunk's O products are left running into the next step)."""
         for m in cutlass.range_constexpr(2):
             for i in cutlass.range_constexpr(cute.size(acc_y[m])):
                 ch, v = c_y[i]
@@ -379,10 +409,13 @@ class ChunkStateScanTcSm90:
         cute.nvgpu.warpgroup.commit_group()
         if cutlass.const_expr(self.outputs):
             # while product 1 runs: the chunk's plain Qg and Aqk (landed with the stage) into
-            # their images
+            # their images (pipelined: the set the previous chunk's O products do not read)
             self._to_image(o_step.raw_qg, o_step.s_qg, HEAD_DIM)
             self._to_image(o_step.raw_at, o_step.s_at, SCAN_CHUNK)
-        cute.nvgpu.warpgroup.wait_group(0)
+        cute.nvgpu.warpgroup.wait_group(0)  # (pipelined: the previous chunk's O products too)
+        if cutlass.const_expr(self.pipelined):
+            if o_step.j > 0:
+                self._store_outputs(o_step, c_x, h, vbase, o_step.j - 1)
 
         # ---- product 2: Y += B^T (-acc): forward acc = -X (Y += Kd^T X), reverse acc = X
         # (Y -= W^T X)
@@ -400,14 +433,21 @@ class ChunkStateScanTcSm90:
         cute.nvgpu.warpgroup.fence()
         for m in cutlass.range_constexpr(2):
             gemm_passes(mma_y, acc_y[m], f_bt[m], f_x, SCAN_CHUNK // 16, self.passes)
+        if cutlass.const_expr(self.pipelined):  # product 2 a group of its own
+            cute.nvgpu.warpgroup.commit_group()
         if cutlass.const_expr(self.outputs):
             gemm_passes(mma_x, o_step.acc_o, o_step.f_qg, f_y, HEAD_DIM // 16, 1)  # Qg S
             gemm_passes(
                 mma_x, o_step.acc_o, o_step.f_at, o_step.f_xo, SCAN_CHUNK // 16, 1
             )  # + Aqk X
         cute.nvgpu.warpgroup.commit_group()
-        cute.nvgpu.warpgroup.wait_group(0)
-        if cutlass.const_expr(self.outputs):
+        if cutlass.const_expr(self.pipelined):
+            # product 2 done (Y for the next chunk); the O products retire during it, and
+            # their rows leave after the next product 1 (or after the last chunk)
+            cute.nvgpu.warpgroup.wait_group(1)
+        else:
+            cute.nvgpu.warpgroup.wait_group(0)
+        if cutlass.const_expr(self.outputs and not self.pipelined):
             self._store_outputs(o_step, c_x, h, vbase)
         cute.arch.sync_threads()  # the stage and the Y, X images free for the next chunk
 
@@ -440,11 +480,12 @@ class ChunkStateScanTcSm90:
         return (group % 8) * 8 + lane, (group // 8 + lane) % per
 
     @cute.jit
-    def _store_outputs(self, o_step, c_x, h, vbase):
+    def _store_outputs(self, o_step, c_x, h, vbase, chunk=None):
         """acc_o, the chunk's O for the CTA's V slice, as bf16 pairs into the rows of the tokens
-        step j of the sequence holds (rows past its end, or outside [0, T) on bad boundaries,
-        write nothing)."""
-        acc_o, mO, bos, seqlen, j = o_step.acc_o, o_step.m_o, o_step.bos, o_step.seqlen, o_step.j
+        step `chunk` (None: o_step.j) of the sequence holds (rows past its end, or outside
+        [0, T) on bad boundaries, write nothing)."""
+        acc_o, mO, bos, seqlen = o_step.acc_o, o_step.m_o, o_step.bos, o_step.seqlen
+        j = o_step.j if chunk is None else chunk
         row0 = bos + j * SCAN_CHUNK
         count = cutlass.min(cutlass.min(seqlen - j * SCAN_CHUNK, SCAN_CHUNK), mO.shape[0] - row0)
         if row0 < 0:
@@ -523,12 +564,19 @@ class ChunkStateScanOutputsTcSm90:
     [slots, H, 64 * 64] (the chunk core's bfloat16 u, qg and attn, row-major, flat per slot)
     in, o [T, H, 128] bfloat16 out (the rows of tokens in no sequence unwritten).
     states=False (ChunkOutputsScanTcSm90, a call that is not differentiated): no chunk states
-    stored, the final states and o alone."""
+    stored, the final states and o alone. pipelined: each chunk's O products retire while the
+    next chunk's step begins (its state stores and images, its product 1), off the serial
+    chain, at two S, Qg and Aqk images (about 177 KiB of shared memory at VS = 16, 191 at 32);
+    not yet run on a GPU."""
 
-    def __init__(self, v_slice: int, states: bool = True):
+    def __init__(self, v_slice: int, states: bool = True, pipelined: bool = False):
         self.vs = v_slice
         self.scan = ChunkStateScanTcSm90(
-            ScanConfig(reverse=False, v_slice=v_slice), passes=1, outputs=True, states=states
+            ScanConfig(reverse=False, v_slice=v_slice),
+            passes=1,
+            outputs=True,
+            states=states,
+            pipelined=pipelined,
         )
 
     @cute.jit
@@ -582,8 +630,8 @@ class ChunkOutputsScanTcSm90(ChunkStateScanOutputsTcSm90):
     """ChunkStateScanOutputsTcSm90 without the chunk states: (final, o) from the same inputs,
     for a forward that autodiff does not differentiate (64 KiB a chunk and head not stored)."""
 
-    def __init__(self, v_slice: int):
-        super().__init__(v_slice, states=False)
+    def __init__(self, v_slice: int, pipelined: bool = False):
+        super().__init__(v_slice, states=False, pipelined=pipelined)
 
     @cute.jit
     def __call__(
