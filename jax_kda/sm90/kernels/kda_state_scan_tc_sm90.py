@@ -564,10 +564,12 @@ class ChunkStateScanOutputsTcSm90:
     [slots, H, 64 * 64] (the chunk core's bfloat16 u, qg and attn, row-major, flat per slot)
     in, o [T, H, 128] bfloat16 out (the rows of tokens in no sequence unwritten).
     states=False (ChunkOutputsScanTcSm90, a call that is not differentiated): no chunk states
-    stored, the final states and o alone. pipelined: each chunk's O products retire while the
-    next chunk's step begins (its state stores and images, its product 1), off the serial
-    chain, at two S, Qg and Aqk images (about 177 KiB of shared memory at VS = 16, 191 at 32);
-    not yet run on a GPU."""
+    stored, the final states and o alone. pipelined: each chunk's O products are left running
+    at the end of its step (two S, Qg and Aqk images, about 177 KiB of shared memory at VS =
+    16, 191 at 32) and their rows leave after the next chunk's product 1. The SASS shows how
+    far that goes: ptxas waits for them (WARPGROUP.DEPBAR 0) at the next step's first write to
+    a register an accumulator used, before the state's image, so they overlap only the step's
+    closing barrier and the next chunk's copies being issued. Not yet run on a GPU."""
 
     def __init__(self, v_slice: int, states: bool = True, pipelined: bool = False):
         self.vs = v_slice
