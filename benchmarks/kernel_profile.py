@@ -152,8 +152,8 @@ def _main():
         "VJP, its backward's products on their kernel), 'tok' (with dense: the element-wise rest "
         "on its kernel, into the tokens' rows, fused into the decayed kernel where both are "
         "on), 'sep' (with tok: the decayed and tokens kernels one after the other), 'fo' (with "
-        "dense: the forward scan writes the outputs where the plan fuses them), 'fop' (with fo: "
-        "its O products retire during the next chunk's step), 'ua' (with "
+        "dense: the forward scan writes the outputs where the plan fuses them), 'fow' (with fo: "
+        "its O products and stores on a second warpgroup), 'ua' (with "
         "dense: the forward scan reads the chunk core's bf16 U as it is), 'bs' "
         "(with dense: both state scans in the "
         "backward, in one launch), joined by '+' (e.g. base,core+dbwd+v64+x3)",
@@ -231,7 +231,7 @@ def _variants(text: str) -> list[tuple[str, dict]]:
             "both_scans": False,
             "fuse_outputs": False,
             "scan_plain_addend": False,
-            "pipelined_outputs": False,
+            "outputs_warpgroup": False,
         }
         for part in name.split("+"):
             if part == "core":
@@ -255,8 +255,8 @@ def _variants(text: str) -> list[tuple[str, dict]]:
                 options["fuse_tokens"] = False
             elif part == "fo":  # with dense: the forward scan writes the outputs (as planned)
                 options["fuse_outputs"] = True
-            elif part == "fop":  # with fo: its O products off the serial chain
-                options["pipelined_outputs"] = True
+            elif part == "fow":  # with fo: its O products on a second warpgroup
+                options["outputs_warpgroup"] = True
             elif part == "ua":  # with dense: the forward scan reads U bf16, plain
                 options["scan_plain_addend"] = True
             elif part == "bs":  # with dense: both state scans in the backward, one launch

@@ -27,10 +27,11 @@ def test_cubin_facts_read_the_hash_registers_and_frame():
 
 def test_compare_names_every_moved_added_or_dropped_kernel_and_refuses_other_versions():
     a = {"ptx_sha256": "0" * 16, "cubin_sha256": "2" * 16, "registers": 100, "frame_bytes": 0}
-    b = {**a, "ptx_sha256": "1" * 16}
-    c = {**a, "cubin_sha256": "3" * 16}  # ptxas's own variation: not a change
-    saved = {"nvidia-cutlass-dsl": "4.8.1", "kernels": {"x": a, "y": a, "z": a, "gone": a}}
-    current = {"nvidia-cutlass-dsl": "4.8.1", "kernels": {"x": a, "y": b, "z": c, "new": a}}
+    b = {**a, "ptx_sha256": "1" * 16, "cubin_sha256": "4" * 16}  # moved
+    c = {**a, "cubin_sha256": "3" * 16}  # ptxas's own variation: the same kernel
+    d = {**a, "ptx_sha256": "5" * 16}  # PTX renamed, the same binary: the same kernel
+    saved = {"nvidia-cutlass-dsl": "4.8.1", "kernels": {"x": a, "y": a, "z": a, "w": a, "gone": a}}
+    current = {"nvidia-cutlass-dsl": "4.8.1", "kernels": {"x": a, "y": b, "z": c, "w": d, "new": a}}
     moved = compare(saved, current)
     assert [line.split(":")[0] for line in moved] == ["gone", "new", "y"]
     assert compare(saved, saved) == []

@@ -69,7 +69,7 @@ def test_train_variants_parse_into_training_forward_options():
         "both_scans": False,
         "fuse_outputs": False,
         "scan_plain_addend": False,
-        "pipelined_outputs": False,
+        "outputs_warpgroup": False,
     }
     assert _variants("x1+dense+bs")[0][1] == {
         **off, "dense_precision": "bf16", "dense_bwd": True, "both_scans": True,
@@ -100,9 +100,9 @@ def test_train_variants_parse_into_training_forward_options():
     assert _variants("x1+dense+fo")[0][1] == {
         **off, "dense_precision": "bf16", "dense_bwd": True, "fuse_outputs": True,
     }  # fmt: skip
-    assert _variants("x1+dense+fo+fop")[0][1] == {
+    assert _variants("x1+dense+fo+fow")[0][1] == {
         **off, "dense_precision": "bf16", "dense_bwd": True, "fuse_outputs": True,
-        "pipelined_outputs": True,
+        "outputs_warpgroup": True,
     }  # fmt: skip
     assert _variants("x1+dense+ua")[0][1] == {
         **off, "dense_precision": "bf16", "dense_bwd": True, "scan_plain_addend": True,

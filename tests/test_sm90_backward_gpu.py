@@ -774,9 +774,9 @@ def test_forward_scan_on_the_plain_bf16_addend_equals_the_sliced_one(
     ],
     ids=str,
 )
-@pytest.mark.parametrize("pipelined", [False, True], ids=["serial", "pipelined"])
+@pytest.mark.parametrize("split", [False, True], ids=["one-warpgroup", "outputs-warpgroup"])
 def test_state_scan_with_outputs_equals_the_scan_and_the_outputs_kernel(
-    lengths, data, v_slice, pipelined
+    lengths, data, v_slice, split
 ):
     """The forward tensor-core scan that writes the outputs (ChunkStateScanOutputsTcSm90) on
     the chunk core's own operands and a non-zero initial state, against the scan and the
@@ -803,7 +803,7 @@ def test_state_scan_with_outputs_equals_the_scan_and_the_outputs_kernel(
     if not tokens:  # the public wrapper: nothing to write, the state passes through
         states, final, o = sm90.state_scan_outputs_kernel(
             w_op, kd_op, decay, u, cu, y0, qg, attn, rows, v_slice=v_slice, tensor_cores=True,
-            pipelined=pipelined,
+            outputs_warpgroup=split,
         )  # fmt: skip
         assert o.shape == (0, heads, 128) and o.dtype == jnp.bfloat16
         np.testing.assert_array_equal(np.asarray(final), np.asarray(y0))
@@ -823,7 +823,7 @@ def test_state_scan_with_outputs_equals_the_scan_and_the_outputs_kernel(
                   attn.reshape(num_slots, heads, -1)]  # fmt: skip
         poison = [jnp.full(r.shape, jnp.nan, r.dtype) for r in results]
         aliases = {len(inputs) + i: i for i in range(len(results))}
-        artifact = sm90.state_scan_outputs_artifact(v_slice, True, pipelined)
+        artifact = sm90.state_scan_outputs_artifact(v_slice, True, split)
         return cute_call(artifact, [*inputs, *poison], results, aliases=aliases)
 
     @jax.jit
@@ -842,7 +842,7 @@ def test_state_scan_with_outputs_equals_the_scan_and_the_outputs_kernel(
                   attn.reshape(num_slots, heads, -1)]  # fmt: skip
         poison = [jnp.full(r.shape, jnp.nan, r.dtype) for r in results[1:]]
         aliases = {len(inputs) + i: i for i in range(2)}
-        artifact = sm90.state_scan_outputs_artifact(v_slice, False, pipelined)
+        artifact = sm90.state_scan_outputs_artifact(v_slice, False, split)
         return cute_call(artifact, [*inputs, *poison], results[1:], aliases=aliases)
 
     args = (w_op, kd_op, decay, u, y0, qg, attn)
@@ -1200,8 +1200,8 @@ def test_training_forward_with_single_pass_products_matches_float64_oracle(data,
     "options",
     [{"fuse_outputs": True}, {"scan_plain_addend": True},
      {"fuse_outputs": True, "scan_plain_addend": True},
-     {"fuse_outputs": True, "pipelined_outputs": True}],
-    ids=["scan-outputs", "plain-addend", "both", "pipelined-outputs"],
+     {"fuse_outputs": True, "outputs_warpgroup": True}],
+    ids=["scan-outputs", "plain-addend", "both", "outputs-warpgroup"],
 )  # fmt: skip
 @pytest.mark.parametrize("data", ["production", "long-memory", "-30"])
 def test_training_forward_opt_in_variants_match_float64_oracle(data, options):

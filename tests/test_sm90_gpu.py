@@ -134,11 +134,11 @@ EXACT_VARIANTS = {
     "default": {},
     "scan-outputs": {"fuse_outputs": True},
     "plain-addend": {"scan_plain_addend": True},
-    "pipelined-outputs": {"fuse_outputs": True, "pipelined_outputs": True},
+    "outputs-warpgroup": {"fuse_outputs": True, "outputs_warpgroup": True},
 }
 """The exact forward's opt-in variants (sm90.training_forward switches, off by default until
 they have run on a GPU): the forward scan writing the outputs where the plan fuses them (and
-its variant whose O products retire during the next chunk's step), and the forward scan
+its variant with the O products on a second warpgroup), and the forward scan
 reading the chunk core's bf16 U as it is."""
 
 

@@ -314,11 +314,12 @@ def test_state_scan_with_outputs_exports_for_sm90a(v_slice):
     assert len(artifact.tensors) == 11
     alone = sm90.state_scan_outputs_artifact(v_slice, False)  # no chunk states: final, o
     assert alone.prefix == f"kda_state_scan_sm90_fwd_t{v_slice}x1of" and len(alone.tensors) == 10
-    for states, suffix in ((True, "op"), (False, "ofp")):  # the O products off the chain
-        pipelined = sm90.state_scan_outputs_artifact(v_slice, states, True)
-        assert pipelined.prefix == f"kda_state_scan_sm90_fwd_t{v_slice}x1{suffix}"
-    with pytest.raises(ValueError, match="only the scan that writes the outputs pipelines"):
-        ChunkStateScanTcSm90(ScanConfig(reverse=False, v_slice=v_slice), 1, pipelined=True)
+    for states, suffix in ((True, "ow"), (False, "ofw")):  # O on a second warpgroup
+        split = sm90.state_scan_outputs_artifact(v_slice, states, True)
+        assert split.prefix == f"kda_state_scan_sm90_fwd_t{v_slice}x1{suffix}"
+        assert len(split.tensors) == len(sm90.state_scan_outputs_artifact(v_slice, states).tensors)
+    with pytest.raises(ValueError, match="a warpgroup of its own for the outputs needs outputs"):
+        ChunkStateScanTcSm90(ScanConfig(reverse=False, v_slice=v_slice), 1, outputs_warpgroup=True)
     for reverse, passes in ((True, 1), (False, 3)):
         with pytest.raises(ValueError, match="outputs forward at one bf16 pass only"):
             ChunkStateScanTcSm90(ScanConfig(reverse=reverse, v_slice=v_slice), passes, True)
@@ -344,10 +345,10 @@ def test_the_scan_writes_the_outputs_only_when_asked_and_where_its_ctas_have_an_
         x = production_inputs([100], heads, seed=9)
         text = _lower(functools.partial(forward, fuse_outputs=True), *x)
         assert ('x1of"' in text) == fused and ('"kda_chunk_outputs_sm90"' in text) != fused, heads
-        text = _lower(functools.partial(forward, fuse_outputs=True, pipelined_outputs=True), *x)
-        assert ('x1ofp"' in text) == fused, heads
-    with pytest.raises(ValueError, match="pipelined_outputs=True needs fuse_outputs=True"):
-        sm90.training_forward(*x[:7], 0.3, pipelined_outputs=True)
+        text = _lower(functools.partial(forward, fuse_outputs=True, outputs_warpgroup=True), *x)
+        assert ('x1ofw"' in text) == fused, heads
+    with pytest.raises(ValueError, match="outputs_warpgroup=True needs fuse_outputs=True"):
+        sm90.training_forward(*x[:7], 0.3, outputs_warpgroup=True)
         text = _lower(forward, *x)
         assert "x1o" not in text and '"kda_chunk_outputs_sm90"' in text, heads
     x = production_inputs([300, 0, 77], 2, seed=8)

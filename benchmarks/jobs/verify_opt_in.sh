@@ -21,7 +21,7 @@ timeout 300 python3 -m pytest -q -s -m gpu --maxfail=20 \
   > "$out/tests.log" 2>&1
 echo "tests rc=$?"; grep -E "passed|failed|error" "$out/tests.log" | tail -3
 base="core1+dbwd+x1+s1+dense+tok+bs"
-variants="$base,$base+ua,$base+fo,$base+fo+ua,$base+fo+fop+ua"
+variants="$base,$base+ua,$base+fo,$base+fo+ua,$base+fo+fow+ua"
 shapes="2048x12x1,8192x16x1,8192x24x1,1024x4x1"
 timeout 120 python3 -m benchmarks.kernel_profile --only "$shapes" --train-variants "$variants" \
   --forward-only > "$out/profile-forward.log" 2>&1

@@ -296,11 +296,12 @@ def state_scan_artifact(
 
 
 @functools.cache
-def state_scan_outputs_artifact(v_slice: int, states: bool = True, pipelined: bool = False):
+def state_scan_outputs_artifact(v_slice: int, states: bool = True, outputs_warpgroup: bool = False):
     """The exported forward tensor-core scan at one bf16 pass that writes every chunk's outputs
     as well (kernels/kda_state_scan_tc_sm90.py, ChunkStateScanOutputsTcSm90; states=False:
-    ChunkOutputsScanTcSm90, no chunk states stored; pipelined: each chunk's O products off the
-    serial chain): tokens, slots, heads and sequences symbolic."""
+    ChunkOutputsScanTcSm90, no chunk states stored; outputs_warpgroup: the O products and
+    stores on a second warpgroup, off the serial chain): tokens, slots, heads and sequences
+    symbolic."""
     import cutlass.cute as cute
     from cutlass import BFloat16, Float32, Int32
 
@@ -334,13 +335,13 @@ def state_scan_outputs_artifact(v_slice: int, states: bool = True, pipelined: bo
     if not states:
         del fakes["states"]
     if states:
-        kernel = ChunkStateScanOutputsTcSm90(v_slice, pipelined=pipelined)
+        kernel = ChunkStateScanOutputsTcSm90(v_slice, outputs_warpgroup=outputs_warpgroup)
     else:
-        kernel = ChunkOutputsScanTcSm90(v_slice, pipelined=pipelined)
+        kernel = ChunkOutputsScanTcSm90(v_slice, outputs_warpgroup=outputs_warpgroup)
     config = {"v_slice": v_slice, "states": states}
-    if pipelined:
-        config["pipelined"] = True
-    suffix = ("" if states else "f") + ("p" if pipelined else "")
+    if outputs_warpgroup:
+        config["outputs_warpgroup"] = True
+    suffix = ("" if states else "f") + ("w" if outputs_warpgroup else "")
     return export(
         kernel, fakes, prefix=f"kda_state_scan_sm90_fwd_t{v_slice}x1o{suffix}", config=config,
     )  # fmt: skip
@@ -348,7 +349,7 @@ def state_scan_outputs_artifact(v_slice: int, states: bool = True, pipelined: bo
 
 def state_scan_outputs_kernel(
     w_op, kd_op, decay, u, cu_seqlens, y0, qg, attn, rows, *, v_slice=None, tensor_cores=None,
-    passes=None, fuse=None, states=True, pipelined=False, plain_addend=False,
+    passes=None, fuse=None, states=True, outputs_warpgroup=False, plain_addend=False,
 ):  # fmt: skip
     """The forward state scan and every chunk's outputs after it: (states, final, o) =
     state_scan_kernel(w, kd, decay, u, cu_seqlens, y0) and chunk_outputs_kernel(states, w, u,
@@ -357,8 +358,8 @@ def state_scan_outputs_kernel(
     at one bf16 pass and `fuse` says so (None: plan.scan_fuses_outputs); otherwise the two
     kernels one after the other (also where U is not bfloat16: the one launch takes it plain
     in bf16). states=False: the caller needs no chunk states (a call that is not
-    differentiated); the one launch then stores none and returns None for them. pipelined:
-    the one launch's variant with each chunk's O products off the serial chain;
+    differentiated); the one launch then stores none and returns None for them.
+    outputs_warpgroup: the one launch's variant with the O products on a second warpgroup;
     plain_addend: the two kernels' scan takes U as it is (state_scan_kernel's). Neither the
     one launch nor those two options have yet run on a GPU."""
     from jax_kda.sm90.ffi_call import cute_call
@@ -390,7 +391,7 @@ def state_scan_outputs_kernel(
         a_img, bt_img, decay, addend, jnp.asarray(cu_seqlens, jnp.int32), y0,
         qg.astype(bf16).reshape(slots, heads, -1), attn.astype(bf16).reshape(slots, heads, -1),
     ]  # fmt: skip
-    artifact = state_scan_outputs_artifact(v_slice, states, pipelined)
+    artifact = state_scan_outputs_artifact(v_slice, states, outputs_warpgroup)
     if not states:
         final, o = cute_call(artifact, inputs, results[1:])
         return None, final, o
@@ -1568,7 +1569,7 @@ def _training_chunks(
     num_heads, num_sequences, *, both_scans, chunk_core=True, decayed_bwd=True,
     scan_v_slice=None, scan_tensor_cores=None, dense_precision="bf16", chunk_core_passes=1,
     scan_passes=None, tokens_bwd=True, fuse_tokens=True, fuse_outputs=False,
-    scan_plain_addend=False, pipelined_outputs=False,
+    scan_plain_addend=False, outputs_warpgroup=False,
 ):  # fmt: skip
     """training_forward's differentiable_chunks for these switches (its dense_bwd=True form);
     the defaults are the training path's kernels, which training_residual_forward and
@@ -1613,7 +1614,8 @@ def _training_chunks(
         # the forward scan and the outputs in one launch (the outputs kernel's bf16 products)
         scan_outputs=functools.partial(
             state_scan_outputs_kernel, v_slice=scan_v_slice, tensor_cores=scan_tensor_cores,
-            passes=scan_passes, pipelined=pipelined_outputs, plain_addend=scan_plain_addend,
+            passes=scan_passes, outputs_warpgroup=outputs_warpgroup,
+            plain_addend=scan_plain_addend,
         ) if fuse_outputs and dense_precision == "bf16" else None,
     )  # fmt: skip
 
@@ -1622,7 +1624,7 @@ def training_forward(
     q, k, v, g, beta, cu_seqlens, initial_state, scale, *, chunk_core=True, decayed_bwd=True,
     scan_v_slice=None, scan_tensor_cores=None, dense_precision="bf16", chunk_core_passes=1,
     scan_passes=None, dense_bwd=True, tokens_bwd=None, both_scans=True, fuse_tokens=True,
-    fuse_outputs=False, scan_plain_addend=False, pipelined_outputs=False,
+    fuse_outputs=False, scan_plain_addend=False, outputs_warpgroup=False,
 ):  # fmt: skip
     """The forward the sm90 backward differentiates (and the no-bound forward), exact for any
     g <= 0: the chunk-core kernel's per-chunk operands (their backward written out,
@@ -1664,8 +1666,9 @@ def training_forward(
     would run): the forward scan writes the outputs itself where plan.scan_fuses_outputs says
     so, state_scan_outputs_kernel (on tensor cores at one pass; elsewhere it runs the two
     kernels). Off by default: that kernel compiles and lowers but has not yet run on a GPU.
-    pipelined_outputs=True (with fuse_outputs): that kernel's variant whose O products retire
-    during the next chunk's step (off by default, not yet run on a GPU).
+    outputs_warpgroup=True (with fuse_outputs): that kernel's variant whose O products and
+    stores run on a second warpgroup, off the serial chain (off by default, not yet run on a
+    GPU).
     scan_plain_addend=True (with dense_bwd): the forward scans (the forward's, and the
     backward's recompute beside the reverse one) read the chunk core's bf16 U as it is
     (state_scan_kernel's plain_addend; off by default, not yet run on a GPU).
@@ -1690,8 +1693,8 @@ def training_forward(
         raise ValueError("decayed_bwd=True needs chunk_core=True (the operands' backward it is in)")
     if tokens_bwd is None:
         tokens_bwd = dense_bwd
-    if pipelined_outputs and not fuse_outputs:
-        raise ValueError("pipelined_outputs=True needs fuse_outputs=True (the kernel it picks)")
+    if outputs_warpgroup and not fuse_outputs:
+        raise ValueError("outputs_warpgroup=True needs fuse_outputs=True (the kernel it picks)")
     if tokens_bwd and not dense_bwd:
         raise ValueError("tokens_bwd=True needs dense_bwd=True (the backward it ends)")
     if dense_precision not in DENSE_PRECISIONS:
@@ -1706,7 +1709,7 @@ def training_forward(
             scan_tensor_cores=scan_tensor_cores, dense_precision=dense_precision,
             chunk_core_passes=chunk_core_passes, scan_passes=scan_passes, tokens_bwd=tokens_bwd,
             fuse_tokens=fuse_tokens, fuse_outputs=fuse_outputs,
-            scan_plain_addend=scan_plain_addend, pipelined_outputs=pipelined_outputs,
+            scan_plain_addend=scan_plain_addend, outputs_warpgroup=outputs_warpgroup,
         )  # fmt: skip
         return xla.forward(
             q, k, v, g, beta, cu_seqlens, initial_state, scale, precision=precision,

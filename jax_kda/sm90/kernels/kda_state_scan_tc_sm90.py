@@ -79,6 +79,9 @@ def image_elems(passes: int = 3) -> int:
 HALF = HEAD_DIM // 2  # product 2 is two m64 products: channels [0, 64) and [64, 128)
 ROW_PAD = 8
 ROWS_A_WARP = SCAN_CHUNK // (NTHREADS // 32)  # U rows whose copies each warp issues
+CHAIN_BARRIER = 1  # named barriers of the split kernel: the chain's warpgroup,
+OUTPUTS_BARRIER = 2  # and the outputs' (0 is the whole CTA's)
+X_FULL, O_DONE, RAW_FREE = 0, STAGES, 2 * STAGES  # the split kernel's mbarriers, a pair each
 """bf16 elements after each row of the CTA's U slice in shared memory ([64, VS + 8]): the
 -P reads (8 rows x 4 column pairs a warp) then fall in distinct banks at VS = 16 and 32."""
 QG_ELEMS = SCAN_CHUNK * HEAD_DIM  # the outputs' Qg [64, 128] and Aqk [64, 64], bf16
@@ -125,7 +128,7 @@ def accumulate_always(*mmas):
 class ChunkStateScanTcSm90:
     def __init__(
         self, config: ScanConfig, passes: int = 3, outputs: bool = False, states: bool = True,
-        plain_addend: bool = False, pipelined: bool = False,
+        plain_addend: bool = False, outputs_warpgroup: bool = False,
     ):  # fmt: skip
         if config.v_slice not in SCAN_TC_V_SLICES:
             raise ValueError(
@@ -137,10 +140,12 @@ class ChunkStateScanTcSm90:
             raise ValueError("a scan that stores no states writes the outputs")
         if plain_addend and config.reverse:
             raise ValueError("the forward scan alone takes its addend U plain")
-        if pipelined and not outputs:
-            raise ValueError("only the scan that writes the outputs pipelines them")
-        # the chunk's O products retire during the next step (two S, Qg and Aqk images)
-        self.pipelined = pipelined
+        if outputs_warpgroup and not outputs:
+            raise ValueError("a warpgroup of its own for the outputs needs outputs")
+        # the O products and stores on a second warpgroup, off the chain (the split kernel)
+        self.split = outputs_warpgroup
+        self.inline_outputs = outputs and not outputs_warpgroup
+        self.threads = NTHREADS * (2 if outputs_warpgroup else 1)
         # the addend U as the chunk core stores it, bf16 [slots, H, 64 * 128] row-major, each CTA
         # copying its V slice row by row (with outputs always): no V-sliced float32 copy of U
         self.u_rows = plain_addend or outputs
@@ -226,14 +231,15 @@ class ChunkStateScanTcSm90:
             lay_at = inter_image_layout(SCAN_CHUNK, SCAN_CHUNK)
             s_qg = smem.allocate_tensor(BFloat16, lay_qg.outer, 1024, swizzle=lay_qg.inner)
             s_at = smem.allocate_tensor(BFloat16, lay_at.outer, 1024, swizzle=lay_at.inner)
-            second = None
-            if self.pipelined:  # the images the previous chunk's O products may still read
-                second = (
+            split = None
+            if self.split:  # S and X images a stage (the outputs' warpgroup reads one while the
+                # chain writes the other), and the two warpgroups' mbarriers
+                split = (
                     smem.allocate_tensor(BFloat16, lay_y.outer, 1024, swizzle=lay_y.inner),
-                    smem.allocate_tensor(BFloat16, lay_qg.outer, 1024, swizzle=lay_qg.inner),
-                    smem.allocate_tensor(BFloat16, lay_at.outer, 1024, swizzle=lay_at.inner),
+                    smem.allocate_tensor(BFloat16, lay_x.outer, 1024, swizzle=lay_x.inner),
+                    smem.allocate_tensor(cutlass.Int64, cute.make_layout(3 * STAGES), 8),
                 )
-            images = (raw_qg, raw_at, s_qg, s_at, second)
+            images = (raw_qg, raw_at, s_qg, s_at, split)
             return raw_a, raw_bt, s_y, s_x, raw_add, s_decay, s_mbar, images
         return raw_a, raw_bt, s_y, s_x, raw_add, s_decay, s_mbar
 
@@ -249,7 +255,7 @@ class ChunkStateScanTcSm90:
             n_slots = mStates.shape[0]
         else:
             n_slots = mA.shape[0]
-        raw_a, raw_bt, s_y, s_x, raw_add, s_decay, s_mbar = buffers[:7]
+        raw_a, raw_bt, raw_add, s_mbar = buffers[0], buffers[1], buffers[4], buffers[6]
         lay_a = inter_image_layout(SCAN_CHUNK, self.a_k)
         lay_bt = inter_image_layout(HEAD_DIM, self.bt_k, mn_major=True)
         s_a = [cute.make_tensor(r.iterator, lay_a) for r in raw_a]
@@ -264,11 +270,36 @@ class ChunkStateScanTcSm90:
         if tid == 0:
             for s in cutlass.range_constexpr(STAGES):
                 cute.arch.mbarrier_init(s_mbar.iterator + s, 1)
+            if cutlass.const_expr(self.split):  # every thread of a warpgroup arrives
+                for b in cutlass.range_constexpr(3 * STAGES):
+                    cute.arch.mbarrier_init(buffers[7][4][2].iterator + b, NTHREADS)
             cute.arch.mbarrier_init_fence()
         cute.arch.sync_threads()
+        tiles = (s_a, s_bt, s_add, add_ptrs)
+        if cutlass.const_expr(self.split):
+            if tid >= NTHREADS:
+                self._outputs_loop(mCu, n, n_slots, h, vbase, mma_x, buffers, out)
+            else:
+                self._chain(mA, mBt, mDecay, mAdd, mCu, mY0, mStates, mFinal, mma_x, mma_y,
+                            buffers, tiles, vsl, h, n, n_slots, out)  # fmt: skip
+        else:
+            self._chain(mA, mBt, mDecay, mAdd, mCu, mY0, mStates, mFinal, mma_x, mma_y,
+                        buffers, tiles, vsl, h, n, n_slots, out)  # fmt: skip
+
+    @cute.jit
+    def _chain(self, mA, mBt, mDecay, mAdd, mCu, mY0, mStates, mFinal, mma_x, mma_y, buffers,
+               tiles, vsl, h, n, n_slots, out):  # fmt: skip
+        """The serial chain over the chunks of (state columns vsl, head h, sequence n), by the
+        first warpgroup: the loads, the two products a step (with outputs inline, the O ones
+        after them), the states, the final state."""
+        VS = self.vs
+        tid, _, _ = cute.arch.thread_idx()
+        vbase = vsl * VS
+        raw_a, raw_bt, s_y, s_x, raw_add, s_decay, s_mbar = buffers[:7]
+        s_a, s_bt, s_add, add_ptrs = tiles
         loads = (raw_a, raw_bt, raw_add, s_decay, s_mbar)
         if cutlass.const_expr(self.outputs):
-            raw_qg, raw_at, s_qg, s_at, second = buffers[7]
+            raw_qg, raw_at, s_qg, s_at, split = buffers[7]
             loads = (*loads, raw_qg, raw_at, out[0], out[1])
 
         thr_x = mma_x.get_slice(tid)
@@ -279,6 +310,11 @@ class ChunkStateScanTcSm90:
                 for s in range(STAGES)]  # fmt: skip
         f_y = mma_x.make_fragment_B(thr_x.partition_B(s_y))
         f_x = mma_y.make_fragment_B(thr_y.partition_B(s_x))
+        if cutlass.const_expr(self.split):  # stage s's chunks use image pair s
+            ys = (s_y, split[0])
+            xs = (s_x, split[1])
+            f_ys = (f_y, mma_x.make_fragment_B(thr_x.partition_B(split[0])))
+            f_xs = (f_x, mma_y.make_fragment_B(thr_y.partition_B(split[1])))
         c_x = thr_x.partition_C(cute.make_identity_tensor((SCAN_CHUNK, VS)))  # (token, v)
         c_y = thr_y.partition_C(cute.make_identity_tensor((HALF, VS)))  # (channel % 64, v)
         acc_x = cute.make_rmem_tensor(mma_x.partition_shape_C((SCAN_CHUNK, VS)), Float32)
@@ -287,7 +323,7 @@ class ChunkStateScanTcSm90:
 
         slot0, nch, gap_end = scan_slots(mCu, n, n_slots, SCAN_CHUNK)
         o_ctx = None
-        if cutlass.const_expr(self.outputs):
+        if cutlass.const_expr(self.inline_outputs):
             # O = Qg S + Aqk X on mma_x: A K-major images [64, 128] and [64, 64], B = S's image
             # (product 1's) and X's (product 2's, its B; K = 64 tokens)
             f_qg = mma_x.make_fragment_A(thr_x.partition_A(s_qg))
@@ -296,13 +332,6 @@ class ChunkStateScanTcSm90:
             acc_o = cute.make_rmem_tensor(mma_x.partition_shape_C((SCAN_CHUNK, VS)), Float32)
             bos, seqlen, _, _ = sequence_slots(mCu, n, SCAN_CHUNK)
             o_ctx = OutputsStep(f_qg, f_at, f_xo, acc_o, s_qg, s_at, out[2], bos, seqlen)
-            if cutlass.const_expr(self.pipelined):  # stage s's chunks use image set s
-                ys = (s_y, second[0])
-                f_ys = (f_y, mma_x.make_fragment_B(thr_x.partition_B(second[0])))
-                qgs = (s_qg, second[1])
-                ats = (s_at, second[2])
-                f_qgs = (f_qg, mma_x.make_fragment_A(thr_x.partition_A(second[1])))
-                f_ats = (f_at, mma_x.make_fragment_A(thr_x.partition_A(second[2])))
         for m in cutlass.range_constexpr(2):
             for i in cutlass.range_constexpr(cute.size(acc_y[m])):
                 ch, v = c_y[i]
@@ -328,6 +357,13 @@ class ChunkStateScanTcSm90:
                         if j + 1 < nch:
                             nxt = step_slot(slot0, nch, self.reverse, j + 1)
                             if tid == 0:
+                                if cutlass.const_expr(self.split):
+                                    # the outputs' warpgroup has read chunk j - 1's Qg and Aqk
+                                    if j >= 1:
+                                        cute.arch.mbarrier_wait(
+                                            split[2].iterator + RAW_FREE + 1 - s,
+                                            ((j - 1) // STAGES) % 2,
+                                        )
                                 self._load(mA, mBt, mDecay, mAdd, nxt, h, vsl, 1 - s, loads)
                             if tid % 32 < ROWS_A_WARP:
                                 self._load_row(mAdd, nxt, h, vbase, 1 - s, add_ptrs, s_mbar)
@@ -336,21 +372,20 @@ class ChunkStateScanTcSm90:
                         self._load(mA, mBt, mDecay, mAdd, nxt, h, vsl, 1 - s, loads)
                     phase = (j // STAGES) % 2
                     o_step = None
-                    y_image, f_y_s = s_y, f_y
-                    if cutlass.const_expr(self.outputs):
+                    if cutlass.const_expr(self.inline_outputs):
                         o_step = o_ctx._replace(raw_qg=raw_qg[s], raw_at=raw_at[s], j=j)
-                        if cutlass.const_expr(self.pipelined):
-                            o_step = o_step._replace(
-                                f_qg=f_qgs[s], f_at=f_ats[s], s_qg=qgs[s], s_at=ats[s]
-                            )
-                            y_image, f_y_s = ys[s], f_ys[s]
-                    self._step(mma_x, mma_y, acc_x, acc_y, c_x, c_y, f_a[s], f_bt[s], f_y_s,
-                               f_x, y_image, s_x, s_add[s], s_decay[s], s_mbar.iterator + s,
-                               phase, mStates, slot, h, vbase, o_step)  # fmt: skip
-        if cutlass.const_expr(self.pipelined):  # the last chunk's O products, then its rows
-            cute.nvgpu.warpgroup.wait_group(0)
-            if nch > 0:
-                self._store_outputs(o_ctx, c_x, h, vbase, nch - 1)
+                    if cutlass.const_expr(self.split):
+                        # after the outputs' warpgroup let go of chunk j - 2's S and X images
+                        if j >= STAGES:
+                            cute.arch.mbarrier_wait(split[2].iterator + O_DONE + s, 1 - phase)
+                        self._step(mma_x, mma_y, acc_x, acc_y, c_x, c_y, f_a[s], f_bt[s],
+                                   f_ys[s], f_xs[s], ys[s], xs[s], s_add[s], s_decay[s],
+                                   s_mbar.iterator + s, phase, mStates, slot, h, vbase,
+                                   x_full=split[2].iterator + X_FULL + s)  # fmt: skip
+                    else:
+                        self._step(mma_x, mma_y, acc_x, acc_y, c_x, c_y, f_a[s], f_bt[s], f_y,
+                                   f_x, s_y, s_x, s_add[s], s_decay[s], s_mbar.iterator + s,
+                                   phase, mStates, slot, h, vbase, o_step)  # fmt: skip
 
         for m in cutlass.range_constexpr(2):
             for i in cutlass.range_constexpr(cute.size(acc_y[m])):
@@ -364,11 +399,20 @@ class ChunkStateScanTcSm90:
                     mStates[slot, h, e // VS, vbase + e % VS] = Float32(0.0)
 
     @cute.jit
+    def _sync(self):
+        """The chain's barrier: the CTA's, or in the split kernel its warpgroup's."""
+        if cutlass.const_expr(self.split):
+            cute.arch.barrier(barrier_id=CHAIN_BARRIER, number_of_threads=NTHREADS)
+        else:
+            cute.arch.sync_threads()
+
+    @cute.jit
     def _step(self, mma_x, mma_y, acc_x, acc_y, c_x, c_y, f_a, f_bt, f_y, f_x, s_y, s_x,
-              s_add, s_decay, mbar, phase, mStates, slot, h, vbase, o_step=None):  # fmt: skip
-        """One chunk: store the state entering it, then the two products (with outputs, the
-        chunk's O after them: o_step; pipelined, the previous chunk's O rows leave after
-        product 1, and this chunk's O products are left running into the next step)."""
+              s_add, s_decay, mbar, phase, mStates, slot, h, vbase, o_step=None,
+              x_full=None):  # fmt: skip
+        """One chunk: store the state entering it, then the two products (with outputs inline,
+        the chunk's O after them: o_step; in the split kernel every thread arrives on x_full
+        once the S and X images are written)."""
         for m in cutlass.range_constexpr(2):
             for i in cutlass.range_constexpr(cute.size(acc_y[m])):
                 ch, v = c_y[i]
@@ -382,7 +426,7 @@ class ChunkStateScanTcSm90:
                     s_y[v, HEAD_DIM + ch] = (y - y_hi.to(Float32)).to(BFloat16)
         cute.arch.mbarrier_wait(mbar, phase)  # the chunk's copies landed
         cute.arch.fence_proxy("async.shared", space="cta")
-        cute.arch.sync_threads()  # the chunk's images and Y's visible to every thread
+        self._sync()  # the chunk's images and Y's visible to every thread
 
         # Y = Diag(a) Y (+ Q reverse), before product 1 is issued: registers that an issued
         # wgmma may still read (any accumulator, for the compiler) make it wait for the product.
@@ -407,15 +451,12 @@ class ChunkStateScanTcSm90:
         cute.nvgpu.warpgroup.fence()
         gemm_passes(mma_x, acc_x, f_a, f_y, HEAD_DIM // 16, self.passes)
         cute.nvgpu.warpgroup.commit_group()
-        if cutlass.const_expr(self.outputs):
+        if cutlass.const_expr(self.inline_outputs):
             # while product 1 runs: the chunk's plain Qg and Aqk (landed with the stage) into
-            # their images (pipelined: the set the previous chunk's O products do not read)
+            # their images
             self._to_image(o_step.raw_qg, o_step.s_qg, HEAD_DIM)
             self._to_image(o_step.raw_at, o_step.s_at, SCAN_CHUNK)
-        cute.nvgpu.warpgroup.wait_group(0)  # (pipelined: the previous chunk's O products too)
-        if cutlass.const_expr(self.pipelined):
-            if o_step.j > 0:
-                self._store_outputs(o_step, c_x, h, vbase, o_step.j - 1)
+        cute.nvgpu.warpgroup.wait_group(0)
 
         # ---- product 2: Y += B^T (-acc): forward acc = -X (Y += Kd^T X), reverse acc = X
         # (Y -= W^T X)
@@ -427,38 +468,79 @@ class ChunkStateScanTcSm90:
             if cutlass.const_expr(self.passes == 3):
                 s_x[v, SCAN_CHUNK + tok] = (x - x_hi.to(Float32)).to(BFloat16)
         cute.arch.fence_proxy("async.shared", space="cta")
-        cute.arch.sync_threads()
-        if cutlass.const_expr(self.outputs):
+        if cutlass.const_expr(self.split):  # S and X ready for the outputs' warpgroup
+            cute.arch.mbarrier_arrive(x_full)
+        self._sync()
+        if cutlass.const_expr(self.inline_outputs):
             o_step.acc_o.fill(0.0)  # every product accumulates
         cute.nvgpu.warpgroup.fence()
         for m in cutlass.range_constexpr(2):
             gemm_passes(mma_y, acc_y[m], f_bt[m], f_x, SCAN_CHUNK // 16, self.passes)
-        if cutlass.const_expr(self.pipelined):  # product 2 a group of its own
-            cute.nvgpu.warpgroup.commit_group()
-        if cutlass.const_expr(self.outputs):
+        if cutlass.const_expr(self.inline_outputs):
             gemm_passes(mma_x, o_step.acc_o, o_step.f_qg, f_y, HEAD_DIM // 16, 1)  # Qg S
             gemm_passes(
                 mma_x, o_step.acc_o, o_step.f_at, o_step.f_xo, SCAN_CHUNK // 16, 1
             )  # + Aqk X
         cute.nvgpu.warpgroup.commit_group()
-        if cutlass.const_expr(self.pipelined):
-            # product 2 done (Y for the next chunk); the O products retire during it, and
-            # their rows leave after the next product 1 (or after the last chunk)
-            cute.nvgpu.warpgroup.wait_group(1)
-        else:
-            cute.nvgpu.warpgroup.wait_group(0)
-        if cutlass.const_expr(self.outputs and not self.pipelined):
+        cute.nvgpu.warpgroup.wait_group(0)
+        if cutlass.const_expr(self.inline_outputs):
             self._store_outputs(o_step, c_x, h, vbase)
-        cute.arch.sync_threads()  # the stage and the Y, X images free for the next chunk
+        self._sync()  # the stage and the Y, X images free for the next chunk
 
     @cute.jit
-    def _to_image(self, raw: cute.Tensor, image: cute.Tensor, cols: cutlass.Constexpr[int]):
+    def _outputs_loop(self, mCu, n, n_slots, h, vbase, mma_x, buffers, out):
+        """The split kernel's second warpgroup: for every chunk of the sequence, once its stage
+        has landed, Qg and Aqk into images (then the stage's Qg and Aqk are free: RAW_FREE),
+        and once the chain has written the chunk's S and X images (X_FULL), O = Qg S + Aqk X on
+        its own accumulators (then those images are free: O_DONE), and O into the tokens'
+        rows. It runs a chunk behind the chain at most; the chain never waits on it but for
+        the images of two chunks back and the stage of one chunk back."""
+        tid = cute.arch.thread_idx()[0] - NTHREADS
+        VS = self.vs
+        s_y, s_x, s_mbar = buffers[2], buffers[3], buffers[6]
+        raw_qg, raw_at, s_qg, s_at, split = buffers[7]
+        bars = split[2].iterator
+        thr = mma_x.get_slice(tid)
+        f_ys = [mma_x.make_fragment_B(thr.partition_B(y)) for y in (s_y, split[0])]
+        f_xs = [mma_x.make_fragment_B(thr.partition_B(x)) for x in (s_x, split[1])]
+        f_qg = mma_x.make_fragment_A(thr.partition_A(s_qg))
+        f_at = mma_x.make_fragment_A(thr.partition_A(s_at))
+        c_x = thr.partition_C(cute.make_identity_tensor((SCAN_CHUNK, VS)))  # (token, v)
+        acc_o = cute.make_rmem_tensor(mma_x.partition_shape_C((SCAN_CHUNK, VS)), Float32)
+        _, nch, _ = scan_slots(mCu, n, n_slots, SCAN_CHUNK)
+        bos, seqlen, _, _ = sequence_slots(mCu, n, SCAN_CHUNK)
+        o_ctx = OutputsStep(f_qg, f_at, None, acc_o, s_qg, s_at, out[2], bos, seqlen)
+        for j in cutlass.range(nch, unroll=1):
+            for s in cutlass.range_constexpr(STAGES):
+                if j % STAGES == s:
+                    phase = (j // STAGES) % 2
+                    cute.arch.mbarrier_wait(s_mbar.iterator + s, phase)  # the stage landed
+                    self._to_image(raw_qg[s], s_qg, HEAD_DIM, tid)
+                    self._to_image(raw_at[s], s_at, SCAN_CHUNK, tid)
+                    cute.arch.mbarrier_arrive(bars + RAW_FREE + s)
+                    cute.arch.fence_proxy("async.shared", space="cta")
+                    cute.arch.barrier(barrier_id=OUTPUTS_BARRIER, number_of_threads=NTHREADS)
+                    cute.arch.mbarrier_wait(bars + X_FULL + s, phase)  # S and X written
+                    acc_o.fill(0.0)  # every product accumulates
+                    cute.nvgpu.warpgroup.fence()
+                    gemm_passes(mma_x, acc_o, f_qg, f_ys[s], HEAD_DIM // 16, 1)  # Qg S
+                    gemm_passes(mma_x, acc_o, f_at, f_xs[s], SCAN_CHUNK // 16, 1)  # + Aqk X
+                    cute.nvgpu.warpgroup.commit_group()
+                    cute.nvgpu.warpgroup.wait_group(0)
+                    cute.arch.mbarrier_arrive(bars + O_DONE + s)
+                    self._store_outputs(o_ctx, c_x, h, vbase, j)
+
+    @cute.jit
+    def _to_image(
+        self, raw: cute.Tensor, image: cute.Tensor, cols: cutlass.Constexpr[int], tid=None
+    ):
         """A plain row-major [64, cols] bf16 array in shared memory into its K-major image, 16
         bytes a piece, four loads in flight a thread. The eight threads of a 128-byte
         phase take eight rows of one 8-row block and eight different pieces (piece (c + r) %
         per of row r): their loads hit eight different 16-byte bank groups (rows lie a multiple
         of 128 bytes apart) and so do their stores (one core matrix's eight rows)."""
-        tid, _, _ = cute.arch.thread_idx()
+        if cutlass.const_expr(tid is None):  # else the thread's index in its warpgroup
+            tid, _, _ = cute.arch.thread_idx()
         per = cols // PIECE  # pieces a row
         tasks = SCAN_CHUNK * per // NTHREADS
         batch = 4  # loads in flight a thread (the registers the scan has left)
@@ -564,22 +646,17 @@ class ChunkStateScanOutputsTcSm90:
     [slots, H, 64 * 64] (the chunk core's bfloat16 u, qg and attn, row-major, flat per slot)
     in, o [T, H, 128] bfloat16 out (the rows of tokens in no sequence unwritten).
     states=False (ChunkOutputsScanTcSm90, a call that is not differentiated): no chunk states
-    stored, the final states and o alone. pipelined: each chunk's O products are left running
-    at the end of its step (two S, Qg and Aqk images, about 177 KiB of shared memory at VS =
-    16, 191 at 32) and their rows leave after the next chunk's product 1. The SASS shows how
-    far that goes: ptxas waits for them (WARPGROUP.DEPBAR 0) at the next step's first write to
-    a register an accumulator used, before the state's image, so they overlap only the step's
-    closing barrier and the next chunk's copies being issued. Not yet run on a GPU."""
+    stored, the final states and o alone. outputs_warpgroup (the split kernel, not yet run on
+    a GPU): a second warpgroup takes the O products and stores off the chain, from S and X
+    images the chain writes a stage each (ChunkStateScanTcSm90._outputs_loop; about 155 KiB of
+    shared memory at VS = 16, 171 at 32)."""
 
-    def __init__(self, v_slice: int, states: bool = True, pipelined: bool = False):
+    def __init__(self, v_slice: int, states: bool = True, outputs_warpgroup: bool = False):
         self.vs = v_slice
         self.scan = ChunkStateScanTcSm90(
-            ScanConfig(reverse=False, v_slice=v_slice),
-            passes=1,
-            outputs=True,
-            states=states,
-            pipelined=pipelined,
-        )
+            ScanConfig(reverse=False, v_slice=v_slice), passes=1, outputs=True, states=states,
+            outputs_warpgroup=outputs_warpgroup,
+        )  # fmt: skip
 
     @cute.jit
     def __call__(
@@ -602,7 +679,10 @@ class ChunkStateScanOutputsTcSm90:
         mma_x, mma_y = scan_mmas(self.vs)
         self.kernel(
             a_img, bt_img, decay, addend, cu_seqlens, y0, qg, attn, states, final, o, mma_x, mma_y
-        ).launch(grid=[HEAD_DIM // self.vs, heads, n_seq], block=[NTHREADS, 1, 1], stream=stream)
+        ).launch(
+            grid=[HEAD_DIM // self.vs, heads, n_seq], block=[self.scan.threads, 1, 1],
+            stream=stream,
+        )  # fmt: skip
 
     @cute.kernel
     def kernel(
@@ -632,8 +712,8 @@ class ChunkOutputsScanTcSm90(ChunkStateScanOutputsTcSm90):
     """ChunkStateScanOutputsTcSm90 without the chunk states: (final, o) from the same inputs,
     for a forward that autodiff does not differentiate (64 KiB a chunk and head not stored)."""
 
-    def __init__(self, v_slice: int, pipelined: bool = False):
-        super().__init__(v_slice, states=False, pipelined=pipelined)
+    def __init__(self, v_slice: int, outputs_warpgroup: bool = False):
+        super().__init__(v_slice, states=False, outputs_warpgroup=outputs_warpgroup)
 
     @cute.jit
     def __call__(
@@ -655,7 +735,10 @@ class ChunkOutputsScanTcSm90(ChunkStateScanOutputsTcSm90):
         mma_x, mma_y = scan_mmas(self.vs)
         self.kernel(
             a_img, bt_img, decay, addend, cu_seqlens, y0, qg, attn, final, o, mma_x, mma_y
-        ).launch(grid=[HEAD_DIM // self.vs, heads, n_seq], block=[NTHREADS, 1, 1], stream=stream)
+        ).launch(
+            grid=[HEAD_DIM // self.vs, heads, n_seq], block=[self.scan.threads, 1, 1],
+            stream=stream,
+        )  # fmt: skip
 
     @cute.kernel
     def kernel(
