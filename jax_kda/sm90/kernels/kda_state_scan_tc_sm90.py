@@ -16,9 +16,10 @@ with the addend's V slice (also laid out contiguous by the caller) and the decay
 split into bf16 images in shared memory by the threads that hold them. (cp.async of 16-byte
 pieces took 2.5 us a chunk to issue on the H200: too few requests in flight per SM for 64 KiB.)
 
-One warpgroup per CTA, grid (128 / VS, H, N): narrow slices give each (head, sequence) 4 or 8
-CTAs, so the SMs fill at small H * N, and each chunk step is a few small products (the SIMT
-kernel spends ~4.5 us a step on float32 FMAs, the m64 wgmma kernel ~4.4 us at VS = 64).
+One warpgroup per CTA (two in the split kernel below), grid (128 / VS, H, N): narrow slices
+give each (head, sequence) 4 or 8 CTAs, so the SMs fill at small H * N, and each chunk step is
+a few small products (the SIMT kernel spends ~4.5 us a step on float32 FMAs, the m64 wgmma
+kernel ~4.4 us at VS = 64).
 
 With outputs (ChunkStateScanOutputsTcSm90: forward, one bf16 pass), the step also writes the
 chunk's outputs for the CTA's V slice, O = Qg S + Aqk X (X = U - W S, the -acc of product 1),
@@ -30,6 +31,13 @@ while product 1 runs. That replaces kda_chunk_outputs_sm90 (its pass over every 
 states at all (ChunkOutputsScanTcSm90). Shared memory: about 149 KiB at VS = 16, 159 at 32
 (one CTA an SM, against two for the scan alone), so the plan fuses only where every CTA has an
 SM of its own.
+
+Split (outputs_warpgroup): a second warpgroup of 128 threads takes the outputs, so the chain
+does not wait for them: per chunk it brings in Qg and Aqk itself and lays them out, waits for the
+chain's S and X images of the chunk (an mbarrier the chain's 128 threads arrive on; both
+images a stage each, so the chain writes the next chunk's while these are read), runs the O
+products on its own accumulators and stores O; the chain waits for it only before it
+overwrites a chunk's images two chunks later.
 
 Plain addend (the forward scan with outputs always; alone with plain_addend): U comes as the
 chunk core stores it, bf16 [slots, H, 64 * 128] row-major, and lanes 0-15 of each warp bring
@@ -78,12 +86,12 @@ def image_elems(passes: int = 3) -> int:
 
 HALF = HEAD_DIM // 2  # product 2 is two m64 products: channels [0, 64) and [64, 128)
 ROW_PAD = 8
+"""bf16 elements after each row of the CTA's U slice in shared memory ([64, VS + 8]): the
+-P reads (8 rows x 4 column pairs a warp) then fall in distinct banks at VS = 16 and 32."""
 ROWS_A_WARP = SCAN_CHUNK // (NTHREADS // 32)  # U rows whose copies each warp issues
 CHAIN_BARRIER = 1  # named barriers of the split kernel: the chain's warpgroup,
 OUTPUTS_BARRIER = 2  # and the outputs' (0 is the whole CTA's)
-X_FULL, O_DONE, RAW_FREE = 0, STAGES, 2 * STAGES  # the split kernel's mbarriers, a pair each
-"""bf16 elements after each row of the CTA's U slice in shared memory ([64, VS + 8]): the
--P reads (8 rows x 4 column pairs a warp) then fall in distinct banks at VS = 16 and 32."""
+X_FULL, O_DONE, QG_FULL = 0, STAGES, 2 * STAGES  # the split kernel's mbarriers, a pair each
 QG_ELEMS = SCAN_CHUNK * HEAD_DIM  # the outputs' Qg [64, 128] and Aqk [64, 64], bf16
 AT_ELEMS = SCAN_CHUNK * SCAN_CHUNK
 PIECE = 8  # bf16 elements in 16 bytes
@@ -271,8 +279,10 @@ class ChunkStateScanTcSm90:
             for s in cutlass.range_constexpr(STAGES):
                 cute.arch.mbarrier_init(s_mbar.iterator + s, 1)
             if cutlass.const_expr(self.split):  # every thread of a warpgroup arrives
-                for b in cutlass.range_constexpr(3 * STAGES):
+                for b in cutlass.range_constexpr(QG_FULL):
                     cute.arch.mbarrier_init(buffers[7][4][2].iterator + b, NTHREADS)
+                for b in cutlass.range_constexpr(QG_FULL, QG_FULL + STAGES):  # its own copies
+                    cute.arch.mbarrier_init(buffers[7][4][2].iterator + b, 1)
             cute.arch.mbarrier_init_fence()
         cute.arch.sync_threads()
         tiles = (s_a, s_bt, s_add, add_ptrs)
@@ -357,13 +367,6 @@ class ChunkStateScanTcSm90:
                         if j + 1 < nch:
                             nxt = step_slot(slot0, nch, self.reverse, j + 1)
                             if tid == 0:
-                                if cutlass.const_expr(self.split):
-                                    # the outputs' warpgroup has read chunk j - 1's Qg and Aqk
-                                    if j >= 1:
-                                        cute.arch.mbarrier_wait(
-                                            split[2].iterator + RAW_FREE + 1 - s,
-                                            ((j - 1) // STAGES) % 2,
-                                        )
                                 self._load(mA, mBt, mDecay, mAdd, nxt, h, vsl, 1 - s, loads)
                             if tid % 32 < ROWS_A_WARP:
                                 self._load_row(mAdd, nxt, h, vbase, 1 - s, add_ptrs, s_mbar)
@@ -489,15 +492,15 @@ class ChunkStateScanTcSm90:
 
     @cute.jit
     def _outputs_loop(self, mCu, n, n_slots, h, vbase, mma_x, buffers, out):
-        """The split kernel's second warpgroup: for every chunk of the sequence, once its stage
-        has landed, Qg and Aqk into images (then the stage's Qg and Aqk are free: RAW_FREE),
-        and once the chain has written the chunk's S and X images (X_FULL), O = Qg S + Aqk X on
-        its own accumulators (then those images are free: O_DONE), and O into the tokens'
-        rows. It runs a chunk behind the chain at most; the chain never waits on it but for
-        the images of two chunks back and the stage of one chunk back."""
+        """The split kernel's second warpgroup: for every chunk of the sequence, its own copies
+        of Qg and Aqk (thread 128 issues them a chunk ahead, on the QG_FULL pair of mbarriers)
+        into images, then once the chain has written the chunk's S and X images (X_FULL),
+        O = Qg S + Aqk X on its own accumulators (then those images are free: O_DONE), and O
+        into the tokens' rows. The chain waits on it only for the S and X images of two chunks
+        back."""
         tid = cute.arch.thread_idx()[0] - NTHREADS
         VS = self.vs
-        s_y, s_x, s_mbar = buffers[2], buffers[3], buffers[6]
+        s_y, s_x = buffers[2], buffers[3]
         raw_qg, raw_at, s_qg, s_at, split = buffers[7]
         bars = split[2].iterator
         thr = mma_x.get_slice(tid)
@@ -507,17 +510,24 @@ class ChunkStateScanTcSm90:
         f_at = mma_x.make_fragment_A(thr.partition_A(s_at))
         c_x = thr.partition_C(cute.make_identity_tensor((SCAN_CHUNK, VS)))  # (token, v)
         acc_o = cute.make_rmem_tensor(mma_x.partition_shape_C((SCAN_CHUNK, VS)), Float32)
-        _, nch, _ = scan_slots(mCu, n, n_slots, SCAN_CHUNK)
+        slot0, nch, _ = scan_slots(mCu, n, n_slots, SCAN_CHUNK)
         bos, seqlen, _, _ = sequence_slots(mCu, n, SCAN_CHUNK)
         o_ctx = OutputsStep(f_qg, f_at, None, acc_o, s_qg, s_at, out[2], bos, seqlen)
+        raws = (raw_qg, raw_at, out[0], out[1])
+        if nch > 0 and tid == 0:
+            first = step_slot(slot0, nch, False, 0)
+            self._load_outputs_operands(raws, first, h, 0, bars + QG_FULL)
         for j in cutlass.range(nch, unroll=1):
             for s in cutlass.range_constexpr(STAGES):
                 if j % STAGES == s:
                     phase = (j // STAGES) % 2
-                    cute.arch.mbarrier_wait(s_mbar.iterator + s, phase)  # the stage landed
+                    if j + 1 < nch and tid == 0:
+                        # stage 1 - s held chunk j - 1's, read before the barrier below
+                        nxt = step_slot(slot0, nch, False, j + 1)
+                        self._load_outputs_operands(raws, nxt, h, 1 - s, bars + QG_FULL + 1 - s)
+                    cute.arch.mbarrier_wait(bars + QG_FULL + s, phase)
                     self._to_image(raw_qg[s], s_qg, HEAD_DIM, tid)
                     self._to_image(raw_at[s], s_at, SCAN_CHUNK, tid)
-                    cute.arch.mbarrier_arrive(bars + RAW_FREE + s)
                     cute.arch.fence_proxy("async.shared", space="cta")
                     cute.arch.barrier(barrier_id=OUTPUTS_BARRIER, number_of_threads=NTHREADS)
                     cute.arch.mbarrier_wait(bars + X_FULL + s, phase)  # S and X written
@@ -529,6 +539,25 @@ class ChunkStateScanTcSm90:
                     cute.nvgpu.warpgroup.wait_group(0)
                     cute.arch.mbarrier_arrive(bars + O_DONE + s)
                     self._store_outputs(o_ctx, c_x, h, vbase, j)
+                    # every warp's products have read the Qg and Aqk images before the next
+                    # chunk's overwrite them (a warp's wait_group covers its own wgmma only)
+                    cute.arch.barrier(barrier_id=OUTPUTS_BARRIER, number_of_threads=NTHREADS)
+
+    @cute.jit
+    def _load_outputs_operands(self, raws, slot, h, stage: cutlass.Constexpr[int], mbar):
+        """One thread: the chunk's Qg [64, 128] and Aqk [64, 64] (bf16, plain) into the split
+        kernel's `stage`, two bulk copies completing on mbar."""
+        raw_qg, raw_at, mQg, mAttn = raws
+        cute.arch.mbarrier_arrive_and_expect_tx(mbar, (QG_ELEMS + AT_ELEMS) * 2)
+        for src, buf, elems in (
+            (mQg[slot, h, None], raw_qg[stage], QG_ELEMS),
+            (mAttn[slot, h, None], raw_at[stage], AT_ELEMS),
+        ):
+            dst = cute.make_tensor(buf.iterator, cute.make_layout(elems))
+            atom = cute.make_copy_atom(
+                cpasync.CopyBulkG2SOp(), BFloat16, num_bits_per_copy=elems * BFloat16.width
+            )
+            cute.copy(atom, src, dst, mbar_ptr=mbar)
 
     @cute.jit
     def _to_image(
@@ -591,7 +620,7 @@ class ChunkStateScanTcSm90:
         nbytes = 2 * self.image_elems * 2 + (add_elems + HEAD_DIM) * 4
         if cutlass.const_expr(self.u_rows):  # U's slice, bf16, row by row
             nbytes = 2 * self.image_elems * 2 + HEAD_DIM * 4 + SCAN_CHUNK * self.vs * 2
-        if cutlass.const_expr(self.outputs):  # Qg and Aqk plain, bf16
+        if cutlass.const_expr(self.inline_outputs):  # Qg and Aqk plain, bf16
             nbytes = nbytes + (QG_ELEMS + AT_ELEMS) * 2
         cute.arch.mbarrier_arrive_and_expect_tx(mbar, nbytes)
         pieces = (
@@ -601,7 +630,7 @@ class ChunkStateScanTcSm90:
         if cutlass.const_expr(not self.u_rows):
             pieces = (*pieces, (mAdd[slot, h, vsl, None], raw_add[stage], Float32, add_elems))
         pieces = (*pieces, (mDecay[slot, h, None], s_decay[stage], Float32, HEAD_DIM))
-        if cutlass.const_expr(self.outputs):
+        if cutlass.const_expr(self.inline_outputs):
             raw_qg, raw_at, mQg, mAttn = loads[5:]
             pieces = (
                 *pieces,
@@ -648,8 +677,9 @@ class ChunkStateScanOutputsTcSm90:
     states=False (ChunkOutputsScanTcSm90, a call that is not differentiated): no chunk states
     stored, the final states and o alone. outputs_warpgroup (the split kernel, not yet run on
     a GPU): a second warpgroup takes the O products and stores off the chain, from S and X
-    images the chain writes a stage each (ChunkStateScanTcSm90._outputs_loop; about 155 KiB of
-    shared memory at VS = 16, 171 at 32)."""
+    images the chain writes a stage each, with Qg and Aqk on copies of its own
+    (ChunkStateScanTcSm90._outputs_loop; about 156 KiB of shared memory at VS = 16, 172 at
+    32)."""
 
     def __init__(self, v_slice: int, states: bool = True, outputs_warpgroup: bool = False):
         self.vs = v_slice
