@@ -522,7 +522,7 @@ class ChunkStateScanTcSm90:
                 if j % STAGES == s:
                     phase = (j // STAGES) % 2
                     if j + 1 < nch and tid == 0:
-                        # stage 1 - s held chunk j - 1's, read before the barrier below
+                        # stage 1 - s held chunk j - 1's, read before that iteration's barriers
                         nxt = step_slot(slot0, nch, False, j + 1)
                         self._load_outputs_operands(raws, nxt, h, 1 - s, bars + QG_FULL + 1 - s)
                     cute.arch.mbarrier_wait(bars + QG_FULL + s, phase)
@@ -612,8 +612,9 @@ class ChunkStateScanTcSm90:
     @cute.jit
     def _load(self, mA, mBt, mDecay, mAdd, slot, h, vsl, stage: cutlass.Constexpr[int], loads):
         """One thread: one chunk's A and B^T images, addend slice (unless U comes row by row,
-        _load_row; with outputs Qg and Aqk plain) and decay into `stage`, four (three, five)
-        bulk copies completing on the stage's mbarrier, which expects the rows' bytes too."""
+        _load_row; with the outputs inline, not the split kernel, Qg and Aqk plain) and decay
+        into `stage`, four (three, five) bulk copies completing on the stage's mbarrier, which
+        expects the rows' bytes too."""
         raw_a, raw_bt, raw_add, s_decay, s_mbar = loads[:5]
         mbar = s_mbar.iterator + stage
         add_elems = self.addend_rows * self.vs
