@@ -154,12 +154,10 @@ def _exact_prefill(scale=None, variant="default"):
             )
         )
 
-    def call(q, k, v, g, b, cu, s):  # packed THD, the state [N, H, V, K] inside
-        o, final = sm90.training_forward(
-            q, k, v, g, b, cu, jnp.swapaxes(s, -1, -2),
-            default_scale() if scale is None else scale, **options,
-        )  # fmt: skip
-        return o, jnp.swapaxes(final, -1, -2)
+    def call(q, k, v, g, b, cu, s):  # packed THD; the state [N, H, V, K], as prefill's
+        return sm90.training_forward(
+            q, k, v, g, b, cu, s, default_scale() if scale is None else scale, **options
+        )
 
     return jax.jit(call)
 
