@@ -778,8 +778,9 @@ def test_forward_scan_on_the_plain_bf16_addend_equals_the_sliced_one(
 def test_state_scan_with_outputs_equals_the_scan_and_the_outputs_kernel(
     lengths, data, v_slice, split
 ):
-    """The forward tensor-core scan that writes the outputs (ChunkStateScanOutputsTcSm90) on
-    the chunk core's own operands and a non-zero initial state, against the scan and the
+    """The forward tensor-core scan that writes the outputs (ChunkStateScanOutputsTcSm90; with
+    split, its second warpgroup) on the chunk core's own operands and a non-zero initial state
+    (y0 and final in prefill's [V, K] layout, transposed here to compare), against the scan and the
     outputs kernel one after the other (and its variant that stores no chunk states against
     itself, bit for bit): the states and final states bit for bit (the same
     arithmetic), o nearly so (V_new = U - W S in float32 either way, its sum in another order
@@ -815,16 +816,21 @@ def test_state_scan_with_outputs_equals_the_scan_and_the_outputs_kernel(
         jax.ShapeDtypeStruct((tokens, heads, 128), bf16),
     ]
 
-    @jax.jit
-    def fused(w_op, kd_op, decay, u, y0, qg, attn):
+    def kernel_inputs(w_op, kd_op, decay, u, y0, qg, attn):
+        # the kernel's y0 and final are [V, K] (prefill's layout; y0 here is the scan's)
         a_img, bt_img, _ = sm90.state_scan_operands(w_op, kd_op, None, v_slice, 1)
         addend = u.reshape(num_slots, heads, -1)  # U plain, bf16
-        inputs = [a_img, bt_img, decay, addend, cu, y0, qg.reshape(num_slots, heads, -1),
-                  attn.reshape(num_slots, heads, -1)]  # fmt: skip
+        return [a_img, bt_img, decay, addend, cu, jnp.swapaxes(y0, -1, -2),
+                qg.reshape(num_slots, heads, -1), attn.reshape(num_slots, heads, -1)]  # fmt: skip
+
+    @jax.jit
+    def fused(*args):
+        inputs = kernel_inputs(*args)
         poison = [jnp.full(r.shape, jnp.nan, r.dtype) for r in results]
         aliases = {len(inputs) + i: i for i in range(len(results))}
         artifact = sm90.state_scan_outputs_artifact(v_slice, True, split)
-        return cute_call(artifact, [*inputs, *poison], results, aliases=aliases)
+        states, final, o = cute_call(artifact, [*inputs, *poison], results, aliases=aliases)
+        return states, jnp.swapaxes(final, -1, -2), o
 
     @jax.jit
     def separate(w_op, kd_op, decay, u, y0, qg, attn):
@@ -835,15 +841,13 @@ def test_state_scan_with_outputs_equals_the_scan_and_the_outputs_kernel(
         return states, final, sm90.chunk_outputs_kernel(states, w_op.image, u, qg, attn, cu, rows)
 
     @jax.jit
-    def alone(w_op, kd_op, decay, u, y0, qg, attn):  # no chunk states stored
-        a_img, bt_img, _ = sm90.state_scan_operands(w_op, kd_op, None, v_slice, 1)
-        addend = u.reshape(num_slots, heads, -1)  # U plain, bf16
-        inputs = [a_img, bt_img, decay, addend, cu, y0, qg.reshape(num_slots, heads, -1),
-                  attn.reshape(num_slots, heads, -1)]  # fmt: skip
+    def alone(*args):  # no chunk states stored
+        inputs = kernel_inputs(*args)
         poison = [jnp.full(r.shape, jnp.nan, r.dtype) for r in results[1:]]
         aliases = {len(inputs) + i: i for i in range(2)}
         artifact = sm90.state_scan_outputs_artifact(v_slice, False, split)
-        return cute_call(artifact, [*inputs, *poison], results[1:], aliases=aliases)
+        final, o = cute_call(artifact, [*inputs, *poison], results[1:], aliases=aliases)
+        return jnp.swapaxes(final, -1, -2), o
 
     args = (w_op, kd_op, decay, u, y0, qg, attn)
     (states, final, o), (ref_states, ref_final, ref_o) = fused(*args), separate(*args)

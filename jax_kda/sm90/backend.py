@@ -387,16 +387,19 @@ def state_scan_outputs_kernel(
         jax.ShapeDtypeStruct(y0.shape, jnp.float32),
         jax.ShapeDtypeStruct((rows.shape[0], heads, HEAD_DIM), bf16),
     ]
+    # the kernel takes y0 and gives final as [V, K], prefill's layout: these transposes and
+    # xla.forward's cancel, so the state is not copied on the way in or out
     inputs = [
-        a_img, bt_img, decay, addend, jnp.asarray(cu_seqlens, jnp.int32), y0,
-        qg.astype(bf16).reshape(slots, heads, -1), attn.astype(bf16).reshape(slots, heads, -1),
+        a_img, bt_img, decay, addend, jnp.asarray(cu_seqlens, jnp.int32),
+        jnp.swapaxes(y0, -1, -2), qg.astype(bf16).reshape(slots, heads, -1),
+        attn.astype(bf16).reshape(slots, heads, -1),
     ]  # fmt: skip
     artifact = state_scan_outputs_artifact(v_slice, states, outputs_warpgroup)
     if not states:
         final, o = cute_call(artifact, inputs, results[1:])
-        return None, final, o
+        return None, jnp.swapaxes(final, -1, -2), o
     states, final, o = cute_call(artifact, inputs, results)
-    return states, final, o
+    return states, jnp.swapaxes(final, -1, -2), o
 
 
 @functools.cache

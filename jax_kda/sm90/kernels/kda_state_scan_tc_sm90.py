@@ -345,7 +345,10 @@ class ChunkStateScanTcSm90:
         for m in cutlass.range_constexpr(2):
             for i in cutlass.range_constexpr(cute.size(acc_y[m])):
                 ch, v = c_y[i]
-                acc_y[m][i] = mY0[n, h, m * HALF + ch, vbase + v]
+                if cutlass.const_expr(self.outputs):  # y0 as prefill's, [V, K]
+                    acc_y[m][i] = mY0[n, h, vbase + v, m * HALF + ch]
+                else:
+                    acc_y[m][i] = mY0[n, h, m * HALF + ch, vbase + v]
 
         # (the scan without U's rows keeps its branches as they were: its code is GPU-verified)
         if cutlass.const_expr(self.u_rows):
@@ -393,7 +396,10 @@ class ChunkStateScanTcSm90:
         for m in cutlass.range_constexpr(2):
             for i in cutlass.range_constexpr(cute.size(acc_y[m])):
                 ch, v = c_y[i]
-                mFinal[n, h, m * HALF + ch, vbase + v] = acc_y[m][i]
+                if cutlass.const_expr(self.outputs):  # final as prefill's, [V, K]
+                    mFinal[n, h, vbase + v, m * HALF + ch] = acc_y[m][i]
+                else:
+                    mFinal[n, h, m * HALF + ch, vbase + v] = acc_y[m][i]
         # gap slots after this sequence's chunks: zero states (coalesced over columns)
         if cutlass.const_expr(self.states):
             for slot in cutlass.range(slot0 + nch, gap_end, unroll=1):
@@ -674,7 +680,10 @@ class ChunkStateScanOutputsTcSm90:
     (the module's docstring): ChunkStateScanTcSm90's inputs and results, except the addend U
     [slots, H, 64 * 128] bfloat16 (plain, not V-sliced), and Qg [slots, H, 64 * 128], Aqk
     [slots, H, 64 * 64] (the chunk core's bfloat16 u, qg and attn, row-major, flat per slot)
-    in, o [T, H, 128] bfloat16 out (the rows of tokens in no sequence unwritten).
+    in, o [T, H, 128] bfloat16 out (the rows of tokens in no sequence unwritten); y0 and final
+    in prefill's layout, [N, H, V, K] (the chunk states [K, V] as the scan's), so that a
+    forward's only launches are the chunk core and this kernel (XLA cancels the transposes
+    around the call against xla.forward's own).
     states=False (ChunkOutputsScanTcSm90, a call that is not differentiated): no chunk states
     stored, the final states and o alone. outputs_warpgroup (the split kernel, not yet run on
     a GPU): a second warpgroup takes the O products and stores off the chain, from S and X
