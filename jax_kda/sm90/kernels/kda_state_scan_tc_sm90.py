@@ -43,8 +43,8 @@ Plain addend (the forward scan with outputs always; alone with plain_addend): U 
 chunk core stores it, bf16 [slots, H, 64 * 128] row-major, and lanes 0-15 of each warp bring
 one row's VS columns (32 or 64 bytes) by a bulk copy on the stage's mbarrier into a [64, VS + 8]
 slice (padded rows: the -P reads hit distinct banks), so XLA makes no float32 V-sliced copy
-of U (6.0 / 28.3 us at 2048x12x1 / 8192x16x1 on the H200). Neither variant has yet run on a
-GPU; the backend takes them only where asked.
+of U (6.0 / 28.3 us at 2048x12x1 / 8192x16x1 on the H200). None of these variants (outputs,
+split, plain addend) has yet run on a GPU; the backend takes them only where asked.
 """
 
 from __future__ import annotations
