@@ -329,28 +329,32 @@ def test_state_scan_with_outputs_exports_for_sm90a(v_slice):
 
 def test_the_scan_writes_the_outputs_only_when_asked_and_where_its_ctas_have_an_sm_each():
     """training_forward(fuse_outputs=True) (off by default: not yet run on a GPU) takes the
-    scan with the outputs where plan.scan_fuses_outputs says so: 2 heads (16 scan CTAs) yes, 24
-    heads of one sequence (192 CTAs at 16 columns, more than the 132 SMs) the two kernels; the
-    default never; a differentiated call's forward scan stores no states where the backward
-    scans them again (both_scans)."""
-    from jax_kda.sm90.plan import scan_fuses_outputs
+    scan with the outputs where plan.scan_outputs_v_slice gives a width: 2 heads (16 scan CTAs
+    at 16 columns) yes, 24 heads of one sequence at 32 columns (96 CTAs; 192 at 16, more than
+    the 132 SMs), 40 heads not at all (160 CTAs even at 32); the default never; a
+    differentiated call's forward scan stores no states where the backward scans them again
+    (both_scans)."""
+    from jax_kda.sm90.plan import scan_outputs_v_slice
 
-    assert scan_fuses_outputs(2, 1, 16, SM_COUNT) and not scan_fuses_outputs(24, 1, 16, SM_COUNT)
-    assert not scan_fuses_outputs(2, 1, 16, None)
+    assert scan_outputs_v_slice(2, 1, SM_COUNT) == 16
+    assert scan_outputs_v_slice(24, 1, SM_COUNT) == 32
+    assert scan_outputs_v_slice(40, 1, SM_COUNT) is None
+    assert scan_outputs_v_slice(2, 1, None) is None
 
     def forward(q, k, v, g, beta, cu, state, **options):
         return sm90.training_forward(q, k, v, g, beta, cu, state, 0.3, **options)
 
-    for heads, fused in ((2, True), (24, False)):
+    for heads, fused in ((2, "t16"), (24, "t32"), (40, None)):
         x = production_inputs([100], heads, seed=9)
         text = _lower(functools.partial(forward, fuse_outputs=True), *x)
-        assert ('x1of"' in text) == fused and ('"kda_chunk_outputs_sm90"' in text) != fused, heads
+        assert ('"kda_chunk_outputs_sm90"' in text) == (fused is None), heads
+        assert fused is None or f'kda_state_scan_sm90_fwd_{fused}x1of"' in text, heads
         text = _lower(functools.partial(forward, fuse_outputs=True, outputs_warpgroup=True), *x)
-        assert ('x1ofw"' in text) == fused, heads
+        assert ('x1ofw"' in text) == (fused is not None), heads
+        text = _lower(forward, *x)  # the default
+        assert "x1o" not in text and '"kda_chunk_outputs_sm90"' in text, heads
     with pytest.raises(ValueError, match="outputs_warpgroup=True needs fuse_outputs=True"):
         sm90.training_forward(*x[:7], 0.3, outputs_warpgroup=True)
-        text = _lower(forward, *x)
-        assert "x1o" not in text and '"kda_chunk_outputs_sm90"' in text, heads
     x = production_inputs([300, 0, 77], 2, seed=8)
 
     def loss(q, k, v, g, beta, cu, state):

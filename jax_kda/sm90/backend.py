@@ -20,7 +20,7 @@ import numpy as np
 from jax_kda import xla
 from jax_kda.constants import GATE_FLOOR, HEAD_DIM, SCAN_CHUNK
 from jax_kda.sm90.kernels.layout import DECODE_CTAS_PER_HEAD, SCAN_TC_V_SLICES
-from jax_kda.sm90.plan import GRID_YZ_LIMIT, plan_prefill, scan_fuses_outputs, scan_v_slice
+from jax_kda.sm90.plan import GRID_YZ_LIMIT, plan_prefill, scan_outputs_v_slice, scan_v_slice
 
 SM_COUNT_ENV = "JAX_KDA_SM_COUNT"
 """Without a GPU present, the SM count to plan segments for (e.g. 132 for an H100 SXM or H200)."""
@@ -355,7 +355,8 @@ def state_scan_outputs_kernel(
     state_scan_kernel(w, kd, decay, u, cu_seqlens, y0) and chunk_outputs_kernel(states, w, u,
     qg, attn, cu_seqlens, rows), o bfloat16 in the tokens' rows. In one launch
     (ChunkStateScanOutputsTcSm90) where the scan variant (scan_variant's) runs on tensor cores
-    at one bf16 pass and `fuse` says so (None: plan.scan_fuses_outputs); otherwise the two
+    at one bf16 pass and `fuse` says so (None: where each scan CTA has an SM of its own, at
+    plan.scan_outputs_v_slice's width unless v_slice is given); otherwise the two
     kernels one after the other (also where U is not bfloat16: the one launch takes it plain
     in bf16). states=False: the caller needs no chunk states (a call that is not
     differentiated); the one launch then stores none and returns None for them.
@@ -365,9 +366,15 @@ def state_scan_outputs_kernel(
     from jax_kda.sm90.ffi_call import cute_call
 
     num_heads, num_sequences = y0.shape[1], y0.shape[0]
-    v_slice, tensor_cores = scan_variant(num_heads, num_sequences, v_slice, tensor_cores)
     if fuse is None:
-        fuse = scan_fuses_outputs(num_heads, num_sequences, v_slice, device_sm_count())
+        sm_count = device_sm_count()
+        if v_slice is None:
+            v_slice = scan_outputs_v_slice(num_heads, num_sequences, sm_count)
+            fuse = v_slice is not None
+        else:  # the given width: where its CTAs have an SM each
+            ctas = (HEAD_DIM // v_slice) * num_heads * num_sequences
+            fuse = sm_count is not None and ctas <= sm_count
+    v_slice, tensor_cores = scan_variant(num_heads, num_sequences, v_slice, tensor_cores)
     empty = qg.shape[0] == 0 or rows.shape[0] == 0  # the outputs kernel's zeros, no launch
     plain = _unsliced(u).dtype == jnp.bfloat16  # U as the chunk core gives it (bf16, exact)
     if not fuse or not tensor_cores or passes not in (None, 1) or empty or not plain:
@@ -1666,7 +1673,7 @@ def training_forward(
     rows on tokens_bwd_kernel (False: in XLA, xla_tokens_bwd); with the dense kernel's bf16
     cotangents and both kernels on, the two run as one, decayed_tokens_bwd_kernel (fuse_tokens;
     False: one after the other). fuse_outputs=True (with dense_bwd, where the outputs kernel
-    would run): the forward scan writes the outputs itself where plan.scan_fuses_outputs says
+    would run): the forward scan writes the outputs itself where plan.scan_outputs_v_slice says
     so, state_scan_outputs_kernel (on tensor cores at one pass; elsewhere it runs the two
     kernels). Off by default: that kernel compiles and lowers but has not yet run on a GPU.
     outputs_warpgroup=True (with fuse_outputs): that kernel's variant whose O products and

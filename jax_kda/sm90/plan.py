@@ -229,15 +229,19 @@ def scan_v_slice(
     return min(SCAN_TC_V_SLICES)
 
 
-def scan_fuses_outputs(
-    num_heads: int, num_sequences: int, v_slice: int, sm_count: int | None
-) -> bool:
-    """Whether the forward tensor-core scan writes the chunk outputs itself
-    (backend.state_scan_outputs_kernel): where each of its CTAs has an SM of its own. The
-    outputs' operands (Qg and Aqk, two stages, and images) take its shared memory from
-    about 77 to 149 KiB (v_slice 16), one CTA an SM, so where the scan's CTAs outnumber the SMs
-    the two kernels run one after the other instead. Unknown SM count: no. (Asked for only
+def scan_outputs_v_slice(num_heads: int, num_sequences: int, sm_count: int | None) -> int | None:
+    """The width at which the forward tensor-core scan writes the chunk outputs itself
+    (backend.state_scan_outputs_kernel), or None where it should not: where each of its CTAs
+    has an SM of its own, at the planned width (scan_v_slice) or else at the wide one (fewer
+    CTAs, each twice the columns). The outputs' operands (Qg and Aqk, two stages, and images)
+    take its shared memory from about 77 to 149 KiB (v_slice 16; 156 KiB with the outputs on
+    a warpgroup of their own), one CTA an SM, so where the scan's CTAs outnumber the SMs the
+    two kernels run one after the other instead. Unknown SM count: None. (Asked for only
     through training_forward(fuse_outputs=True); not yet run on a GPU.)"""
     if sm_count is None:
-        return False
-    return (HEAD_DIM // v_slice) * num_heads * num_sequences <= sm_count
+        return None
+    planned = scan_v_slice(num_heads, num_sequences, sm_count)
+    for v_slice in sorted({planned, max(SCAN_TC_V_SLICES)}):
+        if (HEAD_DIM // v_slice) * num_heads * num_sequences <= sm_count:
+            return v_slice
+    return None
