@@ -7,6 +7,8 @@
 # capture there can poison the next one's CUDA state). Results under $OUT/MODE/.
 set -u
 source .device/env.sh
+# the kernels compiled ahead without a GPU (benchmarks/jobs/prefill_kernel_cache.py), if carried
+[ -d .device/kc ] && export JAX_KDA_CACHE_DIR="$PWD/.device/kc"
 out="${OUT:-/tmp/out}"
 mode="${1:-forward}"
 train=""

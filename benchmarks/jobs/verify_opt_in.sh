@@ -12,6 +12,8 @@
 # not the call.
 set -u
 source .device/env.sh
+# the kernels compiled ahead without a GPU (benchmarks/jobs/prefill_kernel_cache.py), if carried
+[ -d .device/kc ] && export JAX_KDA_CACHE_DIR="$PWD/.device/kc"
 out="${OUT:-/tmp/out}"
 mkdir -p "$out"
 t=tests/test_sm90_backward_gpu.py

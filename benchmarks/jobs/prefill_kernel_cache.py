@@ -1,0 +1,67 @@
+"""Compile, here and without a GPU, the kernels the GPU-machine jobs will run, into a kernel cache
+to carry there, so that no device time goes to compiling them.
+
+    CUTE_DSL_ARCH=sm_90a JAX_KDA_CACHE_DIR=.device/kc python -m benchmarks.jobs.prefill_kernel_cache
+
+then carry `.device/kc` (the jobs use it when it is there). It lowers prefill and its gradient for
+CUDA on the tests' and benchmarks' head counts, with and without a gate bound, in either
+residuals mode (the lowering exports every kernel the call takes), and exports the opt-in scan
+variants directly: about 3 minutes on 2 cores, 6 MB. The cache is keyed by the kernel sources
+and the DSL version, so a changed kernel is compiled again there, never taken stale from here.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import time
+
+HEADS = (1, 2, 3, 4, 8, 10, 12, 16, 24, 32)
+"""Head counts of the GPU tests and of the benchmark shapes (the gate-bound forward kernel is
+compiled per head count)."""
+
+
+def _main():
+    os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
+    import jax
+    import jax.numpy as jnp
+
+    import jax_kda
+    from jax_kda import sm90
+    from jax_kda.constants import default_scale
+    from jax_kda.oracle import production_inputs
+    from jax_kda.sm90.kernels.layout import SCAN_TC_V_SLICES
+
+    os.environ[sm90.ASSUME_SM90_ENV] = "1"
+    os.environ.setdefault(sm90.SM_COUNT_ENV, "132")
+    start = time.perf_counter()
+    calls = itertools.product(HEADS, (-5.0, None), (None, 0.3), ("saved", "recompute"))
+    for heads, bound, scale, residuals in calls:
+        x = production_inputs([256, 0, 100], heads, seed=0)
+
+        def call(q, k, v, g, beta, cu, state, bound=bound, scale=scale, residuals=residuals):
+            return jax_kda.prefill(
+                q, k, v, g, beta, cu_seqlens=cu, initial_state=state, scale=scale,
+                gate_lower_bound=bound, backend="sm90", residuals=residuals,
+            )  # fmt: skip
+
+        def loss(*args, call=call):
+            o, final = call(*args)
+            return jnp.sum(o.astype(jnp.float32)) + jnp.sum(final)
+
+        args = [jnp.asarray(a) for a in x]
+        for fn in (call, jax.grad(loss, argnums=(0, 1, 2, 3, 4, 6))):
+            jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",))
+    for v_slice, passes in itertools.product(SCAN_TC_V_SLICES, (1, 3)):
+        sm90.state_scan_artifact(False, v_slice, True, passes, True)
+    for v_slice in SCAN_TC_V_SLICES:
+        sm90.state_scans_artifact(v_slice, True)
+        for states, split in itertools.product((True, False), (False, True)):
+            sm90.state_scan_outputs_artifact(v_slice, states, split)
+    for scale in (0.3, default_scale()):
+        sm90.chunk_operands_artifact(scale, 1, False)
+    print(f"kernel cache filled in {time.perf_counter() - start:.0f} s")
+
+
+if __name__ == "__main__":
+    _main()
