@@ -145,12 +145,13 @@ def test_both_state_scans_kernel_matches_two_xla_scans(name, v_slice, plain):
     got = runner(sm90.state_scans_artifact(v_slice))(
         w_img, kd_img, decay, u_slices, ds_slices, cu, y0, d_final
     )
-    if plain:
+    if plain:  # its forward scan's y0 and final in prefill's [V, K] layout
         u_plain = u.astype(jnp.bfloat16).reshape(u.shape[0], u.shape[1], -1)
         sliced = got
-        got = runner(sm90.state_scans_artifact(v_slice, True))(
-            w_img, kd_img, decay, u_plain, ds_slices, cu, y0, d_final
+        states, final, g_end, d_y0 = runner(sm90.state_scans_artifact(v_slice, True))(
+            w_img, kd_img, decay, u_plain, ds_slices, cu, jnp.swapaxes(y0, -1, -2), d_final
         )
+        got = (states, jnp.swapaxes(final, -1, -2), g_end, d_y0)
         for what, a, b in zip(("states", "final", "g_end", "d_y0"), got, sliced, strict=True):
             assert not np.isnan(np.asarray(a)).any(), what
             np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=what)
@@ -750,12 +751,15 @@ def test_forward_scan_on_the_plain_bf16_addend_equals_the_sliced_one(
 
     @jax.jit
     def poisoned(w_op, kd_op, decay, u, y0):
+        # the variant takes y0 and gives final in prefill's [V, K] layout (y0 here: [K, V])
         a_img, bt_img, _ = sm90.state_scan_operands(w_op, kd_op, None, v_slice, passes)
-        inputs = [a_img, bt_img, decay, u.reshape(num_slots, heads, -1), cu, y0]
+        u_plain = u.reshape(num_slots, heads, -1)
+        inputs = [a_img, bt_img, decay, u_plain, cu, jnp.swapaxes(y0, -1, -2)]
         poison = [jnp.full(r.shape, jnp.nan, r.dtype) for r in results]
         aliases = {len(inputs) + i: i for i in range(len(results))}
         artifact = sm90.state_scan_artifact(False, v_slice, True, passes, True)
-        return cute_call(artifact, [*inputs, *poison], results, aliases=aliases)
+        states, final = cute_call(artifact, [*inputs, *poison], results, aliases=aliases)
+        return states, jnp.swapaxes(final, -1, -2)
 
     states, final = poisoned(w_op, kd_op, decay, u, y0)
     for name, a, b in (("states", states, ref_states), ("final", final, ref_final)):

@@ -485,9 +485,11 @@ def state_scans_kernel(
         plain_addend and not isinstance(u, SlicedAddend) and u.dtype == jnp.bfloat16
         and u.shape[0] > 0
     )  # fmt: skip
+    y0_in = y0
     if plain_addend:
         w_img, kd_img, _ = state_scan_operands(w_op, kd_op, None, v_slice, 1)
         u_slices = u.reshape(u.shape[0], u.shape[1], SCAN_CHUNK * HEAD_DIM)
+        y0_in = jnp.swapaxes(y0, -1, -2)  # its forward scan's y0 and final are [V, K]
     else:
         w_img, kd_img, u_slices = state_scan_operands(w_op, kd_op, u, v_slice, 1)
     ds_slices = addend_slices(d_states, v_slice)
@@ -499,11 +501,13 @@ def state_scans_kernel(
         jax.ShapeDtypeStruct(y0.shape, jnp.float32),
     ]
     inputs = [
-        w_img, kd_img, decay, u_slices, ds_slices, jnp.asarray(cu_seqlens, jnp.int32), y0,
+        w_img, kd_img, decay, u_slices, ds_slices, jnp.asarray(cu_seqlens, jnp.int32), y0_in,
         d_final,
     ]  # fmt: skip
     artifact = state_scans_artifact(v_slice, plain_addend)
     states, final, g_end, d_y0 = cute_call(artifact, inputs, results)
+    if plain_addend:
+        final = jnp.swapaxes(final, -1, -2)
     return states, final, g_end, d_y0
 
 
@@ -658,6 +662,9 @@ def state_scan_kernel(
         slots, heads = addend.shape[:2]
         a_op, b_op, _ = state_scan_operands(a_op, b_op, None, v_slice, passes)
         addend = addend.reshape(slots, heads, SCAN_CHUNK * HEAD_DIM)
+        # that variant takes y0 and gives final as [V, K], prefill's layout: these transposes
+        # and xla.forward's cancel
+        y0 = jnp.swapaxes(y0, -1, -2)
     elif tensor_cores:
         a_op, b_op, addend = state_scan_operands(a_op, b_op, addend, v_slice, passes)
     else:
@@ -671,7 +678,7 @@ def state_scan_kernel(
     inputs = [a_op, b_op, decay, addend, jnp.asarray(cu_seqlens, jnp.int32), y0]
     artifact = state_scan_artifact(reverse, v_slice, tensor_cores, passes, plain_addend)
     states, final = cute_call(artifact, inputs, results)
-    return states, final
+    return states, jnp.swapaxes(final, -1, -2) if plain_addend else final
 
 
 def differentiable_state_scan(run, precision=jax.lax.Precision.HIGHEST):

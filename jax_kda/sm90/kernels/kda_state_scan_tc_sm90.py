@@ -43,7 +43,10 @@ Plain addend (the forward scan with outputs always; alone with plain_addend): U 
 chunk core stores it, bf16 [slots, H, 64 * 128] row-major, and lanes 0-15 of each warp bring
 one row's VS columns (32 or 64 bytes) by a bulk copy on the stage's mbarrier into a [64, VS + 8]
 slice (padded rows: the -P reads hit distinct banks), so XLA makes no float32 V-sliced copy
-of U (6.0 / 28.3 us at 2048x12x1 / 8192x16x1 on the H200). None of these variants (outputs,
+of U (6.0 / 28.3 us at 2048x12x1 / 8192x16x1 on the H200). These variants (plain addend, with
+outputs) take y0 and give final in prefill's layout, [N, H, V, K], where the default scans use
+[N, H, K, V]: their callers' transposes then cancel against xla.forward's, and the state is not
+copied on the way in or out. None of these variants (outputs,
 split, plain addend) has yet run on a GPU; the backend takes them only where asked.
 """
 
@@ -157,6 +160,9 @@ class ChunkStateScanTcSm90:
         # the addend U as the chunk core stores it, bf16 [slots, H, 64 * 128] row-major, each CTA
         # copying its V slice row by row (with outputs always): no V-sliced float32 copy of U
         self.u_rows = plain_addend or outputs
+        # y0 and final in prefill's [N, H, V, K] layout (the default scans': [K, V]), so that
+        # the callers' transposes cancel against xla.forward's (the new variants only)
+        self.state_vk = plain_addend or outputs
         self.outputs = outputs  # ChunkStateScanOutputsTcSm90's: the chunk's O as well
         self.states = states  # False: the chunk states are not stored (mStates is None)
         self.reverse = config.reverse
@@ -345,7 +351,7 @@ class ChunkStateScanTcSm90:
         for m in cutlass.range_constexpr(2):
             for i in cutlass.range_constexpr(cute.size(acc_y[m])):
                 ch, v = c_y[i]
-                if cutlass.const_expr(self.outputs):  # y0 as prefill's, [V, K]
+                if cutlass.const_expr(self.state_vk):  # y0 as prefill's, [V, K]
                     acc_y[m][i] = mY0[n, h, vbase + v, m * HALF + ch]
                 else:
                     acc_y[m][i] = mY0[n, h, m * HALF + ch, vbase + v]
@@ -396,7 +402,7 @@ class ChunkStateScanTcSm90:
         for m in cutlass.range_constexpr(2):
             for i in cutlass.range_constexpr(cute.size(acc_y[m])):
                 ch, v = c_y[i]
-                if cutlass.const_expr(self.outputs):  # final as prefill's, [V, K]
+                if cutlass.const_expr(self.state_vk):  # final as prefill's, [V, K]
                     mFinal[n, h, vbase + v, m * HALF + ch] = acc_y[m][i]
                 else:
                     mFinal[n, h, m * HALF + ch, vbase + v] = acc_y[m][i]
