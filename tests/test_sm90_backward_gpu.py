@@ -145,13 +145,14 @@ def test_both_state_scans_kernel_matches_two_xla_scans(name, v_slice, plain):
     got = runner(sm90.state_scans_artifact(v_slice))(
         w_img, kd_img, decay, u_slices, ds_slices, cu, y0, d_final
     )
-    if plain:  # its forward scan's y0 and final in prefill's [V, K] layout
+    if plain:  # y0, final, d_final and d_y0 in prefill's [V, K] layout
         u_plain = u.astype(jnp.bfloat16).reshape(u.shape[0], u.shape[1], -1)
         sliced = got
+        y0_vk, d_final_vk = jnp.swapaxes(y0, -1, -2), jnp.swapaxes(d_final, -1, -2)
         states, final, g_end, d_y0 = runner(sm90.state_scans_artifact(v_slice, True))(
-            w_img, kd_img, decay, u_plain, ds_slices, cu, jnp.swapaxes(y0, -1, -2), d_final
+            w_img, kd_img, decay, u_plain, ds_slices, cu, y0_vk, d_final_vk
         )
-        got = (states, jnp.swapaxes(final, -1, -2), g_end, d_y0)
+        got = (states, jnp.swapaxes(final, -1, -2), g_end, jnp.swapaxes(d_y0, -1, -2))
         for what, a, b in zip(("states", "final", "g_end", "d_y0"), got, sliced, strict=True):
             assert not np.isnan(np.asarray(a)).any(), what
             np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=what)

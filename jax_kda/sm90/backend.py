@@ -231,8 +231,9 @@ def state_scan_artifact(
     one with the slice as wgmma N (kernels/kda_state_scan_tc_sm90.py, bf16 [hi | lo] operand
     images from state_scan_operands; passes=1: one bf16 product each, images of the values
     alone). plain_addend (forward, tensor cores): the addend U as the chunk core stores it,
-    bf16 [slots, H, 64 * 128], each CTA copying its slice row by row. Slots, heads and
-    sequences are all symbolic: one compile serves every call."""
+    bf16 [slots, H, 64 * 128], each CTA copying its slice row by row, and y0 and final in
+    prefill's layout [N, H, V, K] (the others': [N, H, K, V]). Slots, heads and sequences are
+    all symbolic: one compile serves every call."""
     import cutlass.cute as cute
     from cutlass import BFloat16, Float32, Int32
 
@@ -414,8 +415,9 @@ def state_scans_artifact(v_slice: int, plain_addend: bool = False):
     """The exported kernel that runs both state scans of the training backward in one launch
     (kernels/kda_state_scans_sm90.py: the single-pass tensor-core scan, forward and reverse
     side by side; at one pass an operand's image is the same in both roles; plain_addend: the
-    forward one takes U as the chunk core stores it, bf16 [slots, H, 64 * 128]). Slots, heads
-    and sequences are symbolic: one compile serves every call."""
+    forward one takes U as the chunk core stores it, bf16 [slots, H, 64 * 128], and y0, final,
+    d_final and d_y0 are [N, H, V, K], prefill's layout). Slots, heads and sequences are
+    symbolic: one compile serves every call."""
     import cutlass.cute as cute
     from cutlass import BFloat16, Float32, Int32
 
@@ -485,11 +487,13 @@ def state_scans_kernel(
         plain_addend and not isinstance(u, SlicedAddend) and u.dtype == jnp.bfloat16
         and u.shape[0] > 0
     )  # fmt: skip
-    y0_in = y0
+    y0_in, d_final_in = y0, d_final
     if plain_addend:
         w_img, kd_img, _ = state_scan_operands(w_op, kd_op, None, v_slice, 1)
         u_slices = u.reshape(u.shape[0], u.shape[1], SCAN_CHUNK * HEAD_DIM)
-        y0_in = jnp.swapaxes(y0, -1, -2)  # its forward scan's y0 and final are [V, K]
+        # that variant's y0, final, d_final and d_y0 are [V, K] (prefill's layout): these
+        # transposes and xla.forward's (and their cotangents') cancel
+        y0_in, d_final_in = jnp.swapaxes(y0, -1, -2), jnp.swapaxes(d_final, -1, -2)
     else:
         w_img, kd_img, u_slices = state_scan_operands(w_op, kd_op, u, v_slice, 1)
     ds_slices = addend_slices(d_states, v_slice)
@@ -502,12 +506,12 @@ def state_scans_kernel(
     ]
     inputs = [
         w_img, kd_img, decay, u_slices, ds_slices, jnp.asarray(cu_seqlens, jnp.int32), y0_in,
-        d_final,
+        d_final_in,
     ]  # fmt: skip
     artifact = state_scans_artifact(v_slice, plain_addend)
     states, final, g_end, d_y0 = cute_call(artifact, inputs, results)
     if plain_addend:
-        final = jnp.swapaxes(final, -1, -2)
+        final, d_y0 = jnp.swapaxes(final, -1, -2), jnp.swapaxes(d_y0, -1, -2)
     return states, final, g_end, d_y0
 
 

@@ -139,7 +139,7 @@ def accumulate_always(*mmas):
 class ChunkStateScanTcSm90:
     def __init__(
         self, config: ScanConfig, passes: int = 3, outputs: bool = False, states: bool = True,
-        plain_addend: bool = False, outputs_warpgroup: bool = False,
+        plain_addend: bool = False, outputs_warpgroup: bool = False, state_vk: bool = False,
     ):  # fmt: skip
         if config.v_slice not in SCAN_TC_V_SLICES:
             raise ValueError(
@@ -161,8 +161,9 @@ class ChunkStateScanTcSm90:
         # copying its V slice row by row (with outputs always): no V-sliced float32 copy of U
         self.u_rows = plain_addend or outputs
         # y0 and final in prefill's [N, H, V, K] layout (the default scans': [K, V]), so that
-        # the callers' transposes cancel against xla.forward's (the new variants only)
-        self.state_vk = plain_addend or outputs
+        # the callers' transposes cancel against xla.forward's (the new variants only; the
+        # reverse scan beside a plain forward one in BothStateScansSm90 asks for it)
+        self.state_vk = plain_addend or outputs or state_vk
         self.outputs = outputs  # ChunkStateScanOutputsTcSm90's: the chunk's O as well
         self.states = states  # False: the chunk states are not stored (mStates is None)
         self.reverse = config.reverse

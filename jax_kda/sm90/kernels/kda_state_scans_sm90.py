@@ -16,8 +16,11 @@ with plain_addend as the chunk core stores it, bf16 [slots, H, 64 * 128], each C
 slice row by row (not yet run on a GPU), cu_seqlens, y0) and the reverse scan's (A = Kd image,
 B^T = W image, the same decay, the addend dL/dS in V slices, d_final); outputs: the states
 entering each chunk and the final states, then the cotangents at each chunk's end and of the
-initial states. The images are the same two arrays, in swapped roles: the caller passes them
-once each.
+initial states. The initial and final states and their cotangents (y0, final, d_final,
+d_y0) are [N, H, K, V], with plain_addend [N, H, V, K] (prefill's layout, so that the
+caller's transposes cancel against xla.forward's); the chunk states and their cotangents
+[slots, H, K, V] either way. The images are the same two arrays, in swapped roles: the caller
+passes them once each.
 """
 
 from __future__ import annotations
@@ -46,7 +49,9 @@ class BothStateScansSm90:
         self.forward = ChunkStateScanTcSm90(
             ScanConfig(reverse=False, v_slice=v_slice), passes, plain_addend=plain_addend
         )
-        self.reverse = ChunkStateScanTcSm90(ScanConfig(reverse=True, v_slice=v_slice), passes)
+        self.reverse = ChunkStateScanTcSm90(
+            ScanConfig(reverse=True, v_slice=v_slice), passes, state_vk=plain_addend
+        )
 
     @cute.jit
     def __call__(
