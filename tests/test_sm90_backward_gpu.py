@@ -701,18 +701,19 @@ def test_chunk_outputs_kernel_matches_xla(lengths):
     assert error <= 2e-2 and same_ops <= 5e-3, (error, same_ops)
 
 
+CHUNK_SCAN_CASES = [
+    ([130, 0, 70, 1], "production"),
+    ([64, 10, 128, 0, 65], "production"),
+    ([3000, 257], "long-memory"),
+    ([0, 0], "production"),
+]
+"""The scan-variant tests' calls on the chunk core's own operands: ragged with empty and
+1-token sequences, gap slots, long memory over thousands of tokens, no tokens at all."""
+
+
 @pytest.mark.parametrize("passes", [1, 3])
 @pytest.mark.parametrize("v_slice", SCAN_TC_V_SLICES)
-@pytest.mark.parametrize(
-    "lengths, data",
-    [
-        ([130, 0, 70, 1], "production"),
-        ([64, 10, 128, 0, 65], "production"),
-        ([3000, 257], "long-memory"),
-        ([0, 0], "production"),
-    ],
-    ids=str,
-)
+@pytest.mark.parametrize("lengths, data", CHUNK_SCAN_CASES, ids=str)
 def test_forward_scan_on_the_plain_bf16_addend_equals_the_sliced_one(
     lengths, data, v_slice, passes
 ):
@@ -769,16 +770,7 @@ def test_forward_scan_on_the_plain_bf16_addend_equals_the_sliced_one(
 
 
 @pytest.mark.parametrize("v_slice", SCAN_TC_V_SLICES)
-@pytest.mark.parametrize(
-    "lengths, data",
-    [
-        ([130, 0, 70, 1], "production"),
-        ([64, 10, 128, 0, 65], "production"),
-        ([3000, 257], "long-memory"),
-        ([0, 0], "production"),
-    ],
-    ids=str,
-)
+@pytest.mark.parametrize("lengths, data", CHUNK_SCAN_CASES, ids=str)
 @pytest.mark.parametrize("split", [False, True], ids=["one-warpgroup", "outputs-warpgroup"])
 def test_state_scan_with_outputs_equals_the_scan_and_the_outputs_kernel(
     lengths, data, v_slice, split
