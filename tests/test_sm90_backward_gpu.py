@@ -711,6 +711,22 @@ CHUNK_SCAN_CASES = [
 1-token sequences, gap slots, long memory over thousands of tokens, no tokens at all."""
 
 
+def _chunk_scan_case(lengths, data, seed):
+    """(x, cu_seqlens, slot count, the chunk core's outputs, W and Kd as ImagedOperand, y0 in
+    the scan's [K, V] layout) for one of CHUNK_SCAN_CASES, 3 heads, scale 0.3."""
+    make = long_memory_inputs if data == "long-memory" else production_inputs
+    x = make(lengths, 3, seed=seed)
+    num_slots = xla.chunk_slot_count(x.q.shape[0], len(lengths))
+    cu = jnp.asarray(x.cu_seqlens, jnp.int32)
+    token_inputs = [jnp.asarray(a) for a in x[:5]]
+    core = jax.jit(sm90.chunk_core_kernel, static_argnums=(6, 7))(*token_inputs, cu, num_slots, 0.3)
+    w, kd = core[0], core[4]
+    w_op = sm90.backend.ImagedOperand(sm90.backend.chunk_rows(w), w)
+    kd_op = sm90.backend.ImagedOperand(sm90.backend.chunk_rows(kd), kd)
+    y0 = jnp.swapaxes(jnp.asarray(x.initial_state, jnp.float32), -1, -2)
+    return x, cu, num_slots, core, w_op, kd_op, y0
+
+
 @pytest.mark.parametrize("passes", [1, 3])
 @pytest.mark.parametrize("v_slice", SCAN_TC_V_SLICES)
 @pytest.mark.parametrize("lengths, data", CHUNK_SCAN_CASES, ids=str)
@@ -724,18 +740,11 @@ def test_forward_scan_on_the_plain_bf16_addend_equals_the_sliced_one(
     a non-zero initial state, ragged, empty and gap slots, long-memory data, no tokens at all
     (gap slots only: every state passes through)."""
     register()
-    make = long_memory_inputs if data == "long-memory" else production_inputs
-    x = make(lengths, 3, seed=SEED + 5 * len(lengths))
-    tokens, heads = x.q.shape[:2]
-    num_slots = xla.chunk_slot_count(tokens, len(lengths))
-    cu = jnp.asarray(x.cu_seqlens, jnp.int32)
-    token_inputs = [jnp.asarray(a) for a in x[:5]]
-    core = jax.jit(sm90.chunk_core_kernel, static_argnums=(6, 7))(*token_inputs, cu, num_slots, 0.3)
-    w, u, _, _, kd, decay = core[:6]
+    seed = SEED + 5 * len(lengths)
+    x, cu, num_slots, core, w_op, kd_op, y0 = _chunk_scan_case(lengths, data, seed)
+    heads = x.q.shape[1]
+    u, decay = core[1], core[5]
     assert u.dtype == jnp.bfloat16  # what the plain variant takes
-    w_op = sm90.backend.ImagedOperand(sm90.backend.chunk_rows(w), w)
-    kd_op = sm90.backend.ImagedOperand(sm90.backend.chunk_rows(kd), kd)
-    y0 = jnp.swapaxes(jnp.asarray(x.initial_state, jnp.float32), -1, -2)
     options = {"reverse": False, "v_slice": v_slice, "tensor_cores": True, "passes": passes}
     sliced = jax.jit(functools.partial(sm90.state_scan_kernel, **options))
     plain = jax.jit(functools.partial(sm90.state_scan_kernel, **options, plain_addend=True))
@@ -786,18 +795,11 @@ def test_state_scan_with_outputs_equals_the_scan_and_the_outputs_kernel(
     every result NaN-poisoned first (a row it does not write stays NaN); ragged, empty and gap
     slots, long-memory data, no tokens at all."""
     register()
-    make = long_memory_inputs if data == "long-memory" else production_inputs
-    x = make(lengths, 3, seed=SEED + 7 * len(lengths))
+    seed = SEED + 7 * len(lengths)
+    x, cu, num_slots, core, w_op, kd_op, y0 = _chunk_scan_case(lengths, data, seed)
     tokens, heads = x.q.shape[:2]
-    num_slots = xla.chunk_slot_count(tokens, len(lengths))
-    cu = jnp.asarray(x.cu_seqlens, jnp.int32)
     _, rows = xla._token_slots(cu, tokens)
-    token_inputs = [jnp.asarray(a) for a in x[:5]]
-    core = jax.jit(sm90.chunk_core_kernel, static_argnums=(6, 7))(*token_inputs, cu, num_slots, 0.3)
-    w, u, qg, attn, kd, decay = core[:6]
-    w_op = sm90.backend.ImagedOperand(sm90.backend.chunk_rows(w), w)
-    kd_op = sm90.backend.ImagedOperand(sm90.backend.chunk_rows(kd), kd)
-    y0 = jnp.swapaxes(jnp.asarray(x.initial_state, jnp.float32), -1, -2)
+    w, u, qg, attn, _, decay = core[:6]
     if not tokens:  # the public wrapper: nothing to write, the state passes through
         states, final, o = sm90.state_scan_outputs_kernel(
             w_op, kd_op, decay, u, cu, y0, qg, attn, rows, v_slice=v_slice, tensor_cores=True,
