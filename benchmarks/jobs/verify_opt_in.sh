@@ -8,6 +8,9 @@
 #                                                  and the float64 oracle
 #   bash benchmarks/jobs/verify_opt_in.sh measure  their kernel times beside the default's, and
 #                                                  the host cost of a jitted call
+#   bash benchmarks/jobs/verify_opt_in.sh all      both in one call (for a session short of
+#                                                  device time): the tests, then as much of the
+#                                                  measurement as fits (fewer variants and shapes)
 # Logs under $OUT. Each step has its own time limit, so a hang (a wrong barrier) ends its step,
 # not the call.
 set -u
@@ -16,11 +19,19 @@ source .device/env.sh
 [ -d .device/kc ] && export JAX_KDA_CACHE_DIR="$PWD/.device/kc"
 out="${OUT:-/tmp/out}"
 mkdir -p "$out"
+mode="${1:-tests}"
+# every step ends inside the call: its own limit, or what is left of ${DEADLINE_S:-570} s
+end=$((SECONDS + ${DEADLINE_S:-570}))
+limit() {
+  local left=$((end - SECONDS - 5))
+  ((left < 1)) && left=1
+  ((left < $1)) && echo "$left" || echo "$1"
+}
 t=tests/test_sm90_backward_gpu.py
 g=tests/test_sm90_gpu.py
-if [ "${1:-tests}" = tests ]; then
+if [ "$mode" = tests ] || [ "$mode" = all ]; then
   # the kernels against the verified ones, bit for bit where the arithmetic is the same
-  timeout 240 python3 -m pytest -q -s -m gpu --maxfail=20 \
+  timeout "$(limit 240)" python3 -m pytest -q -s -m gpu --maxfail=20 \
     "$t::test_forward_scan_on_the_plain_bf16_addend_equals_the_sliced_one" \
     "$t::test_state_scan_with_outputs_equals_the_scan_and_the_outputs_kernel" \
     "$t::test_both_state_scans_kernel_matches_two_xla_scans" \
@@ -28,26 +39,31 @@ if [ "${1:-tests}" = tests ]; then
     > "$out/tests-kernels.log" 2>&1
   echo "kernel tests rc=$?"; tail -2 "$out/tests-kernels.log"
   # forward and gradients against the float64 oracle
-  timeout 260 python3 -m pytest -q -s -m gpu --maxfail=20 \
+  timeout "$(limit 260)" python3 -m pytest -q -s -m gpu --maxfail=20 \
     "$t::test_training_forward_opt_in_variants_match_float64_oracle" \
     "$g::test_exact_forward_matches_float64_oracle" \
     "$g::test_exact_forward_long_memory_with_custom_scale" \
     > "$out/tests-oracle.log" 2>&1
   echo "oracle tests rc=$?"; tail -2 "$out/tests-oracle.log"
-else
+fi
+if [ "$mode" = measure ] || [ "$mode" = all ]; then
   base="core1+dbwd+x1+s1+dense+tok+bs"
   variants="$base,$base+ua,$base+fo,$base+fo+ua,$base+fo+fow+ua"
   shapes="2048x12x1,8192x16x1,8192x24x1,1024x4x1,33x2x3-ragged"
-  timeout 150 python3 -m benchmarks.kernel_profile --only "$shapes" --train-variants "$variants" \
+  if [ "$mode" = all ]; then
+    variants="$base,$base+fo+ua,$base+fo+fow+ua"
+    shapes="2048x12x1,8192x16x1,1024x4x1,33x2x3-ragged"
+  fi
+  timeout "$(limit 150)" python3 -m benchmarks.kernel_profile --only "$shapes" --train-variants "$variants" \
     --forward-only > "$out/profile-forward.log" 2>&1
   echo "forward profile rc=$?"
-  timeout 200 python3 -m benchmarks.kernel_profile --only "$shapes" --train-variants "$variants" \
+  timeout "$(limit 200)" python3 -m benchmarks.kernel_profile --only "$shapes" --train-variants "$variants" \
     > "$out/profile-train.log" 2>&1
   echo "training profile rc=$?"
   grep -E "span" "$out/profile-forward.log" "$out/profile-train.log"
   # jax_kda's share of a jitted call's host time (SPEC: under 20 us), both forwards
   for exact in "" --exact; do
-    timeout 90 python3 -m benchmarks.host_cost --only "2048x12x1,33x2x3-ragged" --calls 100 \
+    timeout "$(limit 90)" python3 -m benchmarks.host_cost --only "2048x12x1,33x2x3-ragged" --calls 100 \
       $exact >> "$out/host-cost.log" 2>&1
   done
   cat "$out/host-cost.log"
