@@ -11,8 +11,8 @@ into each given segment count, or (--train) for a training step: forward and bac
 diagnostic for kernel work and for plan.py's cost model; the results tables come from
 ``benchmarks.run``). ``--train-variants base,core+dbwd+x3,core+dbwd+x3+v64`` profiles the
 backward's recompute and backward with the named kernels switched in and the rest off (with
-``--forward-only``, their forward alone: the no-bound forward); core1+dbwd+x1+s1+dense+tok+bs
-is the default.
+``--forward-only``, their forward alone: the no-bound forward);
+core1+dbwd+x1+s1+dense+tok+bs+fo+fow+ua is the default.
 """
 
 from __future__ import annotations

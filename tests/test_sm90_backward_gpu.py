@@ -1201,15 +1201,17 @@ def test_training_forward_with_single_pass_products_matches_float64_oracle(data,
 
 @pytest.mark.parametrize(
     "options",
-    [{"fuse_outputs": True}, {"scan_plain_addend": True},
-     {"fuse_outputs": True, "scan_plain_addend": True},
-     {"fuse_outputs": True, "outputs_warpgroup": True}],
-    ids=["scan-outputs", "plain-addend", "both", "outputs-warpgroup"],
+    [{"fuse_outputs": False, "outputs_warpgroup": False, "scan_plain_addend": False},
+     {"fuse_outputs": True, "outputs_warpgroup": False, "scan_plain_addend": False},
+     {"fuse_outputs": False, "outputs_warpgroup": False, "scan_plain_addend": True},
+     {"fuse_outputs": True, "outputs_warpgroup": False, "scan_plain_addend": True},
+     {"fuse_outputs": True, "outputs_warpgroup": True, "scan_plain_addend": False}],
+    ids=["unfused", "scan-outputs", "plain-addend", "both", "outputs-warpgroup"],
 )  # fmt: skip
 @pytest.mark.parametrize("data", ["production", "long-memory", "-30"])
-def test_training_forward_opt_in_variants_match_float64_oracle(data, options):
-    """sm90.training_forward's opt-in variants (off by default until this passes on a GPU): the
-    forward scan writing the outputs (2 heads of 4 sequences: 64 scan CTAs, fused on 132 SMs),
+def test_training_forward_scan_switches_match_float64_oracle(data, options):
+    """sm90.training_forward's forward-scan switches in their other settings (all three on is the
+    default, which the gradient tests above take through prefill): the forward scan writing the outputs (2 heads of 4 sequences: 64 scan CTAs, fused on 132 SMs),
     and the forward scans reading the chunk core's bf16 U as it is; output and all six
     gradients against the float64 oracle, ragged and empty sequences, harsh gates."""
     register()
@@ -1224,7 +1226,7 @@ def test_training_forward_opt_in_variants_match_float64_oracle(data, options):
     assert not np.isnan(np.asarray(o, np.float32)).any()
     assert rms_ratio(o, ref_o) <= RMS_RATIO_BAR and rms_ratio(final, ref_final) <= RMS_RATIO_BAR
     harsh = data == "-30"
-    _check_grads(f"opt-in {options} {data}", x, forward, scale=0.3, dg_scale_of_terms=harsh)
+    _check_grads(f"switches {options} {data}", x, forward, scale=0.3, dg_scale_of_terms=harsh)
 
 
 def _stacked_calls(lengths, heads, count, seed):

@@ -130,22 +130,24 @@ def test_long_memory_data_with_custom_scale(lengths):
         assert err_o <= RMS_RATIO_BAR and err_final <= RMS_RATIO_BAR
 
 
+_UNFUSED = {"fuse_outputs": False, "outputs_warpgroup": False, "scan_plain_addend": False}
 EXACT_VARIANTS = {
     "default": {},
-    "scan-outputs": {"fuse_outputs": True},
-    "plain-addend": {"scan_plain_addend": True},
-    "outputs-warpgroup": {"fuse_outputs": True, "outputs_warpgroup": True},
+    "unfused": _UNFUSED,
+    "plain-addend": {**_UNFUSED, "scan_plain_addend": True},
+    "scan-outputs-inline": {**_UNFUSED, "fuse_outputs": True, "scan_plain_addend": True},
 }
-"""The exact forward's opt-in variants (sm90.training_forward switches, off by default until
-they have run on a GPU): the forward scan writing the outputs where the plan fuses them (and
-its variant with the O products on a second warpgroup), and the forward scan
-reading the chunk core's bf16 U as it is."""
+"""The exact forward as prefill runs it (the default: the forward scan writes the outputs
+where the plan fuses them, its O products on a second warpgroup, and reads the chunk core's
+bf16 U as it is) and the other settings of those sm90.training_forward switches: none of
+them (the forward until 2026-12-06: the scan, then the outputs kernel, on a float32 copy of
+U), the plain U alone, and the outputs on the scan's own warpgroup."""
 
 
 def _exact_prefill(scale=None, variant="default"):
-    """The exact 64-token forward (no gate bound): prefill on sm90 (the chunk core, the forward
-    scan, the outputs kernel), or an opt-in variant through sm90.training_forward (its only
-    callers so far)."""
+    """The exact 64-token forward (no gate bound): prefill on sm90 (the chunk core, then the
+    forward scan with the outputs where the plan fuses them), or another setting of its
+    switches through sm90.training_forward."""
     options = EXACT_VARIANTS[variant]
     if not options:
         return jax.jit(
@@ -166,7 +168,7 @@ def _exact_prefill(scale=None, variant="default"):
 @pytest.mark.parametrize("case", CASES)
 def test_exact_forward_matches_float64_oracle(case, variant):
     """The no-bound forward on SPEC's length sets and a non-zero initial state, as prefill runs
-    it and in each opt-in variant (with scan-outputs the single sequences of few heads take the
+    it and in each other setting of its switches (the single sequences of few heads take the
     fused scan; the packed sets with more scan CTAs than SMs, such as 64 sequences of 32 heads,
     still the two kernels); empty sequences pass the state bit for bit."""
     lengths, heads = CASES[case]

@@ -328,12 +328,12 @@ def test_state_scan_with_outputs_exports_for_sm90a(v_slice):
 
 
 def test_the_scan_writes_the_outputs_only_when_asked_and_where_its_ctas_have_an_sm_each():
-    """training_forward(fuse_outputs=True) (off by default: not yet run on a GPU) takes the
-    scan with the outputs where plan.scan_outputs_v_slice gives a width: 2 heads (16 scan CTAs
-    at 16 columns) yes, 24 heads of one sequence at 32 columns (96 CTAs; 192 at 16, more than
-    the 132 SMs), 40 heads not at all (160 CTAs even at 32); the default never; a
-    differentiated call's forward scan stores no states where the backward scans them again
-    (both_scans)."""
+    """training_forward(fuse_outputs=True, the default) takes the scan with the outputs where
+    plan.scan_outputs_v_slice gives a width: 2 heads (16 scan CTAs at 16 columns) yes, 24 heads
+    of one sequence at 32 columns (96 CTAs; 192 at 16, more than the 132 SMs), 40 heads not at
+    all (160 CTAs even at 32); by default with the O products on a second warpgroup
+    (outputs_warpgroup); fuse_outputs=False never; a differentiated call's forward scan stores
+    no states where the backward scans them again (both_scans)."""
     from jax_kda.sm90.plan import scan_outputs_v_slice
 
     assert scan_outputs_v_slice(2, 1, SM_COUNT) == 16
@@ -346,23 +346,25 @@ def test_the_scan_writes_the_outputs_only_when_asked_and_where_its_ctas_have_an_
 
     for heads, fused in ((2, "t16"), (24, "t32"), (40, None)):
         x = production_inputs([100], heads, seed=9)
-        text = _lower(functools.partial(forward, fuse_outputs=True), *x)
+        text = _lower(functools.partial(forward, outputs_warpgroup=False), *x)
         assert ('"kda_chunk_outputs_sm90"' in text) == (fused is None), heads
         assert fused is None or f'kda_state_scan_sm90_fwd_{fused}x1of"' in text, heads
-        text = _lower(functools.partial(forward, fuse_outputs=True, outputs_warpgroup=True), *x)
-        assert ('x1ofw"' in text) == (fused is not None), heads
-        text = _lower(forward, *x)  # the default
+        text = _lower(forward, *x)  # the default: the outputs on a warpgroup of their own
+        assert ('"kda_chunk_outputs_sm90"' in text) == (fused is None), heads
+        assert fused is None or f'kda_state_scan_sm90_fwd_{fused}x1ofw"' in text, heads
+        off = functools.partial(forward, fuse_outputs=False, outputs_warpgroup=False)
+        text = _lower(off, *x)
         assert "x1o" not in text and '"kda_chunk_outputs_sm90"' in text, heads
     with pytest.raises(ValueError, match="outputs_warpgroup=True needs fuse_outputs=True"):
-        sm90.training_forward(*x[:7], 0.3, outputs_warpgroup=True)
+        sm90.training_forward(*x[:7], 0.3, fuse_outputs=False)
     x = production_inputs([300, 0, 77], 2, seed=8)
 
     def loss(q, k, v, g, beta, cu, state):
-        o, final = forward(q, k, v, g, beta, cu, state, fuse_outputs=True)
+        o, final = forward(q, k, v, g, beta, cu, state)
         return jnp.sum(o.astype(jnp.float32) ** 2) + jnp.sum(final**2)
 
     text = _lower(jax.grad(loss, argnums=(0, 1, 2, 3, 4, 6)), *x)
-    assert 'x1of"' in text and 'x1o"' not in text and '"kda_chunk_outputs_sm90"' not in text
+    assert 'x1ofw"' in text and 'x1ow"' not in text and '"kda_chunk_outputs_sm90"' not in text
 
 
 @pytest.mark.parametrize("v_slice", [0, *SCAN_TC_V_SLICES])
@@ -523,9 +525,9 @@ def test_state_scan_single_pass_variants_export_for_sm90a(reverse):
 def test_forward_scan_on_the_plain_addend_exports_and_lowers(v_slice, passes):
     """The forward tensor-core scan that reads the chunk core's bf16 U as it is exports as a
     variant of its own (addend bf16 [slots, H, 64 * 128]); reverse and SIMT scans are refused.
-    training_forward(scan_plain_addend=True) lowers to it, and its U then reaches the scan
-    without XLA's float32 V-sliced copy (the default keeps that copy: the variant has not yet
-    run on a GPU)."""
+    training_forward(scan_plain_addend=True, the default) lowers to it where the outputs are not
+    fused into the scan, and its U then reaches the scan without XLA's float32 V-sliced copy
+    (scan_plain_addend=False keeps that copy)."""
     artifact = sm90.state_scan_artifact(False, v_slice, True, passes, True)
     assert artifact.object_bytes[:4] == b"\x7fELF"
     suffix = f"t{v_slice}{'x1' if passes == 1 else ''}u"
@@ -540,14 +542,14 @@ def test_forward_scan_on_the_plain_addend_exports_and_lowers(v_slice, passes):
     def forward(q, k, v, g, beta, cu, state, **options):
         return sm90.training_forward(
             q, k, v, g, beta, cu, state, 0.3, scan_v_slice=v_slice, scan_passes=passes,
-            **options,
+            fuse_outputs=False, outputs_warpgroup=False, **options,
         )  # fmt: skip
 
     # XLA's float32 copy of U in the scan's V slices [slots, H, 128 / VS, 64 VS]
     copy = re.compile(rf"stablehlo.convert .*x{128 // v_slice}x{64 * v_slice}xbf16>\) -> ")
     text = _lower(functools.partial(forward, scan_plain_addend=True), *x)
     assert f'"kda_state_scan_sm90_fwd_{suffix}"' in text and not copy.search(text)
-    text = _lower(forward, *x)
+    text = _lower(functools.partial(forward, scan_plain_addend=False), *x)
     assert f'"kda_state_scan_sm90_fwd_{suffix[:-1]}"' in text and copy.search(text)
     if passes == 1:  # a training step: the backward's both scans take U as it is too
 

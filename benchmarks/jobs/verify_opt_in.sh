@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
 # A GPU-machine job (../shared/device/README.md: run after the two-call staging, from the
 # repository root), in two parts that each fit one device call:
-#   bash benchmarks/jobs/verify_opt_in.sh tests    the sm90 variants that are opt-in because they
-#                                                  have not yet run on a GPU (training_forward's
-#                                                  fuse_outputs, outputs_warpgroup and
-#                                                  scan_plain_addend) against the verified kernels
-#                                                  and the float64 oracle
+#   bash benchmarks/jobs/verify_opt_in.sh tests    the sm90 variants that were opt-in until they
+#                                                  ran on a GPU (training_forward's fuse_outputs,
+#                                                  outputs_warpgroup and scan_plain_addend; the
+#                                                  defaults since, H100 2026-12-06) against the
+#                                                  kernels without them and the float64 oracle
 #   bash benchmarks/jobs/verify_opt_in.sh measure  their kernel times beside the default's, and
 #                                                  the host cost of a jitted call
 #   bash benchmarks/jobs/verify_opt_in.sh all      both in one call (for a session short of
@@ -40,7 +40,7 @@ if [ "$mode" = tests ] || [ "$mode" = all ]; then
   echo "kernel tests rc=$?"; tail -2 "$out/tests-kernels.log"
   # forward and gradients against the float64 oracle
   timeout "$(limit 260)" python3 -m pytest -q -s -m gpu --maxfail=20 \
-    "$t::test_training_forward_opt_in_variants_match_float64_oracle" \
+    "$t::test_training_forward_scan_switches_match_float64_oracle" \
     "$g::test_exact_forward_matches_float64_oracle" \
     "$g::test_exact_forward_long_memory_with_custom_scale" \
     > "$out/tests-oracle.log" 2>&1

@@ -362,8 +362,8 @@ def state_scan_outputs_kernel(
     in bf16). states=False: the caller needs no chunk states (a call that is not
     differentiated); the one launch then stores none and returns None for them.
     outputs_warpgroup: the one launch's variant with the O products on a second warpgroup;
-    plain_addend: the two kernels' scan takes U as it is (state_scan_kernel's). Neither the
-    one launch nor those two options have yet run on a GPU."""
+    plain_addend: the two kernels' scan takes U as it is (state_scan_kernel's). All three
+    passed their GPU tests (H100, 2026-12-06) and are training_forward's defaults."""
     from jax_kda.sm90.ffi_call import cute_call
 
     num_heads, num_sequences = y0.shape[1], y0.shape[0]
@@ -467,7 +467,7 @@ def state_scans_kernel(
     d_final, reverse=True), in one launch where the variant (scan_variant's) runs on tensor
     cores at one pass (state_scans_artifact), else as two state_scan_kernel calls. The
     operands as state_scan_kernel takes them (ImagedOperand, SlicedAddend); plain_addend as
-    there (the forward scan reads a bf16 U as it is; off by default, not yet run on a GPU)."""
+    there (the forward scan reads a bf16 U as it is; training_forward's default)."""
     from jax_kda.sm90.ffi_call import cute_call
 
     num_heads, num_sequences = y0.shape[1], y0.shape[0]
@@ -651,7 +651,8 @@ def state_scan_kernel(
     plain_addend: the forward tensor-core scan reads a bfloat16 addend (the chunk core's U) as
     it is, each CTA its slice (state_scan_artifact's variant), instead of a float32 V-sliced
     copy that XLA makes (6.0 / 28.3 us at 2048x12x1 / 8192x16x1 on the H200); the same
-    values, so the same results. Off by default: that variant has not yet run on a GPU."""
+    values, so the same results (bit for bit on the H100, 2026-12-06); training_forward's
+    default."""
     from jax_kda.sm90.ffi_call import cute_call
 
     num_heads, num_sequences = y0.shape[1], y0.shape[0]
@@ -1589,8 +1590,8 @@ DENSE_PRECISIONS = {
 def _training_chunks(
     num_heads, num_sequences, *, both_scans, chunk_core=True, decayed_bwd=True,
     scan_v_slice=None, scan_tensor_cores=None, dense_precision="bf16", chunk_core_passes=1,
-    scan_passes=None, tokens_bwd=True, fuse_tokens=True, fuse_outputs=False,
-    scan_plain_addend=False, outputs_warpgroup=False,
+    scan_passes=None, tokens_bwd=True, fuse_tokens=True, fuse_outputs=True,
+    scan_plain_addend=True, outputs_warpgroup=True,
 ):  # fmt: skip
     """training_forward's differentiable_chunks for these switches (its dense_bwd=True form);
     the defaults are the training path's kernels, which training_residual_forward and
@@ -1645,7 +1646,7 @@ def training_forward(
     q, k, v, g, beta, cu_seqlens, initial_state, scale, *, chunk_core=True, decayed_bwd=True,
     scan_v_slice=None, scan_tensor_cores=None, dense_precision="bf16", chunk_core_passes=1,
     scan_passes=None, dense_bwd=True, tokens_bwd=None, both_scans=True, fuse_tokens=True,
-    fuse_outputs=False, scan_plain_addend=False, outputs_warpgroup=False,
+    fuse_outputs=True, scan_plain_addend=True, outputs_warpgroup=True,
 ):  # fmt: skip
     """The forward the sm90 backward differentiates (and the no-bound forward), exact for any
     g <= 0: the chunk-core kernel's per-chunk operands (their backward written out,
@@ -1686,13 +1687,18 @@ def training_forward(
     False: one after the other). fuse_outputs=True (with dense_bwd, where the outputs kernel
     would run): the forward scan writes the outputs itself where plan.scan_outputs_v_slice says
     so, state_scan_outputs_kernel (on tensor cores at one pass; elsewhere it runs the two
-    kernels). Off by default: that kernel compiles and lowers but has not yet run on a GPU.
-    outputs_warpgroup=True (with fuse_outputs): that kernel's variant whose O products and
-    stores run on a second warpgroup, off the serial chain (off by default, not yet run on a
-    GPU).
+    kernels). outputs_warpgroup=True (with fuse_outputs): that kernel's variant whose O
+    products and stores run on a second warpgroup, off the serial chain.
     scan_plain_addend=True (with dense_bwd): the forward scans (the forward's, and the
     backward's recompute beside the reverse one) read the chunk core's bf16 U as it is
-    (state_scan_kernel's plain_addend; off by default, not yet run on a GPU).
+    (state_scan_kernel's plain_addend). All three are on by default since they passed their
+    GPU tests (H100, 2026-12-06: benchmarks/results/2026-12-06-h100-tests-opt-in-*.log); with
+    them a forward that is not differentiated is two launches, the chunk core and the scan
+    with the outputs. H100 kernel_profile (2026-12-06-h100-profile-forward.log), the forward
+    alone, off -> fuse_outputs + scan_plain_addend -> all three: 2048x12x1 116.2 -> 108.4 ->
+    100.7 us, 8192x16x1 512.8 -> 453.5 -> 437.8, 1024x4x1 44.1 -> 46.3 -> 42.6,
+    33x2x3-ragged 27.7 -> 22.2 -> 19.8; recompute + backward (2026-12-06-h100-profile-train.log) 317.9 /
+    1440.5 / 102.5 / 68.3 us off, 310.3 / 1408.5 / 97.1 / 61.7 with all three.
     both_scans=True (with dense_bwd): the backward runs the chunk states' scan again beside the
     reverse scan, in one launch (state_scans_kernel), instead of saving the states from the
     forward's scan.
@@ -1709,7 +1715,7 @@ def training_forward(
     16 warps each, with nothing else in shared memory. decayed_tokens_bwd_kernel fuses only
     the element-wise rest, at the decayed kernel's two CTAs an SM since it took half the
     channels a CTA (H200, kernel_profile --train: the two kernels' 113.8 / 569.6 us to 100.6 /
-    481.5). The forward scan with the outputs (fuse_outputs) is not yet timed on a GPU."""
+    481.5)."""
     if decayed_bwd and not chunk_core:
         raise ValueError("decayed_bwd=True needs chunk_core=True (the operands' backward it is in)")
     if tokens_bwd is None:

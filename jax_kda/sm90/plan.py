@@ -236,8 +236,7 @@ def scan_outputs_v_slice(num_heads: int, num_sequences: int, sm_count: int | Non
     CTAs, each twice the columns). The outputs' operands (Qg and Aqk, two stages, and images)
     take its shared memory from about 77 to 149 KiB (v_slice 16; 156 KiB with the outputs on
     a warpgroup of their own), one CTA an SM, so where the scan's CTAs outnumber the SMs the
-    two kernels run one after the other instead. Unknown SM count: None. (Asked for only
-    through training_forward(fuse_outputs=True); not yet run on a GPU.)"""
+    two kernels run one after the other instead. Unknown SM count: None."""
     if sm_count is None:
         return None
     planned = scan_v_slice(num_heads, num_sequences, sm_count)

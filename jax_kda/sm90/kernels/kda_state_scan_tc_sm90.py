@@ -46,8 +46,8 @@ slice (padded rows: the -P reads hit distinct banks), so XLA makes no float32 V-
 of U (6.0 / 28.3 us at 2048x12x1 / 8192x16x1 on the H200). These variants (plain addend, with
 outputs) take y0 and give final in prefill's layout, [N, H, V, K], where the default scans use
 [N, H, K, V]: their callers' transposes then cancel against xla.forward's, and the state is not
-copied on the way in or out. None of these variants (outputs,
-split, plain addend) has yet run on a GPU; the backend takes them only where asked.
+copied on the way in or out. All three (outputs, split, plain addend) passed their GPU tests
+on the H100 (2026-12-06) and are the training forward's defaults.
 """
 
 from __future__ import annotations
