@@ -107,6 +107,12 @@ def default_artifacts():
             lambda v=v_slice: sm90.state_scan_artifact(True, v, True, 1),
             lambda v=v_slice: sm90.state_scans_artifact(v),
             lambda v=v_slice: sm90.state_cotangent_artifact(v),
+            # the forward scans on the chunk core's bf16 U, alone and with the outputs on a
+            # warpgroup of their own (stored states or none), and both scans on it
+            lambda v=v_slice: sm90.state_scan_artifact(False, v, True, 1, True),
+            lambda v=v_slice: sm90.state_scan_outputs_artifact(v, True, True),
+            lambda v=v_slice: sm90.state_scan_outputs_artifact(v, False, True),
+            lambda v=v_slice: sm90.state_scans_artifact(v, True),
         ]
     return makers
 
