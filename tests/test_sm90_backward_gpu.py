@@ -1211,9 +1211,10 @@ def test_training_forward_with_single_pass_products_matches_float64_oracle(data,
 @pytest.mark.parametrize("data", ["production", "long-memory", "-30"])
 def test_training_forward_scan_switches_match_float64_oracle(data, options):
     """sm90.training_forward's forward-scan switches in their other settings (all three on is the
-    default, which the gradient tests above take through prefill): the forward scan writing the outputs (2 heads of 4 sequences: 64 scan CTAs, fused on 132 SMs),
-    and the forward scans reading the chunk core's bf16 U as it is; output and all six
-    gradients against the float64 oracle, ragged and empty sequences, harsh gates."""
+    default, which the gradient tests above take through prefill): the forward scan writing the
+    outputs (2 heads of 4 sequences: 64 scan CTAs, fused on 132 SMs), and the forward scans
+    reading the chunk core's bf16 U as it is; output and all six gradients against the float64
+    oracle, ragged and empty sequences, harsh gates."""
     register()
     x = _training_case(data, SEED + 29)
 

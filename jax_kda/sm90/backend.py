@@ -1697,8 +1697,9 @@ def training_forward(
     with the outputs. H100 kernel_profile (2026-12-06-h100-profile-forward.log), the forward
     alone, off -> fuse_outputs + scan_plain_addend -> all three: 2048x12x1 116.2 -> 108.4 ->
     100.7 us, 8192x16x1 512.8 -> 453.5 -> 437.8, 1024x4x1 44.1 -> 46.3 -> 42.6,
-    33x2x3-ragged 27.7 -> 22.2 -> 19.8; recompute + backward (2026-12-06-h100-profile-train.log) 317.9 /
-    1440.5 / 102.5 / 68.3 us off, 310.3 / 1408.5 / 97.1 / 61.7 with all three.
+    33x2x3-ragged 27.7 -> 22.2 -> 19.8; recompute + backward
+    (2026-12-06-h100-profile-train.log) 317.9 / 1440.5 / 102.5 / 68.3 us off, 310.3 / 1408.5 /
+    97.1 / 61.7 with all three.
     both_scans=True (with dense_bwd): the backward runs the chunk states' scan again beside the
     reverse scan, in one launch (state_scans_kernel), instead of saving the states from the
     forward's scan.
