@@ -1,10 +1,14 @@
 #!/usr/bin/env bash
 # A GPU-machine job (after the two-call staging, carrying .device/peers; from the repository
 # root): the harness on SPEC's shapes, FlashKDA's and the edge cases, jax_kda against the peers
-# in the same process, one mode per call (forward or train: `bash benchmarks/jobs/harness.sh
-# train`). Each part ends inside the call's limit (--stop-after) and a second call with the
-# same arguments resumes it. The cuDNN engines run in a process of their own (a failed graph
-# capture there can poison the next one's CUDA state). Results under $OUT/MODE/.
+# in the same run, one mode per call (forward or train: `bash benchmarks/jobs/harness.sh
+# train`). The parts run in the order of what they cost against what they tell: jax_kda's own
+# rows first, then the cuDNN engines (in a process of their own: a failed graph capture there
+# can poison the next one's CUDA state), then jla, then fla (Triton autotuning, about 100 s a
+# head count on its first call: on 2026-12-06 it took the jax part's whole limit after one
+# shape). Every part ends inside what is left of the call (DEADLINE_S, default 570 s;
+# --stop-after), and a second call with the same arguments on the same warm machine resumes
+# where the first stopped. Results under $OUT/MODE/.
 set -u
 source .device/env.sh
 # the kernels compiled ahead without a GPU (benchmarks/jobs/prefill_kernel_cache.py), if carried
@@ -16,13 +20,20 @@ train=""
 mkdir -p "$out/$mode"
 json="$out/$mode/$mode.json"
 [ -f "/tmp/harness-$mode.json" ] && cp "/tmp/harness-$mode.json" "$json"
-resume=""
-[ -f "$json" ] && resume="--resume"
-timeout 330 python3 -m benchmarks.run $train $resume --stop-after 270 --output "$json" \
-  --only "spec,flashkda,edge,jax_kda/sm90,sm90_exact,fla,jla" > "$out/$mode/jax.log" 2>&1
-echo "jax and triton peers rc=$?"
-timeout 220 python3 -m benchmarks.run $train --resume --stop-after 170 --output "$json" \
-  --only "spec,flashkda,edge,cudnn" > "$out/$mode/cudnn.log" 2>&1
-echo "cudnn rc=$?"
-cp "$json" "/tmp/harness-$mode.json"  # for a resumed call on the same warm machine
-tail -40 "${json%.json}.md"
+end=$((SECONDS + ${DEADLINE_S:-570}))
+shapes="spec,flashkda,edge"
+for part in "jax_kda/sm90,sm90_exact" cudnn jla fla; do
+  left=$((end - SECONDS))
+  if ((left < 60)); then
+    echo "$part: skipped, ${left} s left (a second call resumes)"
+    continue
+  fi
+  resume=""
+  [ -f "$json" ] && resume="--resume"
+  # the part stops starting rows 45 s before the call's end; a row under way finishes
+  timeout "$((left - 5))" python3 -m benchmarks.run $train $resume --stop-after "$((left - 45))" \
+    --output "$json" --only "$shapes,$part" > "$out/$mode/${part%%/*}.log" 2>&1
+  echo "$part rc=$?"
+  [ -f "$json" ] && cp "$json" "/tmp/harness-$mode.json"  # for a resumed call
+done
+[ -f "${json%.json}.md" ] && tail -40 "${json%.json}.md"
