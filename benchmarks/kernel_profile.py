@@ -153,7 +153,8 @@ def _main():
         "on its kernel, into the tokens' rows, fused into the decayed kernel where both are "
         "on), 'sep' (with tok: the decayed and tokens kernels one after the other), 'fo' (with "
         "dense: the forward scan writes the outputs where the plan fuses them), 'fow' (with fo: "
-        "its O products and stores on a second warpgroup), 'ua' (with "
+        "its O products and stores on a second warpgroup), 'oi' (with fow: Qg and Aqk from "
+        "the chunk core as that warpgroup's images), 'ua' (with "
         "dense: the forward scan reads the chunk core's bf16 U as it is), 'bs' "
         "(with dense: both state scans in the "
         "backward, in one launch), joined by '+' (e.g. base,core+dbwd+v64+x3)",
@@ -232,6 +233,7 @@ def _variants(text: str) -> list[tuple[str, dict]]:
             "fuse_outputs": False,
             "scan_plain_addend": False,
             "outputs_warpgroup": False,
+            "outputs_images": False,
         }
         for part in name.split("+"):
             if part == "core":
@@ -257,6 +259,8 @@ def _variants(text: str) -> list[tuple[str, dict]]:
                 options["fuse_outputs"] = True
             elif part == "fow":  # with fo: its O products on a second warpgroup
                 options["outputs_warpgroup"] = True
+            elif part == "oi":  # with fow: Qg and Aqk from the chunk core as images
+                options["outputs_images"] = True
             elif part == "ua":  # with dense: the forward scan reads U bf16, plain
                 options["scan_plain_addend"] = True
             elif part == "bs":  # with dense: both state scans in the backward, one launch

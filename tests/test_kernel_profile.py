@@ -70,6 +70,7 @@ def test_train_variants_parse_into_training_forward_options():
         "fuse_outputs": False,
         "scan_plain_addend": False,
         "outputs_warpgroup": False,
+        "outputs_images": False,
     }
     assert _variants("x1+dense+bs")[0][1] == {
         **off, "dense_precision": "bf16", "dense_bwd": True, "both_scans": True,
@@ -103,6 +104,10 @@ def test_train_variants_parse_into_training_forward_options():
     assert _variants("x1+dense+fo+fow")[0][1] == {
         **off, "dense_precision": "bf16", "dense_bwd": True, "fuse_outputs": True,
         "outputs_warpgroup": True,
+    }  # fmt: skip
+    assert _variants("x1+dense+fo+fow+oi")[0][1] == {
+        **off, "dense_precision": "bf16", "dense_bwd": True, "fuse_outputs": True,
+        "outputs_warpgroup": True, "outputs_images": True,
     }  # fmt: skip
     assert _variants("x1+dense+ua")[0][1] == {
         **off, "dense_precision": "bf16", "dense_bwd": True, "scan_plain_addend": True,

@@ -870,6 +870,69 @@ def test_state_scan_with_outputs_equals_the_scan_and_the_outputs_kernel(
     assert twin <= 1e-4 and error <= 2e-2 and same_ops <= 5e-3, (twin, error, same_ops)
 
 
+def _scan_order(rows: int, cols: int) -> np.ndarray:
+    """Flat offsets in the scan's operand order (chunk_io.scan_order_offset) of a [rows, cols]
+    chunk array's elements, row-major."""
+    i, c = np.meshgrid(np.arange(rows), np.arange(cols), indexing="ij")
+    return (((c // 8) * (rows // 8) + i // 8) * 64 + (i % 8) * 8 + c % 8).ravel()
+
+
+@pytest.mark.parametrize("v_slice", SCAN_TC_V_SLICES)
+@pytest.mark.parametrize("lengths, data", CHUNK_SCAN_CASES, ids=str)
+def test_chunk_core_images_and_the_scan_on_them_equal_the_plain_ones(lengths, data, v_slice):
+    """The forward-alone chunk core's images variant (Qg and Aqk written as the scan's K-major
+    operand images) against the plain one: every other output bit for bit, Qg and Aqk the same
+    values in the scan's order; then the split scan with the outputs that copies those images
+    in as they are against the one that lays the plain arrays out (no chunk states stored):
+    final states and o bit for bit (the same products on the same operand values), every
+    result NaN-poisoned first; ragged, empty and gap slots, long memory, no tokens at all."""
+    register()
+    seed = SEED + 11 * len(lengths)
+    x, cu, num_slots, _, _, _, y0 = _chunk_scan_case(lengths, data, seed)
+    tokens, heads = x.q.shape[:2]
+    token_inputs = [jnp.asarray(a) for a in x[:5]]
+    core = jax.jit(sm90.chunk_core_kernel, static_argnums=(6, 7, 8, 9, 10))
+    plain = core(*token_inputs, cu, num_slots, 0.3, 1, False, False)
+    images = core(*token_inputs, cu, num_slots, 0.3, 1, False, True)
+    names = ("w", "u", "qg", "attn", "kd", "decay")
+    for name, a, b in zip(names, plain[:6], images[:6], strict=True):
+        a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+        if name in ("qg", "attn"):  # the image holds element (i, c) at its scan-order offset
+            rows, cols = a.shape[-2:]
+            a = a.reshape(*a.shape[:2], rows * cols)[..., np.argsort(_scan_order(rows, cols))]
+            a = a.reshape(b.shape)
+        np.testing.assert_array_equal(a, b, err_msg=name)
+    if not tokens:
+        return
+    _, rows = xla._token_slots(cu, tokens)
+    f32, bf16 = jnp.float32, jnp.bfloat16
+    results = [
+        jax.ShapeDtypeStruct(y0.shape, f32),
+        jax.ShapeDtypeStruct((tokens, heads, 128), bf16),
+    ]
+
+    def scan(core_out, use_images):
+        w, u, qg, attn, kd, decay = core_out[:6]
+        a_img, bt_img, _ = sm90.state_scan_operands(
+            sm90.backend.ImagedOperand(sm90.backend.chunk_rows(w), w),
+            sm90.backend.ImagedOperand(sm90.backend.chunk_rows(kd), kd), None, v_slice, 1,
+        )  # fmt: skip
+        inputs = [a_img, bt_img, decay, u.reshape(num_slots, heads, -1), cu,
+                  jnp.swapaxes(y0, -1, -2), qg.reshape(num_slots, heads, -1),
+                  attn.reshape(num_slots, heads, -1)]  # fmt: skip
+        poison = [jnp.full(r.shape, jnp.nan, r.dtype) for r in results]
+        aliases = {len(inputs) + i: i for i in range(len(results))}
+        artifact = sm90.state_scan_outputs_artifact(v_slice, False, True, use_images)
+        return cute_call(artifact, [*inputs, *poison], results, aliases=aliases)
+
+    ref_final, ref_o = jax.jit(scan, static_argnums=1)(plain, False)
+    final, o = jax.jit(scan, static_argnums=1)(images, True)
+    for name, a, b in (("final", final, ref_final), ("o", o, ref_o)):
+        a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+        assert not np.isnan(a).any(), name
+        np.testing.assert_array_equal(a, b, err_msg=name)
+
+
 @pytest.mark.parametrize("v_slice", [0, 16])
 @pytest.mark.parametrize("lengths", [[130, 0, 70, 1], [64, 10, 128, 0, 65], [3000, 257]], ids=str)
 def test_state_cotangent_kernel_matches_xla(lengths, v_slice):

@@ -136,12 +136,14 @@ EXACT_VARIANTS = {
     "unfused": _UNFUSED,
     "plain-addend": {**_UNFUSED, "scan_plain_addend": True},
     "scan-outputs-inline": {**_UNFUSED, "fuse_outputs": True, "scan_plain_addend": True},
+    "outputs-images": {"outputs_images": True},
 }
 """The exact forward as prefill runs it (the default: the forward scan writes the outputs
 where the plan fuses them, its O products on a second warpgroup, and reads the chunk core's
 bf16 U as it is) and the other settings of those sm90.training_forward switches: none of
 them (the forward until 2026-12-06: the scan, then the outputs kernel, on a float32 copy of
-U), the plain U alone, and the outputs on the scan's own warpgroup."""
+U), the plain U alone, the outputs on the scan's own warpgroup, and (outputs_images, opt-in,
+not yet run on a GPU) the chunk core writing Qg and Aqk as the scan's operand images."""
 
 
 def _exact_prefill(scale=None, variant="default"):

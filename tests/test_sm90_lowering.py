@@ -108,18 +108,14 @@ def test_auto_picks_sm90_for_bf16_and_xla_for_float32():
     x = production_inputs([20], 2, seed=3)
     assert TARGET in _lower(_prefill(), *x)
     # Without a gate bound: the exact forward (the chunk-core kernel's forward-alone variant,
-    # the state scan and the outputs after it), no forward kernel.
+    # then the state scan that writes the outputs: 16 scan CTAs here), no forward kernel.
     for backend in ("auto", "sm90"):
         prefixes = re.findall(
             r'prefix = "(\w+)"', _lower(_prefill(backend=backend, gate_lower_bound=None), *x)
         )
         kinds = {p.rsplit("_", 1)[0] for p in prefixes}
-        expected = {
-            "kda_chunk_operands_sm90_x1_fwd",
-            "kda_state_scan_sm90_fwd",
-            "kda_chunk_outputs",
-        }
-        assert kinds == expected, prefixes
+        expected = {"kda_chunk_operands_sm90_x1_fwd", "kda_state_scan_sm90_fwd"}
+        assert kinds == expected and prefixes[-1].endswith("x1ofw"), prefixes
     x32 = production_inputs([20], 2, seed=3, dtype=jnp.float32)
     assert TARGET not in _lower(_prefill(), *x32)
     with pytest.raises(jax_kda.BackendUnavailableError, match="take bfloat16 q, k, v; got float32"):
@@ -151,7 +147,7 @@ def test_prepared_inputs_and_grouped_heads_lower_to_the_kernels(lower_bound):
     forward = {"kda_fwd_sm90_h2"} if lower_bound is not None else {"kda_chunk_operands_sm90_x1_fwd"}
     assert kinds == forward | {
         "kda_chunk_operands_sm90_x1", "kda_decayed_tokens_bwd_sm90", "kda_state_scan_sm90_fwd",
-        "kda_state_scans_sm90", "kda_dense_bwd", "kda_state_cotangent_sm90", "kda_chunk_outputs",
+        "kda_state_scans_sm90", "kda_dense_bwd", "kda_state_cotangent_sm90",
     }, kinds  # fmt: skip
 
 
@@ -325,6 +321,71 @@ def test_state_scan_with_outputs_exports_for_sm90a(v_slice):
             ChunkStateScanTcSm90(ScanConfig(reverse=reverse, v_slice=v_slice), passes, True)
     with pytest.raises(ValueError, match="runs on tensor cores"):
         sm90.state_scan_outputs_artifact(64)
+    for states, suffix in ((True, "owi"), (False, "ofwi")):  # Qg and Aqk as images
+        images = sm90.state_scan_outputs_artifact(v_slice, states, True, True)
+        assert images.prefix == f"kda_state_scan_sm90_fwd_t{v_slice}x1{suffix}"
+        assert images.object_bytes[:4] == b"\x7fELF"
+        assert len(images.tensors) == len(sm90.state_scan_outputs_artifact(v_slice, states).tensors)
+    with pytest.raises(ValueError, match="variant of the scan with outputs_warpgroup=True"):
+        sm90.state_scan_outputs_artifact(v_slice, True, False, True)
+
+
+def test_chunk_core_images_variant_exports_and_feeds_the_one_launch_only():
+    """The chunk core's variant that writes Qg and Aqk as the scan's operand images (flat) is
+    a one-pass forward-alone variant of its own; training_forward(outputs_images=True) takes it,
+    with the scan variant that copies them in as they are, exactly where the one launch runs
+    (2 heads; 24 heads at 32 columns), not where the two kernels do (40 heads), not in a
+    differentiated call, and never by default; the scan wrapper refuses images it cannot
+    take."""
+    artifact = sm90.chunk_operands_artifact(0.3, 1, False, True)
+    assert artifact.object_bytes[:4] == b"\x7fELF"
+    assert artifact.prefix.startswith("kda_chunk_operands_sm90_x1_fwd_img_")
+    assert artifact.key != sm90.chunk_operands_artifact(0.3, 1, False).key
+    qg, attn = (artifact.tensors[i] for i in (7, 8))  # after q, k, v, g, beta, cu, u
+    assert (qg.rank, attn.rank) == (3, 3)
+    for residuals, passes in ((True, 1), (False, 3)):
+        with pytest.raises(ValueError, match="one-pass forward-alone chunk core"):
+            sm90.chunk_operands_artifact(0.3, passes, residuals, True)
+
+    def forward(q, k, v, g, beta, cu, state, **options):
+        return sm90.training_forward(q, k, v, g, beta, cu, state, 0.3, **options)
+
+    def prefixes(fn, *x):  # the chunk core's without its scale tag
+        found = set(re.findall(r'prefix = "(\w+)"', _lower(fn, *x)))
+        return {p.rsplit("_", 1)[0] if "chunk_operands" in p else p for p in found}
+
+    for heads, fused in ((2, "t16"), (24, "t32"), (40, None)):
+        x = production_inputs([100], heads, seed=9)
+        found = prefixes(functools.partial(forward, outputs_images=True), *x)
+        if fused:
+            assert f"kda_state_scan_sm90_fwd_{fused}x1ofwi" in found, found
+            assert "kda_chunk_operands_sm90_x1_fwd_img" in found, found
+            assert "kda_chunk_outputs_sm90" not in found, found
+        else:
+            assert not any(p.endswith(("_img", "wi")) for p in found), found
+            assert "kda_chunk_outputs_sm90" in found, found
+        assert not any(p.endswith(("_img", "wi")) for p in prefixes(forward, *x)), heads
+    with pytest.raises(ValueError, match="outputs_images=True needs outputs_warpgroup=True"):
+        sm90.training_forward(*x[:7], 0.3, outputs_images=True, outputs_warpgroup=False)
+    x = production_inputs([300, 0, 77], 2, seed=8)
+
+    def loss(q, k, v, g, beta, cu, state):
+        o, final = forward(q, k, v, g, beta, cu, state, outputs_images=True)
+        return jnp.sum(o.astype(jnp.float32) ** 2) + jnp.sum(final**2)
+
+    found = prefixes(jax.grad(loss, argnums=(0, 1, 2, 3, 4, 6)), *x)
+    assert "kda_state_scan_sm90_fwd_t16x1ofw" in found, found
+    assert not any(p.endswith(("_img", "wi")) for p in found), found
+    assert not sm90.scan_outputs_fused(40, 1, 2, 100)
+    assert sm90.scan_outputs_fused(2, 1, 2, 100) and not sm90.scan_outputs_fused(2, 1, 0, 0)
+    w = jnp.zeros((2, 2, 64 * 128), jnp.bfloat16)
+    core = [w, jnp.zeros((2, 2, 64, 128), jnp.bfloat16)]
+    with pytest.raises(ValueError, match="serve the one launch only"):
+        sm90.state_scan_outputs_kernel(
+            w, w, jnp.ones((2, 2, 128)), core[1], jnp.array([0, 100], jnp.int32),
+            jnp.zeros((1, 2, 128, 128)), w, jnp.zeros((2, 2, 64 * 64), jnp.bfloat16),
+            jnp.zeros((100,), jnp.int32), fuse=False, outputs_warpgroup=True, images=True,
+        )  # fmt: skip
 
 
 def test_the_scan_writes_the_outputs_only_when_asked_and_where_its_ctas_have_an_sm_each():
@@ -413,9 +474,10 @@ def test_training_forward_lowers_to_the_tokens_bwd_kernel_unless_switched_off(to
     "dense_precision, ops", [(None, None), ("bf16", None), ("bf16x3", 3), ("float32", None)]
 )
 def test_training_forward_dense_precision_lowers_to_its_bf16_passes(dense_precision, ops):
-    """The forward's dense products (the outputs around the scan) run on their kernel at one
-    bf16 pass (the default, "bf16": no XLA product left), as three bf16 passes in XLA with
-    dense_precision="bf16x3", at HIGHEST with "float32"; another value is refused."""
+    """The forward's dense products (the outputs around the scan) run on a kernel at one bf16
+    pass (the default, "bf16": no XLA product left; here in the scan that writes them), as
+    three bf16 passes in XLA with dense_precision="bf16x3", at HIGHEST with "float32"; another
+    value is refused."""
     x = production_inputs([300, 0, 77], 2, seed=8)
     options = {} if dense_precision is None else {"dense_precision": dense_precision}
 
@@ -426,7 +488,7 @@ def test_training_forward_dense_precision_lowers_to_its_bf16_passes(dense_precis
     found = set(re.findall(r"num_primitive_operations = (\d+)", text))
     assert found == ({str(ops)} if ops else set())
     on_kernel = dense_precision in (None, "bf16")
-    assert ('prefix = "kda_chunk_outputs_sm90"' in text) == on_kernel
+    assert ('x1ofw"' in text) == on_kernel
     assert ("stablehlo.dot_general" in text) != on_kernel
     with pytest.raises(ValueError, match="dense_precision is one of"):
         sm90.training_forward(*x[:7], 0.3, dense_precision="tf32")
@@ -590,17 +652,17 @@ def test_grad_lowers_to_the_backward_kernels_and_no_loop():
     prefixes = re.findall(r'prefix = "(\w+)"', text)
     assert any(p.startswith("kda_fwd_sm90_") for p in prefixes), prefixes
     # the tensor-core scan at one bf16 pass a product, the backward's default
-    assert "kda_state_scans_sm90_t16x1" in prefixes
+    assert "kda_state_scans_sm90_t16x1u" in prefixes  # on the chunk core's bf16 U
     assert not any(p.startswith("kda_state_scan_sm90_rev") for p in prefixes), prefixes
     assert "kda_dense_bwd_sm90" in prefixes  # the products around the scan, backward
     assert "stablehlo.while" not in text
 
 
 def test_grad_with_saved_residuals_lowers_without_a_recompute():
-    """With saved residuals the gradient's forward is the exact 64-token one (chunk core,
-    forward scan, outputs: no gate-bound forward kernel even with a bound) and its backward
-    recomputes nothing: one chunk-core call, the reverse scan alone. Under vmap each element
-    is its own call (a loop), and a loss linear in o leaves the outputs kernel dead."""
+    """With saved residuals the gradient's forward is the exact 64-token one (chunk core, then
+    the forward scan that writes the outputs and stores the chunk states: no gate-bound forward
+    kernel even with a bound) and its backward recomputes nothing: one chunk-core call, the
+    reverse scan alone. Under vmap each element is its own call (a loop)."""
     x = production_inputs([300, 0, 77], 2, seed=5)
 
     def loss(q, k, v, g, beta, cu, state):
@@ -632,13 +694,12 @@ def test_grad_with_saved_residuals_lowers_without_a_recompute():
         text = _lower(fn, *args)
         prefixes = re.findall(r'prefix = "(\w+)"', text)
         expected = {
-            "kda_chunk_operands_sm90_x1", "kda_state_scan_sm90_fwd", "kda_chunk_outputs",
-            "kda_state_cotangent_sm90", "kda_state_scan_sm90_rev", "kda_dense_bwd",
-            "kda_decayed_tokens_bwd_sm90",
+            "kda_chunk_operands_sm90_x1", "kda_state_scan_sm90_fwd", "kda_state_cotangent_sm90",
+            "kda_state_scan_sm90_rev", "kda_dense_bwd", "kda_decayed_tokens_bwd_sm90",
         }  # fmt: skip
-        if name == "vmap":
-            expected.remove("kda_chunk_outputs")
         assert {p.rsplit("_", 1)[0] for p in prefixes} == expected, (name, prefixes)
+        # the forward scan writes the outputs and stores the chunk states the backward takes
+        assert any(p.endswith("x1ow") for p in prefixes), (name, prefixes)
         assert sum(p.startswith("kda_chunk_operands_sm90") for p in prefixes) == 1, name
         assert name == "vmap" or "stablehlo.while" not in text, name
 
@@ -709,7 +770,7 @@ def test_training_lowers_under_scan_over_layers_checkpoint_and_vmap():
         kinds = {p.rsplit("_", 1)[0] for p in prefixes}
         expected = {"kda_fwd_sm90_h2", "kda_chunk_operands_sm90_x1", "kda_decayed_tokens_bwd_sm90"}
         expected |= {"kda_state_scan_sm90_fwd", "kda_state_scans_sm90", "kda_dense_bwd"}
-        expected |= {"kda_state_cotangent_sm90", "kda_chunk_outputs"}
+        expected |= {"kda_state_cotangent_sm90"}
         assert kinds == expected, (
             name,
             prefixes,
@@ -1023,8 +1084,7 @@ def test_vmap_runs_the_sm90_path_as_one_call():
         prefixes = re.findall(r'prefix = "(\w+)"', text)
         kinds = sorted(p.rsplit("_", 1)[0] for p in prefixes)
         expected = ["kda_fwd_sm90"] if name == "vmap" else [
-            "kda_chunk_operands_sm90_x1", "kda_chunk_outputs", "kda_decayed_tokens_bwd_sm90",
-            "kda_dense_bwd",
+            "kda_chunk_operands_sm90_x1", "kda_decayed_tokens_bwd_sm90", "kda_dense_bwd",
             "kda_fwd_sm90", "kda_state_cotangent_sm90", "kda_state_scan_sm90_fwd",
             "kda_state_scans_sm90",
         ]  # fmt: skip

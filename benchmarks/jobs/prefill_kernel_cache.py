@@ -58,8 +58,11 @@ def _main():
         sm90.state_scans_artifact(v_slice, True)
         for states, split in itertools.product((True, False), (False, True)):
             sm90.state_scan_outputs_artifact(v_slice, states, split)
+            if split:  # Qg and Aqk as the chunk core's images variant writes them
+                sm90.state_scan_outputs_artifact(v_slice, states, split, True)
     for scale in (0.3, default_scale()):
         sm90.chunk_operands_artifact(scale, 1, False)
+        sm90.chunk_operands_artifact(scale, 1, False, True)
     print(f"kernel cache filled in {time.perf_counter() - start:.0f} s")
 
 

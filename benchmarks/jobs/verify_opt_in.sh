@@ -34,6 +34,7 @@ if [ "$mode" = tests ] || [ "$mode" = all ]; then
   timeout "$(limit 240)" python3 -m pytest -q -s -m gpu --maxfail=20 \
     "$t::test_forward_scan_on_the_plain_bf16_addend_equals_the_sliced_one" \
     "$t::test_state_scan_with_outputs_equals_the_scan_and_the_outputs_kernel" \
+    "$t::test_chunk_core_images_and_the_scan_on_them_equal_the_plain_ones" \
     "$t::test_both_state_scans_kernel_matches_two_xla_scans" \
     "$t::test_scan_kernel_stays_in_bounds_on_bad_boundaries" \
     > "$out/tests-kernels.log" 2>&1
@@ -48,10 +49,10 @@ if [ "$mode" = tests ] || [ "$mode" = all ]; then
 fi
 if [ "$mode" = measure ] || [ "$mode" = all ]; then
   base="core1+dbwd+x1+s1+dense+tok+bs"
-  variants="$base,$base+ua,$base+fo,$base+fo+ua,$base+fo+fow+ua"
+  variants="$base,$base+ua,$base+fo,$base+fo+ua,$base+fo+fow+ua,$base+fo+fow+ua+oi"
   shapes="2048x12x1,8192x16x1,8192x24x1,1024x4x1,33x2x3-ragged"
   if [ "$mode" = all ]; then
-    variants="$base,$base+fo+ua,$base+fo+fow+ua"
+    variants="$base,$base+fo+fow+ua,$base+fo+fow+ua+oi"
     shapes="2048x12x1,8192x16x1,1024x4x1,33x2x3-ragged"
   fi
   timeout "$(limit 150)" python3 -m benchmarks.kernel_profile --only "$shapes" --train-variants "$variants" \

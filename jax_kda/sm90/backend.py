@@ -297,12 +297,15 @@ def state_scan_artifact(
 
 
 @functools.cache
-def state_scan_outputs_artifact(v_slice: int, states: bool = True, outputs_warpgroup: bool = False):
+def state_scan_outputs_artifact(
+    v_slice: int, states: bool = True, outputs_warpgroup: bool = False, images: bool = False
+):  # fmt: skip
     """The exported forward tensor-core scan at one bf16 pass that writes every chunk's outputs
     as well (kernels/kda_state_scan_tc_sm90.py, ChunkStateScanOutputsTcSm90; states=False:
     ChunkOutputsScanTcSm90, no chunk states stored; outputs_warpgroup: the O products and
-    stores on a second warpgroup, off the serial chain): tokens, slots, heads and sequences
-    symbolic."""
+    stores on a second warpgroup, off the serial chain; images (with outputs_warpgroup): qg
+    and attn come as the chunk core's images variant writes them, not yet run on a GPU):
+    tokens, slots, heads and sequences symbolic."""
     import cutlass.cute as cute
     from cutlass import BFloat16, Float32, Int32
 
@@ -335,22 +338,61 @@ def state_scan_outputs_artifact(v_slice: int, states: bool = True, outputs_warpg
     }
     if not states:
         del fakes["states"]
+    if images and not outputs_warpgroup:
+        raise ValueError("images=True is a variant of the scan with outputs_warpgroup=True")
     if states:
-        kernel = ChunkStateScanOutputsTcSm90(v_slice, outputs_warpgroup=outputs_warpgroup)
+        kernel = ChunkStateScanOutputsTcSm90(
+            v_slice, outputs_warpgroup=outputs_warpgroup, outputs_images=images
+        )
     else:
-        kernel = ChunkOutputsScanTcSm90(v_slice, outputs_warpgroup=outputs_warpgroup)
+        kernel = ChunkOutputsScanTcSm90(
+            v_slice, outputs_warpgroup=outputs_warpgroup, outputs_images=images
+        )
     config = {"v_slice": v_slice, "states": states}
     if outputs_warpgroup:
         config["outputs_warpgroup"] = True
-    suffix = ("" if states else "f") + ("w" if outputs_warpgroup else "")
+    if images:
+        config["images"] = True
+    suffix = ("" if states else "f") + ("w" if outputs_warpgroup else "") + ("i" if images else "")
     return export(
         kernel, fakes, prefix=f"kda_state_scan_sm90_fwd_t{v_slice}x1o{suffix}", config=config,
     )  # fmt: skip
 
 
+def _scan_outputs_plan(num_heads, num_sequences, v_slice, tensor_cores, fuse):
+    """(fuse, v_slice, tensor_cores) of state_scan_outputs_kernel's call: fuse None decides
+    where each scan CTA has an SM of its own (plan.scan_outputs_v_slice's width unless v_slice
+    is given)."""
+    if fuse is None:
+        sm_count = device_sm_count()
+        if v_slice is None:
+            v_slice = scan_outputs_v_slice(num_heads, num_sequences, sm_count)
+            fuse = v_slice is not None
+        else:  # the given width: where its CTAs have an SM each
+            ctas = (HEAD_DIM // v_slice) * num_heads * num_sequences
+            fuse = sm_count is not None and ctas <= sm_count
+    v_slice, tensor_cores = scan_variant(num_heads, num_sequences, v_slice, tensor_cores)
+    return fuse, v_slice, tensor_cores
+
+
+def scan_outputs_fused(
+    num_heads, num_sequences, num_slots, tokens, *, v_slice=None, tensor_cores=None,
+    passes=None, fuse=None,
+):  # fmt: skip
+    """Whether state_scan_outputs_kernel, called with these switches on a bf16 U (the chunk
+    core's), runs the one launch (so that the chunk core may write Qg and Aqk as its images
+    for it) rather than the two kernels."""
+    fuse, _, tensor_cores = _scan_outputs_plan(
+        num_heads, num_sequences, v_slice, tensor_cores, fuse
+    )
+    empty = num_slots == 0 or tokens == 0
+    return bool(fuse and tensor_cores and passes in (None, 1) and not empty)
+
+
 def state_scan_outputs_kernel(
     w_op, kd_op, decay, u, cu_seqlens, y0, qg, attn, rows, *, v_slice=None, tensor_cores=None,
     passes=None, fuse=None, states=True, outputs_warpgroup=False, plain_addend=False,
+    images=False,
 ):  # fmt: skip
     """The forward state scan and every chunk's outputs after it: (states, final, o) =
     state_scan_kernel(w, kd, decay, u, cu_seqlens, y0) and chunk_outputs_kernel(states, w, u,
@@ -363,22 +405,24 @@ def state_scan_outputs_kernel(
     differentiated); the one launch then stores none and returns None for them.
     outputs_warpgroup: the one launch's variant with the O products on a second warpgroup;
     plain_addend: the two kernels' scan takes U as it is (state_scan_kernel's). All three
-    passed their GPU tests (H100, 2026-12-06) and are training_forward's defaults."""
+    passed their GPU tests (H100, 2026-12-06) and are training_forward's defaults.
+    images (with outputs_warpgroup, where the one launch runs: scan_outputs_fused): qg and attn
+    are the chunk core's images variant's (chunk_core_kernel(images=True)), flat; not yet run
+    on a GPU."""
     from jax_kda.sm90.ffi_call import cute_call
 
     num_heads, num_sequences = y0.shape[1], y0.shape[0]
-    if fuse is None:
-        sm_count = device_sm_count()
-        if v_slice is None:
-            v_slice = scan_outputs_v_slice(num_heads, num_sequences, sm_count)
-            fuse = v_slice is not None
-        else:  # the given width: where its CTAs have an SM each
-            ctas = (HEAD_DIM // v_slice) * num_heads * num_sequences
-            fuse = sm_count is not None and ctas <= sm_count
-    v_slice, tensor_cores = scan_variant(num_heads, num_sequences, v_slice, tensor_cores)
+    fuse, v_slice, tensor_cores = _scan_outputs_plan(
+        num_heads, num_sequences, v_slice, tensor_cores, fuse
+    )
     empty = qg.shape[0] == 0 or rows.shape[0] == 0  # the outputs kernel's zeros, no launch
     plain = _unsliced(u).dtype == jnp.bfloat16  # U as the chunk core gives it (bf16, exact)
     if not fuse or not tensor_cores or passes not in (None, 1) or empty or not plain:
+        if images:
+            raise ValueError(
+                "images=True: qg and attn as images serve the one launch only, which this "
+                "call does not run (scan_outputs_fused says when it does)"
+            )
         states, final = state_scan_kernel(
             w_op, kd_op, decay, u, cu_seqlens, y0, reverse=False, v_slice=v_slice,
             tensor_cores=tensor_cores, passes=passes, plain_addend=plain_addend,
@@ -402,7 +446,7 @@ def state_scan_outputs_kernel(
         jnp.swapaxes(y0, -1, -2), qg.astype(bf16).reshape(slots, heads, -1),
         attn.astype(bf16).reshape(slots, heads, -1),
     ]  # fmt: skip
-    artifact = state_scan_outputs_artifact(v_slice, states, outputs_warpgroup)
+    artifact = state_scan_outputs_artifact(v_slice, states, outputs_warpgroup, images)
     if not states:
         final, o = cute_call(artifact, inputs, results[1:])
         return None, jnp.swapaxes(final, -1, -2), o
@@ -726,6 +770,7 @@ def differentiable_state_scan(run, precision=jax.lax.Precision.HIGHEST):
 def differentiable_chunks(
     core, scan, chunk_bwd, precision=jax.lax.Precision.HIGHEST, state_cotangent=None,
     chunk_outputs=None, both_scans=None, primal_core=None, scan_outputs=None,
+    primal_images=None,
 ):  # fmt: skip
     """xla.forward's `chunks`: the packed tokens to (o [T, H, V] in the tokens' rows, final)
     through the chunk core (`core`: chunk_core_kernel's contract), the forward state scan
@@ -751,7 +796,12 @@ def differentiable_chunks(
 
     scan_outputs (state_scan_outputs_kernel's contract): the forward scan and the outputs after
     it in one call (in place of `scan` and `chunk_outputs` there; `scan` still runs the
-    reverse one)."""
+    reverse one).
+
+    primal_images (with primal_core and scan_outputs): (heads, sequences, slots, tokens) ->
+    whether a call that is not differentiated has primal_core write Qg and Aqk as the images
+    scan_outputs' one launch takes (both called with images=True; scan_outputs_fused says
+    where that launch runs)."""
     outputs = chunk_outputs or xla_chunk_outputs
 
     def scan_operands(core_out):
@@ -763,15 +813,21 @@ def differentiable_chunks(
         return w, kd
 
     def forward(
-        q, k, v, g, beta, cu_seqlens, rows, y0, num_slots, scale, run_core=core, primal=False
+        q, k, v, g, beta, cu_seqlens, rows, y0, num_slots, scale, run_core=core, primal=False,
+        undifferentiated=False,
     ):  # fmt: skip
-        core_out = run_core(q, k, v, g, beta, cu_seqlens, num_slots, scale)
+        images = {}
+        if undifferentiated and primal_images is not None:
+            if primal_images(q.shape[1], y0.shape[0], num_slots, rows.shape[0]):
+                images = {"images": True}
+        core_out = run_core(q, k, v, g, beta, cu_seqlens, num_slots, scale, **images)
         w, u, qg, attn, _, decay = core_out[:6]
         w_op, kd_op = scan_operands(core_out)
         if scan_outputs is not None:  # a primal call keeps no chunk states
             states, final, o = scan_outputs(
-                w_op, kd_op, decay, u, cu_seqlens, y0, qg, attn, rows, states=not primal
-            )
+                w_op, kd_op, decay, u, cu_seqlens, y0, qg, attn, rows, states=not primal,
+                **images,
+            )  # fmt: skip
             return (o, final), core_out, states
         states, final = scan(w_op, kd_op, decay, u, cu_seqlens, y0, reverse=False)
         o = outputs(states, w, u, qg, attn, cu_seqlens, rows, precision)
@@ -780,7 +836,7 @@ def differentiable_chunks(
     @functools.partial(jax.custom_vjp, nondiff_argnums=(8, 9))
     def chunks(q, k, v, g, beta, cu_seqlens, rows, y0, num_slots, scale):
         args = (q, k, v, g, beta, cu_seqlens, rows, y0, num_slots, scale)
-        return forward(*args, run_core=primal_core or core, primal=True)[0]
+        return forward(*args, run_core=primal_core or core, primal=True, undifferentiated=True)[0]
 
     def chunks_fwd(q, k, v, g, beta, cu_seqlens, rows, y0, num_slots, scale):
         # with both_scans the backward scans the states again: the forward stores none
@@ -993,11 +1049,16 @@ def xla_tokens_bwd(scale, tokens, cu_seqlens, rows, gamma, d_decayed, cotangents
 
 
 @functools.cache
-def chunk_operands_artifact(scale: float, passes: int = 3, residuals: bool = True):
+def chunk_operands_artifact(
+    scale: float, passes: int = 3, residuals: bool = True, images: bool = False
+):  # fmt: skip
     """The exported exact 64-token chunk core (kernels/kda_chunk_operands_sm90.py) for this
     scale; tokens, heads, slots and sequences symbolic; `passes` bf16 passes a product (3:
     bf16x3; 1: one); residuals=False: the forward-alone variant, which leaves gamma, kk and tinv
-    (the backward's) unwritten."""
+    (the backward's) unwritten; images=True (with residuals=False and one pass): its variant
+    that writes qg and attn as the K-major operand images the scan with the outputs takes
+    (flat [slots, H, 64 * 128] and [slots, H, 64 * 64] in W's order, chunk_io.scan_order_offset;
+    not yet run on a GPU)."""
     import cutlass.cute as cute
     from cutlass import BFloat16, Float32, Int32
 
@@ -1007,6 +1068,8 @@ def chunk_operands_artifact(scale: float, passes: int = 3, residuals: bool = Tru
         ChunkOperandsSm90,
     )
 
+    if images and (residuals or passes != 1):
+        raise ValueError("images=True is a variant of the one-pass forward-alone chunk core")
     tokens, heads, slots = cute.sym_int32(), cute.sym_int32(), cute.sym_int32()
     token_shape = (tokens, heads, HEAD_DIM)
     chunk = (slots, heads, SCAN_CHUNK, HEAD_DIM)
@@ -1027,32 +1090,44 @@ def chunk_operands_artifact(scale: float, passes: int = 3, residuals: bool = Tru
         "w_img": row_major_fake(BFloat16, (slots, heads, SCAN_CHUNK * HEAD_DIM)),
         "kd_img": row_major_fake(BFloat16, (slots, heads, SCAN_CHUNK * HEAD_DIM)),
     }
+    if images:
+        fakes["qg"] = row_major_fake(BFloat16, (slots, heads, SCAN_CHUNK * HEAD_DIM))
+        fakes["attn"] = row_major_fake(BFloat16, (slots, heads, SCAN_CHUNK * SCAN_CHUNK))
     scale_tag = hashlib.sha256(repr(scale).encode()).hexdigest()[:8]
     suffix = ("" if passes == 3 else f"_x{passes}") + ("" if residuals else "_fwd")
+    suffix += "_img" if images else ""
     config = {"scale": repr(scale)} if passes == 3 else {"scale": repr(scale), "passes": passes}
     if not residuals:
         config["residuals"] = False
+    if images:
+        config["images"] = True
+    core_config = ChunkOperandsConfig(
+        scale=scale, passes=passes, residuals=residuals, images=images
+    )
     return export(
-        ChunkOperandsSm90(ChunkOperandsConfig(scale=scale, passes=passes, residuals=residuals)),
+        ChunkOperandsSm90(core_config),
         fakes,
         prefix=f"kda_chunk_operands_sm90{suffix}_{scale_tag}",
         config=config,
     )
 
 
-def chunk_core_results(num_slots: int, heads: int):
+def chunk_core_results(num_slots: int, heads: int, images: bool = False):
     """The chunk-core artifact's results in its order: u, qg, attn, decay, gamma, kk, tinv,
-    w_img, kd_img (chunk_core_kernel says what they hold)."""
+    w_img, kd_img (chunk_core_kernel says what they hold); with images, qg and attn flat."""
     chunk = (num_slots, heads, SCAN_CHUNK, HEAD_DIM)
     pairs = (num_slots, heads, SCAN_CHUNK, SCAN_CHUNK)
     image = (num_slots, heads, SCAN_CHUNK * HEAD_DIM)
+    qg, attn = (image, (num_slots, heads, SCAN_CHUNK * SCAN_CHUNK)) if images else (chunk, pairs)
     f32, bf16 = jnp.float32, jnp.bfloat16
-    shapes = [(chunk, bf16), (chunk, bf16), (pairs, bf16), ((num_slots, heads, HEAD_DIM), f32),
+    shapes = [(chunk, bf16), (qg, bf16), (attn, bf16), ((num_slots, heads, HEAD_DIM), f32),
               (chunk, f32), (pairs, f32), (pairs, bf16), (image, bf16), (image, bf16)]  # fmt: skip
     return [jax.ShapeDtypeStruct(shape, dtype) for shape, dtype in shapes]
 
 
-def chunk_core_kernel(q, k, v, g, beta, cu_seqlens, num_slots, scale, passes=3, residuals=True):
+def chunk_core_kernel(
+    q, k, v, g, beta, cu_seqlens, num_slots, scale, passes=3, residuals=True, images=False
+):  # fmt: skip
     """The chunk-core kernel: (w, u, qg, attn, kd, decay, gamma, kk, tinv) from the packed
     tokens, xla_chunk_core's contract with tinv = T^-1, T = I + strictLower(beta kk), and
     these types: w and kd bfloat16 [slots, H, 64 * 128] in the single-pass tensor-core scan's
@@ -1060,11 +1135,13 @@ def chunk_core_kernel(q, k, v, g, beta, cu_seqlens, num_slots, scale, passes=3, 
     values), u, qg, attn and tinv bfloat16 (every consumer takes them as bf16 operands, U
     as V_new's addend too), decay, gamma and kk float32. residuals=False (a forward alone):
     gamma, kk and tinv, which only the backward reads, are not written and come back as
-    None."""
+    None. images=True (with residuals=False, one pass): qg and attn come as the scan's K-major
+    operand images, flat (chunk_operands_artifact's variant; state_scan_outputs_kernel's
+    images take them; not yet run on a GPU)."""
     from jax_kda.sm90.ffi_call import cute_call
 
     f32 = jnp.float32
-    results = chunk_core_results(num_slots, q.shape[1])
+    results = chunk_core_results(num_slots, q.shape[1], images)
     if any(x.dtype != jnp.bfloat16 for x in (q, k, v)):
         raise TypeError(f"the chunk-core kernel takes bfloat16 q, k, v; got {q.dtype}")
     if num_slots == 0:  # no tokens and no sequences: nothing to launch (an empty grid)
@@ -1072,7 +1149,7 @@ def chunk_core_kernel(q, k, v, g, beta, cu_seqlens, num_slots, scale, passes=3, 
     else:
         inputs = [q, k, v, g.astype(f32), beta.astype(f32), jnp.asarray(cu_seqlens, jnp.int32)]
         u, qg, attn, decay, gamma, kk, tinv, w, kd = cute_call(
-            chunk_operands_artifact(scale, passes, residuals), inputs, results
+            chunk_operands_artifact(scale, passes, residuals, images), inputs, results
         )
     if not residuals:
         gamma = kk = tinv = None
@@ -1591,7 +1668,7 @@ def _training_chunks(
     num_heads, num_sequences, *, both_scans, chunk_core=True, decayed_bwd=True,
     scan_v_slice=None, scan_tensor_cores=None, dense_precision="bf16", chunk_core_passes=1,
     scan_passes=None, tokens_bwd=True, fuse_tokens=True, fuse_outputs=True,
-    scan_plain_addend=True, outputs_warpgroup=True,
+    scan_plain_addend=True, outputs_warpgroup=True, outputs_images=False,
 ):  # fmt: skip
     """training_forward's differentiable_chunks for these switches (its dense_bwd=True form);
     the defaults are the training path's kernels, which training_residual_forward and
@@ -1639,6 +1716,15 @@ def _training_chunks(
             passes=scan_passes, outputs_warpgroup=outputs_warpgroup,
             plain_addend=scan_plain_addend,
         ) if fuse_outputs and dense_precision == "bf16" else None,
+        # a call that is not differentiated: Qg and Aqk from the chunk core as the one
+        # launch's images, where it runs
+        primal_images=functools.partial(
+            scan_outputs_fused, v_slice=scan_v_slice, tensor_cores=scan_tensor_cores,
+            passes=scan_passes,
+        ) if (
+            outputs_images and fuse_outputs and outputs_warpgroup and chunk_core
+            and chunk_core_passes == 1 and dense_precision == "bf16"
+        ) else None,
     )  # fmt: skip
 
 
@@ -1646,7 +1732,7 @@ def training_forward(
     q, k, v, g, beta, cu_seqlens, initial_state, scale, *, chunk_core=True, decayed_bwd=True,
     scan_v_slice=None, scan_tensor_cores=None, dense_precision="bf16", chunk_core_passes=1,
     scan_passes=None, dense_bwd=True, tokens_bwd=None, both_scans=True, fuse_tokens=True,
-    fuse_outputs=True, scan_plain_addend=True, outputs_warpgroup=True,
+    fuse_outputs=True, scan_plain_addend=True, outputs_warpgroup=True, outputs_images=False,
 ):  # fmt: skip
     """The forward the sm90 backward differentiates (and the no-bound forward), exact for any
     g <= 0: the chunk-core kernel's per-chunk operands (their backward written out,
@@ -1700,6 +1786,11 @@ def training_forward(
     33x2x3-ragged 27.7 -> 22.2 -> 19.8; recompute + backward
     (2026-12-06-h100-profile-train.log) 317.9 / 1440.5 / 102.5 / 68.3 us off, 310.3 / 1408.5 /
     97.1 / 61.7 with all three.
+    outputs_images=True (with fuse_outputs and outputs_warpgroup): a call that is not
+    differentiated, where the one launch runs, has the chunk core write Qg and Aqk as that
+    launch's operand images (chunk_core_kernel(images=True)), which its outputs' warpgroup
+    then copies in as they are instead of laying them out a chunk at a time; off by default:
+    not yet run on a GPU.
     both_scans=True (with dense_bwd): the backward runs the chunk states' scan again beside the
     reverse scan, in one launch (state_scans_kernel), instead of saving the states from the
     forward's scan.
@@ -1723,6 +1814,8 @@ def training_forward(
         tokens_bwd = dense_bwd
     if outputs_warpgroup and not fuse_outputs:
         raise ValueError("outputs_warpgroup=True needs fuse_outputs=True (the kernel it picks)")
+    if outputs_images and not outputs_warpgroup:
+        raise ValueError("outputs_images=True needs outputs_warpgroup=True (the kernel it feeds)")
     if tokens_bwd and not dense_bwd:
         raise ValueError("tokens_bwd=True needs dense_bwd=True (the backward it ends)")
     if dense_precision not in DENSE_PRECISIONS:
@@ -1738,6 +1831,7 @@ def training_forward(
             chunk_core_passes=chunk_core_passes, scan_passes=scan_passes, tokens_bwd=tokens_bwd,
             fuse_tokens=fuse_tokens, fuse_outputs=fuse_outputs,
             scan_plain_addend=scan_plain_addend, outputs_warpgroup=outputs_warpgroup,
+            outputs_images=outputs_images,
         )  # fmt: skip
         return xla.forward(
             q, k, v, g, beta, cu_seqlens, initial_state, scale, precision=precision,

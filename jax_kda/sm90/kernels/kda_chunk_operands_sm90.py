@@ -129,6 +129,7 @@ class ChunkOperandsConfig:
     scale: float
     passes: int = 3  # bf16 passes a product: 3 (bf16x3) or 1
     residuals: bool = True  # store gamma, kk and tinv (the backward's); False: a forward alone
+    images: bool = False  # qg and attn in the scan's operand order (flat [slots, H, 64 * n])
 
 
 class ChunkOperandsSm90:
@@ -137,6 +138,7 @@ class ChunkOperandsSm90:
         image_k(1, config.passes)  # 1 or 3
         self.passes = config.passes
         self.residuals = config.residuals
+        self.images = config.images
 
     @cute.jit
     def __call__(
@@ -419,7 +421,11 @@ class ChunkOperandsSm90:
                     k_ij = s_kk[i, j]
                 a_eight[x] = a_ij.to(BFloat16)
                 k_four[x // 4, x % 4] = k_ij
-            row_piece(mAttn[slot, h, i, None], e_idx % ROWS, LANES).store(a_eight.load())
+            if cutlass.const_expr(self.images):  # Aqk's K-major operand image, as W's
+                at = row_piece(mAttn[slot, h, None], scan_order_offset(i, e_idx % ROWS), LANES)
+                at.store(a_eight.load())
+            else:
+                row_piece(mAttn[slot, h, i, None], e_idx % ROWS, LANES).store(a_eight.load())
             if cutlass.const_expr(self.residuals):
                 for q4 in cutlass.range_constexpr(2):
                     vec4(mKK[slot, h, i, None].iterator + e_idx % ROWS + 4 * q4).store(
@@ -539,7 +545,11 @@ class ChunkOperandsSm90:
             )
             gam_t = load_f32(s_gam[t, None], c8, LANES)
             qg_t = load_f32(s_q[t, None], c8, LANES) * Float32(scale) * exp_fast(gam_t)
-            row_piece(mQg[slot, h, t, None], c8, LANES).store(qg_t.to(BFloat16))
+            if cutlass.const_expr(self.images):  # Qg's K-major operand image, as W's
+                qg_at = row_piece(mQg[slot, h, None], scan_order_offset(t, c8), LANES)
+                qg_at.store(qg_t.to(BFloat16))
+            else:
+                row_piece(mQg[slot, h, t, None], c8, LANES).store(qg_t.to(BFloat16))
             kd_t = load_f32(s_k[t, None], c8, LANES) * exp_fast(gam_last - gam_t)
             kd_at = row_piece(mKdImg[slot, h, None], scan_order_offset(t, c8), LANES)
             kd_at.store(kd_t.to(BFloat16))

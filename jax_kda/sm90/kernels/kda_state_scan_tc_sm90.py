@@ -140,6 +140,7 @@ class ChunkStateScanTcSm90:
     def __init__(
         self, config: ScanConfig, passes: int = 3, outputs: bool = False, states: bool = True,
         plain_addend: bool = False, outputs_warpgroup: bool = False, state_vk: bool = False,
+        outputs_images: bool = False,
     ):  # fmt: skip
         if config.v_slice not in SCAN_TC_V_SLICES:
             raise ValueError(
@@ -153,6 +154,11 @@ class ChunkStateScanTcSm90:
             raise ValueError("the forward scan alone takes its addend U plain")
         if outputs_warpgroup and not outputs:
             raise ValueError("a warpgroup of its own for the outputs needs outputs")
+        if outputs_images and not outputs_warpgroup:
+            raise ValueError("Qg and Aqk as images are a variant of the split kernel")
+        # Qg and Aqk come as their K-major operand images (the chunk core's images variant):
+        # the outputs' warpgroup copies them into two image stages and lays nothing out
+        self.images = outputs_images
         # the O products and stores on a second warpgroup, off the chain (the split kernel)
         self.split = outputs_warpgroup
         self.inline_outputs = outputs and not outputs_warpgroup
@@ -238,14 +244,20 @@ class ChunkStateScanTcSm90:
         s_mbar = smem.allocate_tensor(cutlass.Int64, cute.make_layout(STAGES), 8)
         if self.outputs:
             # Qg and Aqk: plain row-major stages (what the bulk copies bring), and their images
-            raw_qg = [smem.allocate_tensor(BFloat16, cute.make_layout(QG_ELEMS), 128)
+            # (with self.images the stages are the images: the copies bring them as they are)
+            align = 1024 if self.images else 128
+            raw_qg = [smem.allocate_tensor(BFloat16, cute.make_layout(QG_ELEMS), align)
                       for _ in range(STAGES)]  # fmt: skip
-            raw_at = [smem.allocate_tensor(BFloat16, cute.make_layout(AT_ELEMS), 128)
+            raw_at = [smem.allocate_tensor(BFloat16, cute.make_layout(AT_ELEMS), align)
                       for _ in range(STAGES)]  # fmt: skip
             lay_qg = inter_image_layout(SCAN_CHUNK, HEAD_DIM)
             lay_at = inter_image_layout(SCAN_CHUNK, SCAN_CHUNK)
-            s_qg = smem.allocate_tensor(BFloat16, lay_qg.outer, 1024, swizzle=lay_qg.inner)
-            s_at = smem.allocate_tensor(BFloat16, lay_at.outer, 1024, swizzle=lay_at.inner)
+            if cutlass.const_expr(self.images):
+                s_qg = [cute.make_tensor(r.iterator, lay_qg) for r in raw_qg]
+                s_at = [cute.make_tensor(r.iterator, lay_at) for r in raw_at]
+            else:
+                s_qg = smem.allocate_tensor(BFloat16, lay_qg.outer, 1024, swizzle=lay_qg.inner)
+                s_at = smem.allocate_tensor(BFloat16, lay_at.outer, 1024, swizzle=lay_at.inner)
             split = None
             if self.split:  # S and X images a stage (the outputs' warpgroup reads one while the
                 # chain writes the other), and the two warpgroups' mbarriers
@@ -519,8 +531,15 @@ class ChunkStateScanTcSm90:
         thr = mma_x.get_slice(tid)
         f_ys = [mma_x.make_fragment_B(thr.partition_B(y)) for y in (s_y, split[0])]
         f_xs = [mma_x.make_fragment_B(thr.partition_B(x)) for x in (s_x, split[1])]
-        f_qg = mma_x.make_fragment_A(thr.partition_A(s_qg))
-        f_at = mma_x.make_fragment_A(thr.partition_A(s_at))
+        if cutlass.const_expr(self.images):  # an image pair a stage, as the copies bring them
+            f_qgs = [mma_x.make_fragment_A(thr.partition_A(x)) for x in s_qg]
+            f_ats = [mma_x.make_fragment_A(thr.partition_A(x)) for x in s_at]
+            f_qg, f_at = f_qgs[0], f_ats[0]
+        else:
+            f_qg = mma_x.make_fragment_A(thr.partition_A(s_qg))
+            f_at = mma_x.make_fragment_A(thr.partition_A(s_at))
+            f_qgs = (f_qg, f_qg)
+            f_ats = (f_at, f_at)
         c_x = thr.partition_C(cute.make_identity_tensor((SCAN_CHUNK, VS)))  # (token, v)
         acc_o = cute.make_rmem_tensor(mma_x.partition_shape_C((SCAN_CHUNK, VS)), Float32)
         slot0, nch, _ = scan_slots(mCu, n, n_slots, SCAN_CHUNK)
@@ -539,15 +558,16 @@ class ChunkStateScanTcSm90:
                         nxt = step_slot(slot0, nch, False, j + 1)
                         self._load_outputs_operands(raws, nxt, h, 1 - s, bars + QG_FULL + 1 - s)
                     cute.arch.mbarrier_wait(bars + QG_FULL + s, phase)
-                    self._to_image(raw_qg[s], s_qg, HEAD_DIM, tid)
-                    self._to_image(raw_at[s], s_at, SCAN_CHUNK, tid)
-                    cute.arch.fence_proxy("async.shared", space="cta")
-                    cute.arch.barrier(barrier_id=OUTPUTS_BARRIER, number_of_threads=NTHREADS)
+                    if cutlass.const_expr(not self.images):  # lay them out first
+                        self._to_image(raw_qg[s], s_qg, HEAD_DIM, tid)
+                        self._to_image(raw_at[s], s_at, SCAN_CHUNK, tid)
+                        cute.arch.fence_proxy("async.shared", space="cta")
+                        cute.arch.barrier(barrier_id=OUTPUTS_BARRIER, number_of_threads=NTHREADS)
                     cute.arch.mbarrier_wait(bars + X_FULL + s, phase)  # S and X written
                     acc_o.fill(0.0)  # every product accumulates
                     cute.nvgpu.warpgroup.fence()
-                    gemm_passes(mma_x, acc_o, f_qg, f_ys[s], HEAD_DIM // 16, 1)  # Qg S
-                    gemm_passes(mma_x, acc_o, f_at, f_xs[s], SCAN_CHUNK // 16, 1)  # + Aqk X
+                    gemm_passes(mma_x, acc_o, f_qgs[s], f_ys[s], HEAD_DIM // 16, 1)  # Qg S
+                    gemm_passes(mma_x, acc_o, f_ats[s], f_xs[s], SCAN_CHUNK // 16, 1)  # + Aqk X
                     cute.nvgpu.warpgroup.commit_group()
                     cute.nvgpu.warpgroup.wait_group(0)
                     cute.arch.mbarrier_arrive(bars + O_DONE + s)
@@ -692,17 +712,23 @@ class ChunkStateScanOutputsTcSm90:
     forward's only launches are the chunk core and this kernel (XLA cancels the transposes
     around the call against xla.forward's own).
     states=False (ChunkOutputsScanTcSm90, a call that is not differentiated): no chunk states
-    stored, the final states and o alone. outputs_warpgroup (the split kernel, not yet run on
-    a GPU): a second warpgroup takes the O products and stores off the chain, from S and X
-    images the chain writes a stage each, with Qg and Aqk on copies of its own
+    stored, the final states and o alone. outputs_warpgroup (the split kernel): a second
+    warpgroup takes the O products and stores off the chain, from S and X images the chain
+    writes a stage each, with Qg and Aqk on copies of its own
     (ChunkStateScanTcSm90._outputs_loop; about 156 KiB of shared memory at VS = 16, 172 at
-    32)."""
+    32). outputs_images (with outputs_warpgroup; not yet run on a GPU): qg and attn come as
+    their K-major operand images, flat (the chunk core's images variant), which the copies
+    bring into two image stages as they are: that warpgroup lays nothing out, and the
+    separate images' 24 KiB of shared memory go."""
 
-    def __init__(self, v_slice: int, states: bool = True, outputs_warpgroup: bool = False):
+    def __init__(
+        self, v_slice: int, states: bool = True, outputs_warpgroup: bool = False,
+        outputs_images: bool = False,
+    ):  # fmt: skip
         self.vs = v_slice
         self.scan = ChunkStateScanTcSm90(
             ScanConfig(reverse=False, v_slice=v_slice), passes=1, outputs=True, states=states,
-            outputs_warpgroup=outputs_warpgroup,
+            outputs_warpgroup=outputs_warpgroup, outputs_images=outputs_images,
         )  # fmt: skip
 
     @cute.jit
@@ -759,8 +785,13 @@ class ChunkOutputsScanTcSm90(ChunkStateScanOutputsTcSm90):
     """ChunkStateScanOutputsTcSm90 without the chunk states: (final, o) from the same inputs,
     for a forward that autodiff does not differentiate (64 KiB a chunk and head not stored)."""
 
-    def __init__(self, v_slice: int, outputs_warpgroup: bool = False):
-        super().__init__(v_slice, states=False, outputs_warpgroup=outputs_warpgroup)
+    def __init__(
+        self, v_slice: int, outputs_warpgroup: bool = False, outputs_images: bool = False
+    ):  # fmt: skip
+        super().__init__(
+            v_slice, states=False, outputs_warpgroup=outputs_warpgroup,
+            outputs_images=outputs_images,
+        )  # fmt: skip
 
     @cute.jit
     def __call__(
