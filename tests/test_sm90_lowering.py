@@ -321,13 +321,13 @@ def test_state_scan_with_outputs_exports_for_sm90a(v_slice):
             ChunkStateScanTcSm90(ScanConfig(reverse=reverse, v_slice=v_slice), passes, True)
     with pytest.raises(ValueError, match="runs on tensor cores"):
         sm90.state_scan_outputs_artifact(64)
-    for states, suffix in ((True, "owi"), (False, "ofwi")):  # Qg and Aqk as images
-        images = sm90.state_scan_outputs_artifact(v_slice, states, True, True)
-        assert images.prefix == f"kda_state_scan_sm90_fwd_t{v_slice}x1{suffix}"
-        assert images.object_bytes[:4] == b"\x7fELF"
-        assert len(images.tensors) == len(sm90.state_scan_outputs_artifact(v_slice, states).tensors)
-    with pytest.raises(ValueError, match="variant of the scan with outputs_warpgroup=True"):
-        sm90.state_scan_outputs_artifact(v_slice, True, False, True)
+    images = sm90.state_scan_outputs_artifact(v_slice, False, True, True)  # Qg, Aqk as images
+    assert images.prefix == f"kda_state_scan_sm90_fwd_t{v_slice}x1ofwi"
+    assert images.object_bytes[:4] == b"\x7fELF"
+    assert len(images.tensors) == len(sm90.state_scan_outputs_artifact(v_slice, False).tensors)
+    for states, split in ((True, True), (False, False)):
+        with pytest.raises(ValueError, match="variant of the scan with outputs_warpgroup=True"):
+            sm90.state_scan_outputs_artifact(v_slice, states, split, True)
 
 
 def test_chunk_core_images_variant_exports_and_feeds_the_one_launch_only():
@@ -367,6 +367,9 @@ def test_chunk_core_images_variant_exports_and_feeds_the_one_launch_only():
         assert not any(p.endswith(("_img", "wi")) for p in prefixes(forward, *x)), heads
     with pytest.raises(ValueError, match="outputs_images=True needs outputs_warpgroup=True"):
         sm90.training_forward(*x[:7], 0.3, outputs_images=True, outputs_warpgroup=False)
+    for options in ({"chunk_core_passes": 3}, {"dense_precision": "float32"}):
+        with pytest.raises(ValueError, match="outputs_images=True needs the chunk-core kernel"):
+            sm90.training_forward(*x[:7], 0.3, outputs_images=True, **options)
     x = production_inputs([300, 0, 77], 2, seed=8)
 
     def loss(q, k, v, g, beta, cu, state):

@@ -305,7 +305,8 @@ def state_scan_outputs_artifact(
     ChunkOutputsScanTcSm90, no chunk states stored; outputs_warpgroup: the O products and
     stores on a second warpgroup, off the serial chain; images (with outputs_warpgroup): qg
     and attn come as the chunk core's images variant writes them, not yet run on a GPU):
-    tokens, slots, heads and sequences symbolic."""
+    tokens, slots, heads and sequences symbolic. images needs states=False: only a call that
+    is not differentiated takes them."""
     import cutlass.cute as cute
     from cutlass import BFloat16, Float32, Int32
 
@@ -338,8 +339,11 @@ def state_scan_outputs_artifact(
     }
     if not states:
         del fakes["states"]
-    if images and not outputs_warpgroup:
-        raise ValueError("images=True is a variant of the scan with outputs_warpgroup=True")
+    if images and (states or not outputs_warpgroup):
+        raise ValueError(
+            "images=True is a variant of the scan with outputs_warpgroup=True that stores no "
+            "chunk states (the forward of a call that is not differentiated)"
+        )
     if states:
         kernel = ChunkStateScanOutputsTcSm90(
             v_slice, outputs_warpgroup=outputs_warpgroup, outputs_images=images
@@ -802,6 +806,11 @@ def differentiable_chunks(
     whether a call that is not differentiated has primal_core write Qg and Aqk as the images
     scan_outputs' one launch takes (both called with images=True; scan_outputs_fused says
     where that launch runs)."""
+    if primal_images is not None and (scan_outputs is None or primal_core is None):
+        raise ValueError(
+            "primal_images needs scan_outputs and primal_core (the one launch that takes the "
+            "images and the forward-alone core that writes them)"
+        )
     outputs = chunk_outputs or xla_chunk_outputs
 
     def scan_operands(core_out):
@@ -1816,6 +1825,13 @@ def training_forward(
         raise ValueError("outputs_warpgroup=True needs fuse_outputs=True (the kernel it picks)")
     if outputs_images and not outputs_warpgroup:
         raise ValueError("outputs_images=True needs outputs_warpgroup=True (the kernel it feeds)")
+    if outputs_images and not (
+        dense_bwd and chunk_core and chunk_core_passes == 1 and dense_precision == "bf16"
+    ):
+        raise ValueError(
+            "outputs_images=True needs the chunk-core kernel at one pass, dense_bwd=True and "
+            'dense_precision="bf16" (the forward it changes)'
+        )
     if tokens_bwd and not dense_bwd:
         raise ValueError("tokens_bwd=True needs dense_bwd=True (the backward it ends)")
     if dense_precision not in DENSE_PRECISIONS:

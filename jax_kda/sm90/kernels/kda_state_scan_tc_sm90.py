@@ -706,9 +706,10 @@ class ChunkStateScanOutputsTcSm90:
     """The forward tensor-core scan at one bf16 pass that writes every chunk's outputs too
     (the module's docstring): ChunkStateScanTcSm90's inputs and results, except the addend U
     [slots, H, 64 * 128] bfloat16 (plain, not V-sliced), and Qg [slots, H, 64 * 128], Aqk
-    [slots, H, 64 * 64] (the chunk core's bfloat16 u, qg and attn, row-major, flat per slot)
-    in, o [T, H, 128] bfloat16 out (the rows of tokens in no sequence unwritten); y0 and final
-    in prefill's layout, [N, H, V, K] (the chunk states [K, V] as the scan's), so that a
+    [slots, H, 64 * 64] (the chunk core's bfloat16 u, qg and attn, row-major, flat per slot;
+    with outputs_images qg and attn in the scan's operand order instead) in, o [T, H, 128]
+    bfloat16 out (the rows of tokens in no sequence unwritten); y0 and final in prefill's
+    layout, [N, H, V, K] (the chunk states [K, V] as the scan's), so that a
     forward's only launches are the chunk core and this kernel (XLA cancels the transposes
     around the call against xla.forward's own).
     states=False (ChunkOutputsScanTcSm90, a call that is not differentiated): no chunk states
