@@ -75,6 +75,107 @@ def kernel_times(fn, *args, calls: int = 5) -> KernelTimes:
     return summarise(events, calls)
 
 
+@dataclass(frozen=True)
+class ChainedTimes:
+    calls: int
+    span_us: float
+    """Device time from the first kernel's start to the last one's end, per call."""
+    busy_us: float
+    """Time some kernel ran (the union of their intervals), per call."""
+    largest_gap_us: float
+    """The longest idle stretch between two kernels."""
+    kernels_us: dict[str, float]
+    """Mean duration per call of each kernel name."""
+
+
+def chained_times(loop, args, state, outputs, count: int, calls: int) -> ChainedTimes:
+    """Profile one call of the harness's chained loop (benchmarks.jax_measure.chained_loop:
+    ``count`` iterations of ``calls // count`` chained calls) and spread its device timeline
+    over the calls: where the harness's time per call exceeds a call's span in isolation,
+    this tells idle device time between the kernels (launches not kept ahead) from kernels
+    that themselves run slower in the loop."""
+    jax.block_until_ready(loop(args, state, outputs, count))
+    with tempfile.TemporaryDirectory(prefix="kda-profile-") as directory:
+        with jax.profiler.trace(directory):
+            jax.block_until_ready(loop(args, state, outputs, count))
+        paths = glob.glob(f"{directory}/**/*.xplane.pb", recursive=True)
+        if not paths:
+            raise RuntimeError(f"the profiler wrote no trace under {directory}")
+        events = list(_gpu_events(paths[0]))
+    if not events:
+        raise RuntimeError("the trace has no GPU stream events (no GPU or no CUPTI?)")
+    return timeline(events, calls)
+
+
+def timeline(events, calls: int) -> ChainedTimes:
+    """``events``: ``(name, start_ns, duration_ns)`` of every kernel of ``calls`` chained calls,
+    spread over the calls (chained_times' numbers)."""
+    events = sorted(events, key=lambda e: e[1])
+    busy, gap, end = 0, 0, None
+    totals = collections.defaultdict(float)
+    for name, start, duration in events:
+        totals[name] += duration / 1e3
+        if end is None or start >= end:
+            busy += duration
+            if end is not None:
+                gap = max(gap, start - end)
+            end = start + duration
+        elif start + duration > end:
+            busy += start + duration - end
+            end = start + duration
+    span = end - events[0][1]
+    return ChainedTimes(
+        calls=calls,
+        span_us=span / 1e3 / calls,
+        busy_us=busy / 1e3 / calls,
+        largest_gap_us=gap / 1e3,
+        kernels_us={name: total / calls for name, total in totals.items()},
+    )
+
+
+def _profile_chained(shapes, calls: int, exact: bool):
+    """--chained: prefill's forward in the harness's chained loop (10 calls an iteration)
+    against the same call profiled alone."""
+    import jax.numpy as jnp
+
+    import jax_kda
+    from benchmarks.jax_measure import chained_loop
+    from jax_kda.oracle import production_inputs
+    from jax_kda.sm90.ffi_call import register
+
+    register()
+    bound = None if exact else -5.0
+    per_iteration = 10
+    count = max(1, calls // per_iteration)
+    for shape in shapes:
+        x = [jnp.asarray(a) for a in production_inputs(list(shape.lengths), shape.heads, seed=0)]
+        args, state = tuple(x[:6]), x[6]
+
+        def step(args, state):
+            q, k, v, g, beta, cu = args
+            o, final = jax_kda.prefill(
+                q, k, v, g, beta, cu_seqlens=cu, initial_state=state, gate_lower_bound=bound,
+                backend="sm90",
+            )  # fmt: skip
+            return final, o
+
+        alone = kernel_times(jax.jit(step), args, state)
+        first = jax.jit(step)(args, state)[1]
+        loop = chained_loop(step, per_iteration)
+        chained = chained_times(
+            loop, args, state, (first,) * per_iteration, count, count * per_iteration
+        )
+        print(
+            f"{shape.name} {'exact' if exact else 'bounded'}: alone span {alone.span_us:.1f} "
+            f"us; chained ({chained.calls} calls) span {chained.span_us:.1f} us a call, kernels "
+            f"busy {chained.busy_us:.1f}, largest idle gap {chained.largest_gap_us:.1f} us"
+        )
+        for kernel, us in sorted(chained.kernels_us.items(), key=lambda kv: -kv[1]):
+            was = alone.kernels_us.get(kernel)
+            print(f"    {us:9.1f} us  ({'-' if was is None else f'{was:.1f}'} alone)  "
+                  f"{_short_name(kernel)}")  # fmt: skip
+
+
 CALL_GAP_NS = 50_000
 """Idle device time that separates one synchronised call from the next."""
 
@@ -164,12 +265,30 @@ def _main():
         action="store_true",
         help="with --train-variants: profile the variants' forward alone",
     )
+    parser.add_argument(
+        "--chained",
+        type=int,
+        default=None,
+        metavar="CALLS",
+        help="instead, profile prefill's forward in the harness's chained loop of CALLS calls "
+        "(10 an iteration) beside the call alone: span, busy time and idle gaps per call",
+    )
+    parser.add_argument(
+        "--exact",
+        action="store_true",
+        help="with --chained: no gate bound (the exact forward); default: gate_lower_bound=-5",
+    )
     options = parser.parse_args()
+    if options.exact and options.chained is None:
+        parser.error("--exact goes with --chained")
     if options.forward_only and not options.train_variants:
         parser.error("--forward-only goes with --train-variants")
     if options.train and options.segments:
         parser.error("--train profiles the planned call; forced --segments have no backward")
     shapes, _ = select(parse_only(options.only), ALL_SHAPES, [])
+    if options.chained is not None:
+        _profile_chained(shapes, options.chained, options.exact)
+        return
     if options.train_variants:
         _profile_variants(options.train_variants, shapes, options.forward_only)
         return

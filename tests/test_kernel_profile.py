@@ -120,3 +120,18 @@ def test_train_variants_parse_into_training_forward_options():
     assert _variants("x1+dense")[0][1] == {**off, "dense_precision": "bf16", "dense_bwd": True}
     with pytest.raises(argparse.ArgumentTypeError, match="unknown variant part 'v8'"):
         _variants("core+v8")
+
+
+def test_timeline_spreads_a_chained_run_over_its_calls():
+    """--chained's numbers: span, busy time (overlapping kernels counted once), the largest
+    idle gap and per-kernel means, all per call."""
+    from benchmarks.kernel_profile import timeline
+
+    us = 1000
+    events = [
+        ("a", 0, 40 * us), ("b", 50 * us, 30 * us),  # call 1: a 10 us gap
+        ("a", 80 * us, 40 * us), ("b", 100 * us, 40 * us),  # call 2: b overlaps a
+    ]  # fmt: skip
+    found = timeline(events, 2)
+    assert found.span_us == 70.0 and found.busy_us == 65.0 and found.largest_gap_us == 10.0
+    assert found.kernels_us == {"a": 40.0, "b": 35.0}

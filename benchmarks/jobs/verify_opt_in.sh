@@ -68,7 +68,13 @@ if [ "$mode" = measure ] || [ "$mode" = all ]; then
   timeout "$(limit 200)" python3 -m benchmarks.kernel_profile --only "$shapes" \
     --train-variants "$train_variants" > "$out/profile-train.log" 2>&1
   echo "training profile rc=$?"
-  grep -E "span" "$out/profile-forward.log" "$out/profile-train.log"
+  # the harness's chained loop against the call alone (2026-12-06, H100: 124.3 us a call in
+  # the harness against a 100.7 us span alone at 2048x12x1): idle gaps or slower kernels
+  for exact in --exact ""; do
+    timeout "$(limit 60)" python3 -m benchmarks.kernel_profile --only 2048x12x1 --chained 100 \
+      $exact >> "$out/profile-chained.log" 2>&1
+  done
+  grep -E "span" "$out/profile-forward.log" "$out/profile-train.log" "$out/profile-chained.log"
   # jax_kda's share of a jitted call's host time (SPEC: under 20 us), both forwards
   for exact in "" --exact; do
     timeout "$(limit 90)" python3 -m benchmarks.host_cost --only "2048x12x1,33x2x3-ragged" --calls 100 \
