@@ -159,8 +159,9 @@ def _profile_chained(shapes, calls: int, exact: bool):
             )  # fmt: skip
             return final, o
 
-        alone = kernel_times(jax.jit(step), args, state)
-        first = jax.jit(step)(args, state)[1]
+        single = jax.jit(step)
+        alone = kernel_times(single, args, state)
+        first = single(args, state)[1]
         loop = chained_loop(step, per_iteration)
         chained = chained_times(
             loop, args, state, (first,) * per_iteration, count, count * per_iteration

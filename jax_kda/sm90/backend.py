@@ -363,10 +363,13 @@ def state_scan_outputs_artifact(
     )  # fmt: skip
 
 
-def _scan_outputs_plan(num_heads, num_sequences, v_slice, tensor_cores, fuse):
-    """(fuse, v_slice, tensor_cores) of state_scan_outputs_kernel's call: fuse None decides
-    where each scan CTA has an SM of its own (plan.scan_outputs_v_slice's width unless v_slice
-    is given)."""
+def _scan_outputs_plan(
+    num_heads, num_sequences, num_slots, tokens, v_slice, tensor_cores, passes, fuse
+):  # fmt: skip
+    """(one launch?, v_slice, tensor_cores) of state_scan_outputs_kernel's call on a bf16 U:
+    fuse None decides where each scan CTA has an SM of its own (plan.scan_outputs_v_slice's
+    width unless v_slice is given); the one launch needs the tensor-core scan at one pass and
+    some tokens."""
     if fuse is None:
         sm_count = device_sm_count()
         if v_slice is None:
@@ -376,7 +379,9 @@ def _scan_outputs_plan(num_heads, num_sequences, v_slice, tensor_cores, fuse):
             ctas = (HEAD_DIM // v_slice) * num_heads * num_sequences
             fuse = sm_count is not None and ctas <= sm_count
     v_slice, tensor_cores = scan_variant(num_heads, num_sequences, v_slice, tensor_cores)
-    return fuse, v_slice, tensor_cores
+    empty = num_slots == 0 or tokens == 0  # the outputs kernel's zeros, no launch
+    one = bool(fuse and tensor_cores and passes in (None, 1) and not empty)
+    return one, v_slice, tensor_cores
 
 
 def scan_outputs_fused(
@@ -386,11 +391,9 @@ def scan_outputs_fused(
     """Whether state_scan_outputs_kernel, called with these switches on a bf16 U (the chunk
     core's), runs the one launch (so that the chunk core may write Qg and Aqk as its images
     for it) rather than the two kernels."""
-    fuse, _, tensor_cores = _scan_outputs_plan(
-        num_heads, num_sequences, v_slice, tensor_cores, fuse
-    )
-    empty = num_slots == 0 or tokens == 0
-    return bool(fuse and tensor_cores and passes in (None, 1) and not empty)
+    return _scan_outputs_plan(
+        num_heads, num_sequences, num_slots, tokens, v_slice, tensor_cores, passes, fuse
+    )[0]
 
 
 def state_scan_outputs_kernel(
@@ -416,12 +419,11 @@ def state_scan_outputs_kernel(
     from jax_kda.sm90.ffi_call import cute_call
 
     num_heads, num_sequences = y0.shape[1], y0.shape[0]
-    fuse, v_slice, tensor_cores = _scan_outputs_plan(
-        num_heads, num_sequences, v_slice, tensor_cores, fuse
+    one, v_slice, tensor_cores = _scan_outputs_plan(
+        num_heads, num_sequences, qg.shape[0], rows.shape[0], v_slice, tensor_cores, passes, fuse
     )
-    empty = qg.shape[0] == 0 or rows.shape[0] == 0  # the outputs kernel's zeros, no launch
     plain = _unsliced(u).dtype == jnp.bfloat16  # U as the chunk core gives it (bf16, exact)
-    if not fuse or not tensor_cores or passes not in (None, 1) or empty or not plain:
+    if not one or not plain:
         if images:
             raise ValueError(
                 "images=True: qg and attn as images serve the one launch only, which this "
