@@ -9,8 +9,8 @@ H200's bandwidth (benchmarks/hbm.py), and the goal is a step within 2x of it.
 
 Per shape (N sequences x H heads), two rows: the states as one [N, H, 128, 128] array, and as a
 pool of 2N rows of which the step gathers and scatters N by index. GPU time comes from the
-harness's jitted loop of chained steps (benchmarks/jax_measure.py: the state carried in place
-from step to step, the token inputs tied to it); accuracy from the float64 oracle.
+harness's executables of chained steps (benchmarks/jax_measure.py: the state carried from step to
+step, each step on its own copy of the token inputs); accuracy from the float64 oracle.
 
     python -m benchmarks.decode [--only 64x32,pool] [--backends auto,xla] [--quick] [--seed N]
 
@@ -28,7 +28,7 @@ import numpy as np
 
 import jax_kda
 from benchmarks.hbm import HBM_BYTES_PER_SECOND, decode_bytes, decode_floor_us
-from benchmarks.jax_measure import measure, tied_to_state
+from benchmarks.jax_measure import measure
 from benchmarks.timing import FULL, QUICK
 from jax_kda.oracle import production_inputs, recurrent_oracle, rms_ratio
 
@@ -41,9 +41,8 @@ LAYOUTS = ("dense", "pool")
 
 def step(args, state, backend="auto"):
     """One decode step in the harness's form: (next state, outputs)."""
-    tied = tied_to_state(args, state)
     o, new_state = jax_kda.decode(
-        tied["q"], tied["k"], tied["v"], tied["g"], tied["beta"], state,
+        args["q"], args["k"], args["v"], args["g"], args["beta"], state,
         state_indices=args.get("state_indices"), backend=backend,
     )  # fmt: skip
     return new_state, (o,)

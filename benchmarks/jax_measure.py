@@ -2,11 +2,16 @@
 
 A step is ``step(args, state) -> (next_state, outputs)``: the forward step chains the final state
 into the next call's initial state; the training step runs forward and backward and chains the
-initial-state gradient. Chaining makes every call depend on the one before, so a loop of calls can
-neither be hoisted nor overlapped, and the outputs ride along so nothing is dead code. The token
-inputs are tied to the chained state too (`tied_to_state`): otherwise XLA hoists out of the loop
-whatever part of a call depends on them alone (a recompute of per-chunk operands, say), and the
-loop times less than a call costs.
+initial-state gradient. GPU time comes from one jitted executable of chained calls, each on its own
+copy of the inputs (`distinct_copies`), dispatched many times back to back (`chained_calls`), the
+way the torch rows replay a CUDA graph of chained calls. The copies keep XLA from computing a call's
+input-only work once for all of them (identical custom calls on identical operands are merged), and
+the outputs ride along so nothing is dead code.
+
+Until 2026-12-06 the calls ran in a `lax.fori_loop` with the token inputs tied to the chained state
+(x + 0 * state): that tie is a pass over every input, about 19 us a call at 2048x12x1 on an H100,
+and each loop iteration waits on the host for its condition (about 18 us a call there), costs
+the torch rows never paid.
 """
 
 from __future__ import annotations
@@ -16,8 +21,8 @@ import statistics
 import time
 
 import jax
+import jax.numpy as jnp
 import numpy as np
-from jax import lax
 
 from benchmarks.inputs import Cotangents
 from benchmarks.native import Native
@@ -25,33 +30,33 @@ from benchmarks.timing import Settings, Timings, host_seconds, wall_seconds
 
 TOKEN_INPUTS = ("q", "k", "v", "g", "beta")
 
-UNROLLED_CALLS = 10
-"""Most chained calls in one iteration of the GPU-time loop (the torch graphs hold 10)."""
-ITERATION_SECONDS = 2e-3
-"""Enough device time per loop iteration that the iteration's own cost (tens of microseconds)
-is about 1% of it: calls longer than this are not unrolled, which keeps slow rows (the XLA path)
-from compiling ten copies of themselves."""
+MAX_CALLS_PER_EXECUTION = 50
+"""Most chained calls in one executable of the GPU-time measurement: enough that the host's
+dispatch of the next executable (tens of microseconds) hides behind the device time of the last
+one for the smallest calls (a decode step), few enough that tracing them stays quick."""
+EXECUTION_SECONDS = 2e-3
+"""Device time one executable should hold: calls longer than this share executables less (the
+XLA path's long calls run one to an executable, which keeps slow rows from compiling ten copies of
+themselves)."""
 
 
-def calls_per_iteration(loop_calls: int, seconds_per_call: float) -> int:
-    """How many chained calls one iteration of the GPU-time loop holds."""
-    wanted = math.ceil(ITERATION_SECONDS / max(seconds_per_call, 1e-7))
-    return max(1, min(UNROLLED_CALLS, loop_calls, wanted))
+def calls_per_execution(loop_calls: int, seconds_per_call: float) -> int:
+    """How many chained calls one executable of the GPU-time measurement holds."""
+    wanted = math.ceil(EXECUTION_SECONDS / max(seconds_per_call, 1e-7))
+    return max(1, min(MAX_CALLS_PER_EXECUTION, loop_calls, wanted))
 
 
-def tied_to_state(args: dict, state) -> dict:
-    """args with the token inputs plus 0 * (an element of the chained state): the same values,
-    but computed from the state, so no work on them is loop-invariant (XLA keeps 0 * x for
-    floats: it is NaN for a NaN x). One fused add over the inputs per call."""
-    zero = 0.0 * jax.numpy.ravel(state)[0].astype(jax.numpy.float32)
-    return {
-        name: (x + zero.astype(x.dtype)) if name in TOKEN_INPUTS else x for name, x in args.items()
-    }
+def distinct_copies(args, count: int) -> tuple:
+    """``count`` copies of ``args`` (a pytree of arrays), each array in a device buffer of its
+    own (the first is ``args`` itself): chained calls on them read different operands, as a
+    model's layers do."""
+    copies = [jax.tree.map(lambda x: jnp.array(x, copy=True), args) for _ in range(count - 1)]
+    return (args, *copies)
 
 
 def forward_step(native: Native):
     def step(args, state):
-        o, final_state = native.call(tied_to_state(args, state), state)
+        o, final_state = native.call(args, state)
         return final_state, (o,)
 
     return step, native.args
@@ -69,8 +74,7 @@ def train_step(native: Native, cotangents: Cotangents):
         def forward(q, k, v, g, beta, state):
             return native.call({**args, "q": q, "k": k, "v": v, "g": g, "beta": beta}, state)
 
-        tied = tied_to_state(args, state)
-        primals = [tied[name] for name in TOKEN_INPUTS]
+        primals = [args[name] for name in TOKEN_INPUTS]
         (o, _), pullback = jax.vjp(forward, *primals, state)
         *grads, d_state = pullback((args["d_o"], args["d_final_state"]))
         return d_state, (o, *grads)
@@ -98,18 +102,19 @@ def measure(step, args, state, settings: Settings) -> tuple[Timings, tuple]:
 
     # Pipelined calls are nearer the device time than one waited-for call (no round trip).
     loop_calls = settings.loop_calls(pipelined_s)
-    per_iteration = calls_per_iteration(loop_calls, pipelined_s)
-    iterations = math.ceil(loop_calls / per_iteration)
-    gpu_s = _loop_seconds_per_call(
-        step, args, state, first[1], iterations, per_iteration, settings.repeats
+    per_execution = calls_per_execution(loop_calls, pipelined_s)
+    executions = math.ceil(loop_calls / per_execution)
+    gpu_s = _chained_seconds_per_call(
+        step, args, state, executions, per_execution, settings.repeats
     )
     peak_bytes = _call_bytes(single, args, state)
     timings = Timings(
         gpu_us=gpu_s * 1e6,
         gpu_method=(
-            f"jitted lax.fori_loop of {iterations} iterations x {per_iteration} chained calls"
+            f"{executions} back-to-back runs of a jitted executable of {per_execution} chained "
+            "calls, each on its own copy of the inputs"
         ),
-        gpu_calls=iterations * per_iteration,
+        gpu_calls=executions * per_execution,
         per_call_us=per_call_s * 1e6,
         pipelined_us=pipelined_s * 1e6,
         first_call_ms=first_call_s * 1e3,
@@ -119,45 +124,41 @@ def measure(step, args, state, settings: Settings) -> tuple[Timings, tuple]:
     return timings, jax.tree.map(np.asarray, first)
 
 
-def chained_loop(step, per_iteration: int):
-    """jit(args, state, outputs, count): `count` iterations of `per_iteration` chained calls of
-    `step` (each call's next state the next call's state). The loop carries every call's
-    outputs (`outputs`: `per_iteration` copies of one call's), so none is dead code: carrying
-    only the last call's would let XLA drop the others' output work (a backward's dq, dk, ... of
-    every call but the last) and time less than a call does. An optimization barrier does not
-    stop that: XLA removes barriers before dead-code elimination."""
+def chained_calls(step):
+    """jit(copies, state) -> (state, outputs): ``len(copies)`` chained calls of ``step``, the
+    i-th on ``copies[i]`` (each call's next state the next call's state); ``outputs`` holds
+    every call's, so that none is dead code (keeping only the last call's would let XLA drop the
+    others' output work, a backward's dq, dk, ... of every call but the last)."""
 
     @jax.jit
-    def loop(args, state, outputs, count):
-        def body(_, carry):
-            state, kept = carry
-            kept = list(kept)
-            for i in range(per_iteration):
-                state, kept[i] = step(args, state)
-            return state, tuple(kept)
+    def run(copies, state):
+        kept = []
+        for args in copies:
+            state, outputs = step(args, state)
+            kept.append(outputs)
+        return state, tuple(kept)
 
-        return lax.fori_loop(0, count, body, (state, outputs))
-
-    return loop
+    return run
 
 
-def _loop_seconds_per_call(
-    step, args, state, outputs, iterations: int, per_iteration: int, repeats: int
+def _chained_seconds_per_call(
+    step, args, state, executions: int, per_execution: int, repeats: int
 ) -> float:
-    """Device time per call: a jitted loop of ``iterations`` iterations, each ``per_iteration``
-    chained calls. Every iteration of an XLA GPU while loop costs host round trips for its
-    condition (tens of microseconds, more than a small call); unrolling calls into the body
-    shares that cost between them, as the torch rows share one CUDA-graph launch."""
+    """Device time per call: ``executions`` runs of one executable of ``per_execution`` chained
+    calls, issued back to back with one wait at the end (the host stays ahead of the device,
+    so the wall time is the device's), median of ``repeats``."""
+    copies = distinct_copies(args, per_execution)
+    run = chained_calls(step)
+    jax.block_until_ready(run(copies, state))
 
-    loop = chained_loop(step, per_iteration)
-    outputs = (outputs,) * per_iteration
+    def launch():
+        chained, kept = state, None
+        for _ in range(executions):
+            chained, kept = run(copies, chained)
+        jax.block_until_ready((chained, kept))
 
-    jax.block_until_ready(loop(args, state, outputs, 1))
-    samples = [
-        wall_seconds(lambda: jax.block_until_ready(loop(args, state, outputs, iterations)))
-        for _ in range(repeats)
-    ]
-    return statistics.median(samples) / (iterations * per_iteration)
+    samples = [wall_seconds(launch) for _ in range(repeats)]
+    return statistics.median(samples) / (executions * per_execution)
 
 
 def _call_bytes(single, args, state) -> int | None:

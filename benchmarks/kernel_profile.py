@@ -88,23 +88,30 @@ class ChainedTimes:
     """Mean duration per call of each kernel name."""
 
 
-def chained_times(loop, args, state, outputs, count: int, calls: int) -> ChainedTimes:
-    """Profile one call of the harness's chained loop (benchmarks.jax_measure.chained_loop:
-    ``count`` iterations of ``calls // count`` chained calls) and spread its device timeline
-    over the calls: where the harness's time per call exceeds a call's span in isolation,
-    this tells idle device time between the kernels (launches not kept ahead) from kernels
-    that themselves run slower in the loop."""
-    jax.block_until_ready(loop(args, state, outputs, count))
+def chained_times(run, copies, state, executions: int) -> ChainedTimes:
+    """Profile the harness's GPU-time measurement (benchmarks.jax_measure: ``executions`` runs
+    of ``run``, one executable of ``len(copies)`` chained calls, each on its own copy of the
+    inputs) and spread its device timeline over the calls: where the harness's time per call
+    exceeds a call's span in isolation, this tells idle device time between the kernels
+    (launches not kept ahead) from kernels that themselves run slower when chained."""
+
+    def launch():
+        chained, kept = state, None
+        for _ in range(executions):
+            chained, kept = run(copies, chained)
+        jax.block_until_ready((chained, kept))
+
+    launch()
     with tempfile.TemporaryDirectory(prefix="kda-profile-") as directory:
         with jax.profiler.trace(directory):
-            jax.block_until_ready(loop(args, state, outputs, count))
+            launch()
         paths = glob.glob(f"{directory}/**/*.xplane.pb", recursive=True)
         if not paths:
             raise RuntimeError(f"the profiler wrote no trace under {directory}")
         events = list(_gpu_events(paths[0]))
     if not events:
         raise RuntimeError("the trace has no GPU stream events (no GPU or no CUPTI?)")
-    return timeline(events, calls)
+    return timeline(events, executions * len(copies))
 
 
 def timeline(events, calls: int) -> ChainedTimes:
@@ -134,19 +141,19 @@ def timeline(events, calls: int) -> ChainedTimes:
 
 
 def _profile_chained(shapes, calls: int, exact: bool):
-    """--chained: prefill's forward in the harness's chained loop (10 calls an iteration)
-    against the same call profiled alone."""
+    """--chained: prefill's forward as the harness times it (executables of 10 chained calls,
+    each on its own copy of the inputs) against the same call profiled alone."""
     import jax.numpy as jnp
 
     import jax_kda
-    from benchmarks.jax_measure import chained_loop
+    from benchmarks.jax_measure import chained_calls, distinct_copies
     from jax_kda.oracle import production_inputs
     from jax_kda.sm90.ffi_call import register
 
     register()
     bound = None if exact else -5.0
-    per_iteration = 10
-    count = max(1, calls // per_iteration)
+    per_execution = 10
+    executions = max(1, calls // per_execution)
     for shape in shapes:
         x = [jnp.asarray(a) for a in production_inputs(list(shape.lengths), shape.heads, seed=0)]
         args, state = tuple(x[:6]), x[6]
@@ -161,11 +168,8 @@ def _profile_chained(shapes, calls: int, exact: bool):
 
         single = jax.jit(step)
         alone = kernel_times(single, args, state)
-        first = single(args, state)[1]
-        loop = chained_loop(step, per_iteration)
-        chained = chained_times(
-            loop, args, state, (first,) * per_iteration, count, count * per_iteration
-        )
+        copies = distinct_copies(args, per_execution)
+        chained = chained_times(chained_calls(step), copies, state, executions)
         print(
             f"{shape.name} {'exact' if exact else 'bounded'}: alone span {alone.span_us:.1f} "
             f"us; chained ({chained.calls} calls) span {chained.span_us:.1f} us a call, kernels "

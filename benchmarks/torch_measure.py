@@ -2,8 +2,9 @@
 
 Steps have the shape of ``benchmarks.jax_measure``'s: ``step(args, state) -> (next_state,
 outputs)``, chaining the final state (forward) or the initial-state gradient (training). GPU time
-comes from replaying a CUDA graph of chained calls, timed with CUDA events; an implementation that
-cannot be captured is timed with events around eager calls instead, and the row says so.
+comes from replaying a CUDA graph of chained calls, each on its own copy of the inputs (as the JAX
+rows' chained executables), timed with CUDA events; an implementation that cannot be captured is
+timed with events around eager calls instead, and the row says so.
 """
 
 from __future__ import annotations
@@ -107,6 +108,18 @@ def measure(step, args, state, settings: Settings) -> tuple[Timings, tuple]:
     return timings, first_numpy
 
 
+def _distinct_copies(torch, args: dict, count: int) -> list[dict]:
+    """``count`` copies of ``args``, each tensor in memory of its own (the first is ``args``
+    itself), leaves that want gradients still wanting them."""
+
+    def copy(x):
+        if not isinstance(x, torch.Tensor):
+            return x
+        return x.detach().clone().requires_grad_(x.requires_grad)
+
+    return [args] + [{name: copy(x) for name, x in args.items()} for _ in range(count - 1)]
+
+
 def _event_seconds(torch, launch, repeats: int) -> float:
     """Median over ``repeats`` of the device time ``launch()`` takes, by CUDA events."""
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -123,6 +136,7 @@ def _event_seconds(torch, launch, repeats: int) -> float:
 def _graph_seconds_per_call(torch, step, args, state, calls: int, repeats: int) -> float:
     per_graph = min(GRAPH_CALLS, calls)
     replays = math.ceil(calls / per_graph)
+    copies = _distinct_copies(torch, args, per_graph)
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):  # warm up on a side stream, as capture requires
@@ -132,8 +146,8 @@ def _graph_seconds_per_call(torch, step, args, state, calls: int, repeats: int) 
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         chained = state
-        for _ in range(per_graph):
-            chained, _ = step(args, chained)
+        for call_args in copies:
+            chained, _ = step(call_args, chained)
     graph.replay()
     torch.cuda.synchronize()
 
@@ -145,9 +159,11 @@ def _graph_seconds_per_call(torch, step, args, state, calls: int, repeats: int) 
 
 
 def _eager_seconds_per_call(torch, step, args, state, calls: int, repeats: int) -> float:
+    copies = _distinct_copies(torch, args, min(GRAPH_CALLS, calls))
+
     def launch():
         chained = state
-        for _ in range(calls):
-            chained, _ = step(args, chained)
+        for call in range(calls):
+            chained, _ = step(copies[call % len(copies)], chained)
 
     return _event_seconds(torch, launch, repeats) / calls

@@ -136,55 +136,75 @@ def test_report_from_json(document, tmp_path):
 @pytest.mark.parametrize(
     ("loop_calls", "seconds_per_call", "expected"),
     [
-        (1000, 20e-6, 10),  # short calls: ten to an iteration, as the torch rows' graphs
-        (1000, 500e-6, 4),  # 2 ms of device time an iteration is enough
-        (20, 30e-3, 1),  # the XLA path's long calls are not unrolled
-        (3, 1e-6, 3),  # never more than the loop runs
+        (1000, 2e-6, 50),  # a decode step: many to an executable, so dispatch hides behind them
+        (1000, 100e-6, 20),  # about 2 ms of device time an executable
+        (1000, 500e-6, 4),
+        (20, 30e-3, 1),  # the XLA path's long calls are not repeated inside one executable
+        (3, 1e-6, 3),  # never more than the measurement runs
     ],
 )
-def test_gpu_loop_unrolls_only_short_calls(loop_calls, seconds_per_call, expected):
-    from benchmarks.jax_measure import calls_per_iteration
+def test_gpu_executable_repeats_only_short_calls(loop_calls, seconds_per_call, expected):
+    from benchmarks.jax_measure import calls_per_execution
 
-    assert calls_per_iteration(loop_calls, seconds_per_call) == expected
+    assert calls_per_execution(loop_calls, seconds_per_call) == expected
 
 
-def test_gpu_loop_keeps_every_calls_outputs():
-    """Were only the last chained call's outputs kept, XLA would drop the others' output work
-    (three dots an iteration would become one) and the loop would time too little."""
+def _input_only_call(args, state):
+    """A call whose heavy part (a dot) reads the inputs alone: were two calls' inputs the same
+    buffers, XLA would compute it once for both."""
     import jax.numpy as jnp
 
-    from benchmarks.jax_measure import chained_loop
-
-    def step(args, state):
-        return state + 1.0, ((args["x"] * state) @ args["w"],)  # a dot per call
-
-    args = {"x": jnp.ones((64, 64)), "w": jnp.ones((64, 64))}
-    outputs = ((jnp.zeros((64, 64)),),) * 3
-    hlo = chained_loop(step, 3).lower(args, jnp.zeros(()), outputs, 2).compile().as_text()
-    assert hlo.count(" dot(") == 3, hlo
+    heavy = args["q"] @ args["k"]
+    return heavy + state, state + jnp.sum(heavy)
 
 
-def test_gpu_loop_hoists_nothing_of_a_call():
-    """The steps tie the token inputs to the chained state, so work on them alone cannot leave
-    the loop: a call whose dot reads only the inputs runs it once per chained call, and a NaN
-    state reaches every output (0 * NaN is NaN)."""
+def test_chained_calls_run_every_calls_work_and_keep_every_calls_outputs():
+    """Each chained call reads its own copy of the inputs, so XLA neither merges the identical
+    input-only work of the calls nor drops any call's outputs: three calls, three dots."""
     import jax
     import jax.numpy as jnp
 
-    from benchmarks.jax_measure import chained_loop, forward_step
+    from benchmarks.jax_measure import chained_calls, distinct_copies, forward_step
     from benchmarks.native import Native
 
-    def call(args, state):
-        heavy = args["q"] @ args["k"]  # depends on the inputs alone
-        return heavy + state, state + jnp.sum(heavy)
+    args = {"q": jnp.ones((64, 64)), "k": jnp.ones((64, 64))}
+    step, step_args = forward_step(Native("jax", args, 0.0, _input_only_call, False, ""))
+    copies = distinct_copies(step_args, 3)
+    hlo = chained_calls(step).lower(copies, jnp.zeros(())).compile().as_text()
+    assert hlo.count(" dot(") == 3, hlo
+    assert " while(" not in hlo  # no device loop whose condition waits on the host
 
-    native = Native("jax", {"q": jnp.ones((64, 64)), "k": jnp.ones((64, 64))}, 0.0, call, False, "")
-    step, args = forward_step(native)
-    outputs = ((jnp.zeros((64, 64)),),) * 3
-    hlo = chained_loop(step, 3).lower(args, jnp.zeros(()), outputs, 2).compile().as_text()
-    assert hlo.count(" dot(") == 3, hlo  # untied: one dot, hoisted before the loop
-    _, (o,) = jax.jit(step)(args, jnp.float32(jnp.nan))
-    assert bool(jnp.all(jnp.isnan(o)))
+    @jax.jit
+    def same_inputs(args, state):  # the three calls on one set of inputs: one dot
+        outputs = []
+        for _ in range(3):
+            state, o = step(args, state)
+            outputs.append(o)
+        return state, outputs
+
+    assert same_inputs.lower(step_args, jnp.zeros(())).compile().as_text().count(" dot(") == 1
+    # the copies hold the same values in buffers of their own, and chaining reaches every call
+    pointers = {c["q"].unsafe_buffer_pointer() for c in copies}
+    assert len(pointers) == 3
+    for c in copies[1:]:
+        assert bool(jnp.all(c["q"] == step_args["q"]))
+    state, outputs = chained_calls(step)(copies, jnp.float32(1.0))
+    assert len(outputs) == 3
+    heavy = 64.0 * 64 * 64
+    assert float(state) == 1.0 + 3 * heavy
+    assert float(outputs[2][0][0, 0]) == 64.0 + 1.0 + 2 * heavy
+
+
+def test_torch_graph_copies_are_distinct_and_keep_gradients():
+    torch = pytest.importorskip("torch")
+    from benchmarks.torch_measure import _distinct_copies
+
+    args = {"q": torch.ones(4, requires_grad=True), "cu": torch.zeros(2), "name": "plan"}
+    copies = _distinct_copies(torch, args, 3)
+    assert copies[0] is args
+    assert len({c["q"].data_ptr() for c in copies}) == 3
+    assert all(c["q"].requires_grad and not c["cu"].requires_grad for c in copies)
+    assert all(c["name"] == "plan" for c in copies)
 
 
 def test_kernel_profile_segment_counts_are_checked():
