@@ -717,7 +717,7 @@ class ChunkStateScanOutputsTcSm90:
     warpgroup takes the O products and stores off the chain, from S and X images the chain
     writes a stage each, with Qg and Aqk on copies of its own
     (ChunkStateScanTcSm90._outputs_loop; about 156 KiB of shared memory at VS = 16, 172 at
-    32). outputs_images (with outputs_warpgroup; not yet run on a GPU): qg and attn come as
+    32). outputs_images (with outputs_warpgroup): qg and attn come as
     their K-major operand images, flat (the chunk core's images variant), which the copies
     bring into two image stages as they are: that warpgroup lays nothing out, and the
     separate images' 24 KiB of shared memory go."""
