@@ -24,3 +24,8 @@ GATE_LOWER_BOUND_MIN = -5.0
 
 def default_scale(head_dim: int = HEAD_DIM) -> float:
     return head_dim**-0.5
+
+
+L2_EPS = 1e-6
+"""The q/k L2 normalisation's epsilon: x * rsqrt(sum(x^2) + L2_EPS) (gate.l2_normalize, and the
+chunk core's in-kernel variant)."""

@@ -7,9 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_kda.constants import GATE_LOWER_BOUND_MIN, HEAD_DIM
-
-L2_EPS = 1e-6
+from jax_kda.constants import GATE_LOWER_BOUND_MIN, HEAD_DIM, L2_EPS
 
 
 def safe_gate(a, a_log=None, dt_bias=None, *, lower_bound=GATE_LOWER_BOUND_MIN):

@@ -870,6 +870,98 @@ def test_state_scan_with_outputs_equals_the_scan_and_the_outputs_kernel(
     assert twin <= 1e-4 and error <= 2e-2 and same_ops <= 5e-3, (twin, error, same_ops)
 
 
+@functools.partial(jax.jit, static_argnums=(3, 4, 5))
+def _scan_with_outputs(core_out, cu, y0, tokens, v_slice, use_images):
+    """(final states [N, H, V, K], o [T, H, 128] bf16): the forward-alone chunk core's outputs
+    (images or plain) through the split scan with the outputs (no chunk states stored), every
+    result NaN-poisoned first; y0 the initial states in the scan's [K, V] layout (the kernel
+    takes and gives prefill's [V, K])."""
+    w, u, qg, attn, kd, decay = core_out[:6]
+    num_slots, heads = u.shape[:2]
+    results = [
+        jax.ShapeDtypeStruct(y0.shape, jnp.float32),
+        jax.ShapeDtypeStruct((tokens, heads, 128), jnp.bfloat16),
+    ]
+    a_img, bt_img, _ = sm90.state_scan_operands(
+        sm90.backend.ImagedOperand(sm90.backend.chunk_rows(w), w),
+        sm90.backend.ImagedOperand(sm90.backend.chunk_rows(kd), kd), None, v_slice, 1,
+    )  # fmt: skip
+    inputs = [a_img, bt_img, decay, u.reshape(num_slots, heads, -1), cu,
+              jnp.swapaxes(y0, -1, -2), qg.reshape(num_slots, heads, -1),
+              attn.reshape(num_slots, heads, -1)]  # fmt: skip
+    poison = [jnp.full(r.shape, jnp.nan, r.dtype) for r in results]
+    aliases = {len(inputs) + i: i for i in range(len(results))}
+    artifact = sm90.state_scan_outputs_artifact(v_slice, False, True, use_images)
+    return cute_call(artifact, [*inputs, *poison], results, aliases=aliases)
+
+
+PREP_CASES = [
+    ([130, 0, 70, 1], LB),
+    ([64, 10, 128, 0, 65], None),
+    ([3000, 257], None),
+    ([0, 0], LB),
+]
+"""The in-kernel input preparation's calls: the safe gate (lower bound -5) or fla's softplus
+gate, ragged with empty and 1-token sequences, gap slots, thousands of tokens, no tokens."""
+
+
+@pytest.mark.parametrize("only_norm", [False, True], ids=["every-preparation", "qk-l2norm"])
+@pytest.mark.parametrize("lengths, lower_bound", PREP_CASES, ids=str)
+def test_chunk_core_prepares_raw_inputs_as_the_xla_preparation(lengths, lower_bound, only_norm):
+    """The forward-alone chunk core with the inputs prepared in the kernel (InputPrep: q and k
+    L2-normalised, the gate from its raw projection, A_log and dt_bias, beta from logits; or the
+    norm alone) on raw inputs, against the plain kernel on the inputs jax_kda.gate prepares in
+    XLA: every output close (the preparation's roundings may differ by an ulp), none NaN; then
+    o and the final states through the scan with the outputs against the float64 oracle of the
+    prepared inputs, from a non-zero initial state."""
+    from jax_kda import gate
+    from jax_kda.sm90.kernels.kda_chunk_operands_sm90 import InputPrep
+
+    register()
+    seed = SEED + 13 * len(lengths) + only_norm
+    x = raw_inputs(lengths, 3, 3, seed=seed)
+    tokens = x.q.shape[0]
+    cu = jnp.asarray(x.cu_seqlens, jnp.int32)
+    num_slots = xla.chunk_slot_count(tokens, len(lengths))
+    q, k, v, a, beta = (jnp.asarray(t) for t in (x.q, x.k, x.v, x.a, x.beta))
+    a_log, dt_bias = jnp.asarray(x.a_log), jnp.asarray(x.dt_bias)
+    if only_norm:
+        prep = InputPrep(qk_l2norm=True)
+        g = jnp.asarray(gate.kda_gate(a, a_log, dt_bias, lower_bound=lower_bound))
+        b = jax.nn.sigmoid(beta)
+        prepared = (gate.l2_normalize(q), gate.l2_normalize(k), v, g, b)
+        raw, params = (q, k, v, g, b), (None, None)
+    else:
+        prep = InputPrep(True, True, lower_bound, True)
+        g = gate.kda_gate(a, a_log, dt_bias, lower_bound=lower_bound)
+        prepared = (gate.l2_normalize(q), gate.l2_normalize(k), v, g, jax.nn.sigmoid(beta))
+        raw, params = (q, k, v, a, beta), (a_log, dt_bias)
+    core = jax.jit(sm90.chunk_core_kernel, static_argnums=(6, 7, 8, 9, 10, 11))
+    plain = core(*prepared, cu, num_slots, 0.3, 1, False, False, None)
+    fused = core(*raw, cu, num_slots, 0.3, 1, False, False, prep, *params)
+    names = ("w", "u", "qg", "attn", "kd", "decay")
+    for name, want, got in zip(names, plain[:6], fused[:6], strict=True):
+        want, got = np.asarray(want, np.float32), np.asarray(got, np.float32)
+        assert not np.isnan(got).any(), name
+        if want.size:
+            error = rms_ratio(got, want)
+            print(f"prep {lengths} lb={lower_bound} norm-only={only_norm} {name}: {error:.1e}")
+            assert error <= 5e-3, (name, error)
+    if not tokens:
+        return
+    y0 = jnp.swapaxes(jnp.asarray(x.initial_state, jnp.float32), -1, -2)
+    final, o = _scan_with_outputs(fused, cu, y0, tokens, SCAN_TC_V_SLICES[0], False)
+    with jax.enable_x64(True):
+        f64 = [np.asarray(t, np.float64) for t in prepared]
+        ref_o, ref_final = recurrent_oracle(
+            *f64, x.cu_seqlens, np.asarray(x.initial_state, np.float64), scale=0.3
+        )
+    o_error = rms_ratio(np.asarray(o, np.float32), np.asarray(ref_o))
+    final_error = rms_ratio(np.asarray(final), np.asarray(ref_final))
+    print(f"prep {lengths}: o {o_error:.1e}, final {final_error:.1e} (bar {RMS_RATIO_BAR})")
+    assert o_error <= RMS_RATIO_BAR and final_error <= RMS_RATIO_BAR, (o_error, final_error)
+
+
 def _scan_order(rows: int, cols: int) -> np.ndarray:
     """Flat offsets in the scan's operand order (chunk_io.scan_order_offset) of a [rows, cols]
     chunk array's elements, row-major."""
@@ -889,7 +981,7 @@ def test_chunk_core_images_and_the_scan_on_them_equal_the_plain_ones(lengths, da
     register()
     seed = SEED + 11 * len(lengths)
     x, cu, num_slots, _, _, _, y0 = _chunk_scan_case(lengths, data, seed)
-    tokens, heads = x.q.shape[:2]
+    tokens = x.q.shape[0]
     token_inputs = [jnp.asarray(a) for a in x[:5]]
     core = jax.jit(sm90.chunk_core_kernel, static_argnums=(6, 7, 8, 9, 10))
     plain = core(*token_inputs, cu, num_slots, 0.3, 1, False, False)
@@ -904,29 +996,8 @@ def test_chunk_core_images_and_the_scan_on_them_equal_the_plain_ones(lengths, da
         np.testing.assert_array_equal(a, b, err_msg=name)
     if not tokens:
         return
-    _, rows = xla._token_slots(cu, tokens)
-    f32, bf16 = jnp.float32, jnp.bfloat16
-    results = [
-        jax.ShapeDtypeStruct(y0.shape, f32),
-        jax.ShapeDtypeStruct((tokens, heads, 128), bf16),
-    ]
-
-    def scan(core_out, use_images):
-        w, u, qg, attn, kd, decay = core_out[:6]
-        a_img, bt_img, _ = sm90.state_scan_operands(
-            sm90.backend.ImagedOperand(sm90.backend.chunk_rows(w), w),
-            sm90.backend.ImagedOperand(sm90.backend.chunk_rows(kd), kd), None, v_slice, 1,
-        )  # fmt: skip
-        inputs = [a_img, bt_img, decay, u.reshape(num_slots, heads, -1), cu,
-                  jnp.swapaxes(y0, -1, -2), qg.reshape(num_slots, heads, -1),
-                  attn.reshape(num_slots, heads, -1)]  # fmt: skip
-        poison = [jnp.full(r.shape, jnp.nan, r.dtype) for r in results]
-        aliases = {len(inputs) + i: i for i in range(len(results))}
-        artifact = sm90.state_scan_outputs_artifact(v_slice, False, True, use_images)
-        return cute_call(artifact, [*inputs, *poison], results, aliases=aliases)
-
-    ref_final, ref_o = jax.jit(scan, static_argnums=1)(plain, False)
-    final, o = jax.jit(scan, static_argnums=1)(images, True)
+    ref_final, ref_o = _scan_with_outputs(plain, cu, y0, tokens, v_slice, False)
+    final, o = _scan_with_outputs(images, cu, y0, tokens, v_slice, True)
     for name, a, b in (("final", final, ref_final), ("o", o, ref_o)):
         a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
         assert not np.isnan(a).any(), name

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 import jax_kda
-from jax_kda import api, sm90
+from jax_kda import api, sm90, xla
 from jax_kda.oracle import production_inputs
 from jax_kda.sm90 import export as cute_export
 from jax_kda.sm90.ffi_call import TARGET
@@ -328,6 +328,50 @@ def test_state_scan_with_outputs_exports_for_sm90a(v_slice):
     for states, split in ((True, True), (False, False)):
         with pytest.raises(ValueError, match="variant of the scan with outputs_warpgroup=True"):
             sm90.state_scan_outputs_artifact(v_slice, states, split, True)
+
+
+def test_chunk_core_input_prep_variants_export_and_lower_with_their_operands():
+    """The chunk core with the inputs prepared in the kernel (InputPrep; not yet run on a GPU):
+    a variant of its own for each preparation (the bounded and the softplus gate apart), the
+    gate's variant taking A_log [H] and dt_bias [H, 128] after cu_seqlens; nothing prepared is
+    the plain kernel; chunk_core_kernel lowers to one custom call on the raw inputs (dt_bias in
+    fla's flat layout too), and refuses A_log or dt_bias without an in-kernel gate."""
+    from jax_kda.sm90.kernels.kda_chunk_operands_sm90 import InputPrep
+
+    plain = sm90.chunk_operands_artifact(0.3, 1, False)
+    assert sm90.chunk_operands_artifact(0.3, 1, False, False, InputPrep()).key == plain.key
+    every = InputPrep(qk_l2norm=True, gate=True, lower_bound=-5.0, beta_logits=True)
+    softplus = InputPrep(qk_l2norm=True, gate=True, beta_logits=True)
+    norm = InputPrep(qk_l2norm=True)
+    keys = {plain.key}
+    for prep, tag, inputs in ((every, "prepngb", 8), (softplus, "prepngb", 8), (norm, "prepn", 6)):
+        artifact = sm90.chunk_operands_artifact(0.3, 1, False, False, prep)
+        assert artifact.prefix.startswith(f"kda_chunk_operands_sm90_x1_fwd_{tag}_"), prep
+        assert len(artifact.tensors) == inputs + 9, prep  # the inputs, then nine results
+        keys.add(artifact.key)
+        if prep.gate:
+            assert [t.rank for t in artifact.tensors[6:8]] == [1, 2]  # A_log, dt_bias
+    assert len(keys) == 4
+    with pytest.raises(ValueError, match="lower_bound is the in-kernel gate's"):
+        InputPrep(lower_bound=-5.0)
+
+    x = production_inputs([100, 0, 30], 2, seed=4)
+    slots = xla.chunk_slot_count(x.q.shape[0], 3)
+    a_log, dt_bias = jnp.zeros((2,)), jnp.zeros((2 * 128,))
+
+    def core(q, k, v, g, beta, cu, *params, prep=every):
+        return sm90.chunk_core_kernel(q, k, v, g, beta, cu, slots, 0.3, 1, False, False, prep,
+                                      *params)  # fmt: skip
+
+    hlo = _lower(core, *x[:6], a_log, dt_bias)
+    assert re.findall(r'prefix = "(\w+)"', hlo) == [_prefix(every)], hlo[:2000]
+    assert "stablehlo.rsqrt" not in hlo and "stablehlo.logistic" not in hlo  # none in XLA
+    with pytest.raises(ValueError, match="a_log and dt_bias go with an in-kernel gate"):
+        _lower(functools.partial(core, prep=norm), *x[:6], a_log, dt_bias)
+
+
+def _prefix(prep):
+    return sm90.chunk_operands_artifact(0.3, 1, False, False, prep).prefix
 
 
 def test_chunk_core_images_variant_exports_and_feeds_the_one_launch_only():

@@ -30,6 +30,7 @@ def _main():
     from jax_kda import sm90
     from jax_kda.constants import default_scale
     from jax_kda.oracle import production_inputs
+    from jax_kda.sm90.kernels.kda_chunk_operands_sm90 import InputPrep
     from jax_kda.sm90.kernels.layout import SCAN_TC_V_SLICES
 
     os.environ[sm90.ASSUME_SM90_ENV] = "1"
@@ -60,9 +61,16 @@ def _main():
             sm90.state_scan_outputs_artifact(v_slice, states, split)
             if split and not states:  # Qg and Aqk as the chunk core's images variant writes
                 sm90.state_scan_outputs_artifact(v_slice, states, split, True)
+    preps = (  # the in-kernel input preparations the GPU test takes (scale 0.3)
+        InputPrep(qk_l2norm=True),
+        InputPrep(qk_l2norm=True, gate=True, lower_bound=-5.0, beta_logits=True),
+        InputPrep(qk_l2norm=True, gate=True, beta_logits=True),
+    )
     for scale in (0.3, default_scale()):
         sm90.chunk_operands_artifact(scale, 1, False)
         sm90.chunk_operands_artifact(scale, 1, False, True)
+        for prep in preps:
+            sm90.chunk_operands_artifact(scale, 1, False, False, prep)
     print(f"kernel cache filled in {time.perf_counter() - start:.0f} s")
 
 

@@ -1061,7 +1061,7 @@ def xla_tokens_bwd(scale, tokens, cu_seqlens, rows, gamma, d_decayed, cotangents
 
 @functools.cache
 def chunk_operands_artifact(
-    scale: float, passes: int = 3, residuals: bool = True, images: bool = False
+    scale: float, passes: int = 3, residuals: bool = True, images: bool = False, prep=None
 ):  # fmt: skip
     """The exported exact 64-token chunk core (kernels/kda_chunk_operands_sm90.py) for this
     scale; tokens, heads, slots and sequences symbolic; `passes` bf16 passes a product (3:
@@ -1069,15 +1069,22 @@ def chunk_operands_artifact(
     (the backward's) unwritten; images=True (with residuals=False and one pass): its variant
     that writes qg and attn as the K-major operand images the scan with the outputs takes
     (flat [slots, H, 64 * 128] and [slots, H, 64 * 64] in W's order,
-    chunk_io.scan_order_offset)."""
+    chunk_io.scan_order_offset). prep (kernels' InputPrep, or None): the inputs prepared in the
+    kernel as they load (l2-normalised q and k, the gate from its raw projection, beta from
+    logits; chunk_core_kernel says what it takes then; not yet run on a GPU)."""
     import cutlass.cute as cute
     from cutlass import BFloat16, Float32, Int32
 
     from jax_kda.sm90.export import export, row_major_fake
     from jax_kda.sm90.kernels.kda_chunk_operands_sm90 import (
         ChunkOperandsConfig,
+        ChunkOperandsGateSm90,
         ChunkOperandsSm90,
+        InputPrep,
     )
+
+    if prep == InputPrep():
+        prep = None  # nothing prepared: the plain kernel
 
     if images and (residuals or passes != 1):
         raise ValueError("images=True is a variant of the one-pass forward-alone chunk core")
@@ -1092,6 +1099,11 @@ def chunk_operands_artifact(
         "g": row_major_fake(Float32, token_shape),
         "beta": row_major_fake(Float32, (tokens, heads), align=4),
         "cu_seqlens": row_major_fake(Int32, (cute.sym_int32(),), align=4),
+    }
+    if prep is not None and prep.gate:
+        fakes["a_log"] = row_major_fake(Float32, (heads,), align=4)
+        fakes["dt_bias"] = row_major_fake(Float32, (heads, HEAD_DIM))
+    fakes |= {
         **{name: row_major_fake(BFloat16, chunk) for name in ("u", "qg")},
         "attn": row_major_fake(BFloat16, pairs),
         "decay": row_major_fake(Float32, (slots, heads, HEAD_DIM)),
@@ -1112,11 +1124,18 @@ def chunk_operands_artifact(
         config["residuals"] = False
     if images:
         config["images"] = True
+    if prep is not None:
+        config["prep"] = repr(prep)
+        suffix += "_prep" + "".join(
+            tag for tag, on in (("n", prep.qk_l2norm), ("g", prep.gate), ("b", prep.beta_logits))
+            if on
+        )  # fmt: skip
     core_config = ChunkOperandsConfig(
-        scale=scale, passes=passes, residuals=residuals, images=images
+        scale=scale, passes=passes, residuals=residuals, images=images, prep=prep
     )
+    launcher = ChunkOperandsGateSm90 if prep is not None and prep.gate else ChunkOperandsSm90
     return export(
-        ChunkOperandsSm90(core_config),
+        launcher(core_config),
         fakes,
         prefix=f"kda_chunk_operands_sm90{suffix}_{scale_tag}",
         config=config,
@@ -1137,7 +1156,8 @@ def chunk_core_results(num_slots: int, heads: int, images: bool = False):
 
 
 def chunk_core_kernel(
-    q, k, v, g, beta, cu_seqlens, num_slots, scale, passes=3, residuals=True, images=False
+    q, k, v, g, beta, cu_seqlens, num_slots, scale, passes=3, residuals=True, images=False,
+    prep=None, a_log=None, dt_bias=None,
 ):  # fmt: skip
     """The chunk-core kernel: (w, u, qg, attn, kd, decay, gamma, kk, tinv) from the packed
     tokens, xla_chunk_core's contract with tinv = T^-1, T = I + strictLower(beta kk), and
@@ -1148,7 +1168,11 @@ def chunk_core_kernel(
     gamma, kk and tinv, which only the backward reads, are not written and come back as
     None. images=True (with residuals=False, one pass): qg and attn come as the scan's K-major
     operand images, flat (chunk_operands_artifact's variant; state_scan_outputs_kernel's
-    images take them)."""
+    images take them). prep (the kernels' InputPrep; not yet run on a GPU): q and k raw where
+    prep.qk_l2norm, g the raw gate projection a (cast to float32) where prep.gate, with a_log
+    [H] and dt_bias [H, 128] or [H * 128] (None: zeros, fla's defaults of amplitude 1 and no
+    bias), beta logits where prep.beta_logits; the results are those of the prepared inputs
+    (gate.py states each preparation)."""
     from jax_kda.sm90.ffi_call import cute_call
 
     f32 = jnp.float32
@@ -1159,8 +1183,15 @@ def chunk_core_kernel(
         u, qg, attn, decay, gamma, kk, tinv, w, kd = (jnp.zeros(r.shape, r.dtype) for r in results)
     else:
         inputs = [q, k, v, g.astype(f32), beta.astype(f32), jnp.asarray(cu_seqlens, jnp.int32)]
+        if prep is not None and prep.gate:
+            heads = g.shape[1]
+            a_log = jnp.zeros((heads,), f32) if a_log is None else a_log.astype(f32)
+            dt_bias = jnp.zeros((heads, HEAD_DIM), f32) if dt_bias is None else dt_bias
+            inputs += [a_log, dt_bias.astype(f32).reshape(heads, HEAD_DIM)]
+        elif a_log is not None or dt_bias is not None:
+            raise ValueError("a_log and dt_bias go with an in-kernel gate (prep.gate)")
         u, qg, attn, decay, gamma, kk, tinv, w, kd = cute_call(
-            chunk_operands_artifact(scale, passes, residuals, images), inputs, results
+            chunk_operands_artifact(scale, passes, residuals, images, prep), inputs, results
         )
     if not residuals:
         gamma = kk = tinv = None

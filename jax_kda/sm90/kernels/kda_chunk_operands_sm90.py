@@ -60,7 +60,7 @@ import cutlass.cute.nvgpu.warpgroup as warpgroup
 from cutlass import BFloat16, Float32, Int32
 from cutlass.memory import SmemAllocator
 
-from jax_kda.constants import GATE_FLOOR, HEAD_DIM, SCAN_CHUNK
+from jax_kda.constants import GATE_FLOOR, HEAD_DIM, L2_EPS, SCAN_CHUNK
 from jax_kda.sm90.kernels.chunk64 import (
     BLOCK,
     BLOCKS,
@@ -108,6 +108,40 @@ TASKS = ROWS // VEC_ROWS  # (row, channel group) pieces a thread takes there
 G_PIECES = ROWS * HEAD_DIM // (NTHREADS * 4)  # g's 16-byte pieces (four float32) a thread loads
 
 
+@cute.jit
+def kda_gate(x, amplitude, lower_bound: cutlass.Constexpr):
+    """gate.kda_gate of x = a + dt_bias (float32): lower_bound * sigmoid(amplitude * x), or with
+    lower_bound None -amplitude * softplus(x), softplus(x) = max(x, 0) + log1p(exp(-|x|)) as
+    jax.nn.softplus; precise exp and log1p (the products' exp_fast is for their own range)."""
+    result = Float32(0.0)
+    if cutlass.const_expr(lower_bound is None):
+        result = -amplitude * (
+            cute.math.max(x, Float32(0.0)) + cute.math.log1p(cute.math.exp(-cute.math.abs(x)))
+        )
+    else:
+        result = Float32(lower_bound) / (Float32(1.0) + cute.math.exp(-(x * amplitude)))
+    return result
+
+
+@cute.jit
+def l2_normalize_row_piece(piece: cute.Tensor):
+    """piece (LANES bf16 of a row, in registers) *= rsqrt(sum of the row's squares + 1e-6), in
+    float32, then bf16 (gate.l2_normalize): the row's GROUPS pieces are on GROUPS consecutive
+    lanes of one warp (the vectorised phases' thread order), which sum their squares by
+    butterfly shuffles; every lane calls it."""
+    x = cute.make_rmem_tensor((LANES,), Float32)
+    x.store(piece.load().to(Float32))
+    squares = Float32(0.0)
+    for j in cutlass.range_constexpr(LANES):
+        squares = squares + x[j] * x[j]
+    for step in cutlass.range_constexpr(GROUPS.bit_length() - 1):
+        squares = squares + cute.arch.shuffle_sync_bfly(squares, offset=1 << step)
+    factor = cute.math.rsqrt(squares + Float32(L2_EPS))
+    for j in cutlass.range_constexpr(LANES):
+        x[j] = x[j] * factor
+    piece.store(x.load().to(BFloat16))
+
+
 def region_bytes(passes: int = 3):
     """(right image [160, K 128], R^T images [2 x 128, K 64], the region) in bytes for `passes`
     (wgmma.image_k). The region holds the right image for the products; then kk, the block
@@ -125,11 +159,34 @@ def shared_bytes(passes: int) -> int:
 
 
 @dataclasses.dataclass(frozen=True)
+class InputPrep:
+    """prefill's in-kernel input preparation (its use_*_in_kernel flags), done here as the chunk
+    loads, so that no prepared copy of the inputs goes through HBM (the statements in plain JAX:
+    jax_kda/gate.py; the XLA path runs those):
+      qk_l2norm: q and k are raw; each row becomes x * rsqrt(sum(x^2) + 1e-6) in float32, then
+        bf16 (gate.l2_normalize).
+      gate: g is the raw gate projection a (float32), the kernel takes a_log [H] and dt_bias
+        [H, 128] float32 besides, and g = lower_bound * sigmoid(exp(a_log) * (a + dt_bias)), or
+        with lower_bound None -exp(a_log) * softplus(a + dt_bias) (gate.kda_gate).
+      beta_logits: beta holds logits; sigmoid(beta) is used."""
+
+    qk_l2norm: bool = False
+    gate: bool = False
+    lower_bound: float | None = None
+    beta_logits: bool = False
+
+    def __post_init__(self):
+        if self.lower_bound is not None and not self.gate:
+            raise ValueError("InputPrep: lower_bound is the in-kernel gate's (gate=True)")
+
+
+@dataclasses.dataclass(frozen=True)
 class ChunkOperandsConfig:
     scale: float
     passes: int = 3  # bf16 passes a product: 3 (bf16x3) or 1
     residuals: bool = True  # store gamma, kk and tinv (the backward's); False: a forward alone
     images: bool = False  # qg and attn in the scan's operand order (flat [slots, H, 64 * n])
+    prep: InputPrep | None = None  # the inputs prepared in the kernel (None: as given)
 
 
 class ChunkOperandsSm90:
@@ -139,6 +196,7 @@ class ChunkOperandsSm90:
         self.passes = config.passes
         self.residuals = config.residuals
         self.images = config.images
+        self.prep = config.prep if config.prep is not None else InputPrep()
 
     @cute.jit
     def __call__(
@@ -160,6 +218,33 @@ class ChunkOperandsSm90:
         kd_img: cute.Tensor,
         stream: cuda.CUstream,
     ):
+        self.launch(
+            q, k, v, g, beta, cu_seqlens, u, qg, attn, decay, gamma, kk, tinv, w_img, kd_img,
+            None, None, stream,
+        )  # fmt: skip
+
+    @cute.jit
+    def launch(
+        self,
+        q: cute.Tensor,
+        k: cute.Tensor,
+        v: cute.Tensor,
+        g: cute.Tensor,
+        beta: cute.Tensor,
+        cu_seqlens: cute.Tensor,
+        u: cute.Tensor,
+        qg: cute.Tensor,
+        attn: cute.Tensor,
+        decay: cute.Tensor,
+        gamma: cute.Tensor,
+        kk: cute.Tensor,
+        tinv: cute.Tensor,
+        w_img: cute.Tensor,
+        kd_img: cute.Tensor,
+        a_log: cute.Tensor | None,
+        dt_bias: cute.Tensor | None,
+        stream: cuda.CUstream,
+    ):
         n_slots = u.shape[0]
         heads = u.shape[1]
         rmem = warpgroup.OperandSource.RMEM
@@ -170,7 +255,7 @@ class ChunkOperandsSm90:
         per_sm = 2 if cutlass.const_expr(self.passes == 1) else 1
         self.kernel(
             q, k, v, g, beta, cu_seqlens, u, qg, attn, decay, gamma, kk, tinv, w_img, kd_img,
-            mma_pairs, mma_solve,
+            mma_pairs, mma_solve, a_log, dt_bias,
         ).launch(
             grid=[n_slots, heads, 1], block=[NTHREADS, 1, 1], stream=stream,
             min_blocks_per_mp=per_sm, preferred_smem_carveout=100,
@@ -196,6 +281,8 @@ class ChunkOperandsSm90:
         mKdImg: cute.Tensor,
         mma_pairs: cute.TiledMma,
         mma_solve: cute.TiledMma,
+        mALog: cute.Tensor | None = None,
+        mDtBias: cute.Tensor | None = None,
     ):
         tid, _, _ = cute.arch.thread_idx()
         slot, h, _ = cute.arch.block_idx()
@@ -270,7 +357,16 @@ class ChunkOperandsSm90:
             b_row = Float32(0.0)
             if tokens > 0 and part * HALF + d < rows_ok:
                 b_row = mBeta[cutlass.max(cutlass.min(row_base + part * HALF + d, last_ok), 0), h]
+                if cutlass.const_expr(self.prep.beta_logits):
+                    b_row = Float32(1.0) / (Float32(1.0) + cute.math.exp(-b_row))
             s_beta[part * HALF + d] = b_row
+        r_bias = cute.make_rmem_tensor((4,), Float32)  # the in-kernel gate's dt_bias, amplitude
+        amplitude = Float32(1.0)
+        if cutlass.const_expr(self.prep.gate):
+            # every piece of this thread's is at the same four channels (NTHREADS * 4 is a
+            # whole number of rows)
+            r_bias.store(vec4(mDtBias[h, None].iterator + (tid * 4) % HEAD_DIM).load())
+            amplitude = cute.math.exp(mALog[h])
         for m in cutlass.range_constexpr(G_PIECES):
             pos = (m * NTHREADS + tid) * 4
             i = pos // HEAD_DIM
@@ -279,6 +375,8 @@ class ChunkOperandsSm90:
             if i < rows_ok:
                 for x in cutlass.range_constexpr(4):
                     gv = r_g[m, x]
+                    if cutlass.const_expr(self.prep.gate):
+                        gv = kda_gate(gv + r_bias[x], amplitude, self.prep.lower_bound)
                     if gv < Float32(GATE_FLOOR):  # as xla.py: g = -inf resets; NaN stays NaN
                         gv = Float32(GATE_FLOOR)
                     four[x] = gv
@@ -286,6 +384,9 @@ class ChunkOperandsSm90:
         for m in cutlass.range_constexpr(TASKS):
             pos = (m * NTHREADS + tid) * LANES
             i = pos // HEAD_DIM
+            if cutlass.const_expr(self.prep.qk_l2norm):  # every lane, before any zeroing
+                l2_normalize_row_piece(r_q[m, None])
+                l2_normalize_row_piece(r_k[m, None])
             if i >= rows_ok:
                 r_q[m, None].fill(0.0)
                 r_k[m, None].fill(0.0)
@@ -560,3 +661,40 @@ class ChunkOperandsSm90:
                     )
         if part == 0:
             mDecay[slot, h, d] = exp_fast(s_gam[ROWS - 1, d])
+
+
+class ChunkOperandsGateSm90(ChunkOperandsSm90):
+    """The chunk core with the gate made in the kernel (InputPrep.gate): g is the raw gate
+    projection a, and a_log [H] and dt_bias [H, 128] (float32) come after cu_seqlens."""
+
+    def __init__(self, config: ChunkOperandsConfig):
+        super().__init__(config)
+        if not self.prep.gate:
+            raise ValueError("ChunkOperandsGateSm90 is the variant with InputPrep(gate=True)")
+
+    @cute.jit
+    def __call__(
+        self,
+        q: cute.Tensor,
+        k: cute.Tensor,
+        v: cute.Tensor,
+        g: cute.Tensor,
+        beta: cute.Tensor,
+        cu_seqlens: cute.Tensor,
+        a_log: cute.Tensor,
+        dt_bias: cute.Tensor,
+        u: cute.Tensor,
+        qg: cute.Tensor,
+        attn: cute.Tensor,
+        decay: cute.Tensor,
+        gamma: cute.Tensor,
+        kk: cute.Tensor,
+        tinv: cute.Tensor,
+        w_img: cute.Tensor,
+        kd_img: cute.Tensor,
+        stream: cuda.CUstream,
+    ):
+        self.launch(
+            q, k, v, g, beta, cu_seqlens, u, qg, attn, decay, gamma, kk, tinv, w_img, kd_img,
+            a_log, dt_bias, stream,
+        )  # fmt: skip
