@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from functools import partial
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -123,6 +124,7 @@ def prefill(
     _validate_gate_lower_bound(gate_lower_bound)
     if residuals not in RESIDUALS:
         raise ValueError(f"residuals: got {residuals!r}, expected one of {RESIDUALS}")
+    raw = _Raw(q, k, g, beta, A_log, dt_bias)
     q, k, g, beta, gate_lower_bound = _prepare_inputs(
         q, k, g, beta, gate_lower_bound, use_qk_l2norm_in_kernel, use_gate_in_kernel, A_log,
         dt_bias, lower_bound, use_beta_sigmoid_in_kernel,
@@ -163,8 +165,86 @@ def prefill(
         backend, q.dtype, total_tokens, num_heads, num_sequences, gate_lower_bound
     )
     call = _Call(scale=scale, backend=chosen, batched=batched, save_residuals=residuals == "saved")
+    prep = _Prep(use_qk_l2norm_in_kernel, use_gate_in_kernel, lower_bound,
+                 use_beta_sigmoid_in_kernel)  # fmt: skip
+    if chosen == "sm90_exact" and prep != _Prep() and sm90.backend.IN_KERNEL_PREP:
+        # the raw inputs to the kernels, which prepare them as they load (_prepared_prefill)
+        rq, rk = raw.q, raw.k
+        if groups > 1:  # the norm is per row: repeating before it is the same
+            rq, rk = jnp.repeat(rq, groups, axis=-2), jnp.repeat(rk, groups, axis=-2)
+        a_log = jnp.zeros((num_heads,), jnp.float32) if raw.a_log is None else raw.a_log
+        bias = jnp.zeros((num_heads, HEAD_DIM), jnp.float32) if raw.dt_bias is None else raw.dt_bias
+        o, final_state = _prepared_prefill(
+            call, prep, rq, rk, v, raw.g, raw.beta, a_log, bias, cu_seqlens, initial_state
+        )
+        return o, (final_state if output_final_state else None)
     o, final_state = _prefill(call, q, k, v, g, beta, cu_seqlens, initial_state)
     return o, (final_state if output_final_state else None)
+
+
+class _Raw(NamedTuple):
+    """prefill's inputs before _prepare_inputs (A_log and dt_bias as given, None or arrays)."""
+
+    q: Any
+    k: Any
+    g: Any
+    beta: Any
+    a_log: Any
+    dt_bias: Any
+
+
+class _Prep(NamedTuple):
+    """prefill's use_*_in_kernel preparations (all off: none)."""
+
+    qk_l2norm: bool = False
+    gate: bool = False
+    lower_bound: float | None = None
+    beta_logits: bool = False
+
+    def apply(self, q, k, g, beta, a_log, dt_bias):
+        """The preparations in XLA (_prepare_inputs): (q, k, g, beta) as the recurrence takes
+        them; a_log and dt_bias arrays (zeros: fla's defaults), read where gate."""
+        q, k, g, beta, _ = _prepare_inputs(
+            q, k, g, beta, None, self.qk_l2norm, self.gate, a_log if self.gate else None,
+            dt_bias if self.gate else None, self.lower_bound, self.beta_logits,
+        )  # fmt: skip
+        return q, k, g, beta
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _prepared_prefill(call, prep, q, k, v, g, beta, a_log, dt_bias, cu_seqlens, initial_state):
+    """prefill on the sm90 no-bound forward with the use_*_in_kernel preparations (`prep`) in
+    the chunk core (sm90.prepared_forward) where the call is not differentiated; q, k, g and
+    beta raw, a_log [HV] and dt_bias [HV, 128] or [HV * 128] arrays. Differentiated, the
+    preparations run in XLA before the plain kernels' forward (_prefill_fwd) and their VJP
+    after its backward, so the gradients reach the raw inputs, A_log and dt_bias."""
+
+    def run(q, k, v, g, beta, cu_seqlens, initial_state, scale):
+        return sm90.prepared_forward(
+            q, k, v, g, beta, cu_seqlens, initial_state, scale, qk_l2norm=prep.qk_l2norm,
+            gate=prep.gate, lower_bound=prep.lower_bound, beta_logits=prep.beta_logits,
+            a_log=a_log if prep.gate else None, dt_bias=dt_bias if prep.gate else None,
+        )  # fmt: skip
+
+    return _on_packed(run, call, q, k, v, g, beta, cu_seqlens, initial_state)
+
+
+def _prepared_prefill_fwd(call, prep, q, k, v, g, beta, a_log, dt_bias, cu_seqlens, state):
+    prepared, pullback = jax.vjp(prep.apply, q, k, g, beta, a_log, dt_bias)
+    pq, pk, pg, pbeta = prepared
+    out, saved = _prefill_fwd(call, pq, pk, v, pg, pbeta, cu_seqlens, state)
+    return out, (saved, pullback)
+
+
+def _prepared_prefill_bwd(call, prep, residuals, cotangents):
+    del prep  # in the pullback
+    saved, pullback = residuals
+    dq, dk, dv, dg, dbeta, _, dstate = _prefill_bwd(call, saved, cotangents)
+    dq, dk, dg, dbeta, da_log, ddt_bias = pullback((dq, dk, dg, dbeta))
+    return dq, dk, dv, dg, dbeta, da_log, ddt_bias, None, dstate
+
+
+_prepared_prefill.defvjp(_prepared_prefill_fwd, _prepared_prefill_bwd)
 
 
 def _resolve_backend(

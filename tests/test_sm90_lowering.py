@@ -344,7 +344,7 @@ def test_chunk_core_input_prep_variants_export_and_lower_with_their_operands():
     softplus = InputPrep(qk_l2norm=True, gate=True, beta_logits=True)
     norm = InputPrep(qk_l2norm=True)
     keys = {plain.key}
-    for prep, tag, inputs in ((every, "prepngb", 8), (softplus, "prepngb", 8), (norm, "prepn", 6)):
+    for prep, tag, inputs in ((every, "prepnlb", 8), (softplus, "prepnsb", 8), (norm, "prepn", 6)):
         artifact = sm90.chunk_operands_artifact(0.3, 1, False, False, prep)
         assert artifact.prefix.startswith(f"kda_chunk_operands_sm90_x1_fwd_{tag}_"), prep
         assert len(artifact.tensors) == inputs + 9, prep  # the inputs, then nine results
@@ -354,6 +354,8 @@ def test_chunk_core_input_prep_variants_export_and_lower_with_their_operands():
     assert len(keys) == 4
     with pytest.raises(ValueError, match="lower_bound is the in-kernel gate's"):
         InputPrep(lower_bound=-5.0)
+    with pytest.raises(ValueError, match=r"lower_bound -6.0 is outside \[-5.0, 0\)"):
+        InputPrep(gate=True, lower_bound=-6.0)
 
     x = production_inputs([100, 0, 30], 2, seed=4)
     slots = xla.chunk_slot_count(x.q.shape[0], 3)
@@ -368,6 +370,49 @@ def test_chunk_core_input_prep_variants_export_and_lower_with_their_operands():
     assert "stablehlo.rsqrt" not in hlo and "stablehlo.logistic" not in hlo  # none in XLA
     with pytest.raises(ValueError, match="a_log and dt_bias go with an in-kernel gate"):
         _lower(functools.partial(core, prep=norm), *x[:6], a_log, dt_bias)
+    with pytest.raises(ValueError, match=r"dt_bias: got shape \(128,\), expected \(2, 128\)"):
+        _lower(core, *x[:6], a_log, dt_bias[:128])
+    with pytest.raises(ValueError, match=r"a_log: got shape \(3,\), expected \(2,\)"):
+        _lower(core, *x[:6], jnp.zeros(3), dt_bias)
+
+
+@pytest.mark.parametrize("lower_bound", [None, -5.0], ids=["softplus-gate", "safe-gate"])
+def test_prefill_hands_raw_inputs_to_the_kernels_only_where_the_route_is_on(
+    monkeypatch, lower_bound
+):
+    """prefill with fla's flags (grouped value heads, H = 2, HV = 4): with
+    sm90.backend.IN_KERNEL_PREP (off until the variant has run on a GPU) a call without a gate
+    bound that is not differentiated lowers to the chunk core's prep variant on the raw inputs
+    and to no XLA preparation; differentiated, to the XLA preparation before the plain
+    kernels; with the route off, or with the safe gate (whose bound picks the gate-bound
+    kernels), to the XLA preparation and the plain kernels."""
+    from oracle_gradients import prepared_prefill, raw_inputs
+
+    x = raw_inputs([100, 0, 30], 2, 4, seed=6)
+    call = prepared_prefill(x, lower_bound, backend="sm90", residuals="saved")
+    args = (*x[:5], x.initial_state, x.a_log, x.dt_bias)
+
+    def loss(*args):
+        o, final = call(*args)
+        return jnp.sum(o.astype(jnp.float32)) + jnp.sum(final)
+
+    def lowered(fn):  # a fresh function: jit's cache would keep the other route's trace
+        hlo = _lower(lambda *a: fn(*a), *args)
+        prefixes = set(re.findall(r'prefix = "(\w+)"', hlo))
+        return prefixes, "stablehlo.rsqrt" in hlo or "stablehlo.logistic" in hlo
+
+    for route in (False, True):
+        monkeypatch.setattr(sm90.backend, "IN_KERNEL_PREP", route)
+        prefixes, xla_prep = lowered(call)
+        prep_core = [p for p in prefixes if "_prep" in p]
+        if route and lower_bound is None:
+            assert prep_core and prep_core[0].startswith("kda_chunk_operands_sm90_x1_fwd_prepnsb_")
+            assert not xla_prep, prefixes
+        else:
+            assert not prep_core and xla_prep, prefixes
+        prefixes, xla_prep = lowered(jax.grad(loss, argnums=range(8)))
+        assert not any("_prep" in p for p in prefixes) and xla_prep, prefixes
+        assert "kda_dense_bwd_sm90" in prefixes, prefixes  # the sm90 backward
 
 
 def _prefix(prep):

@@ -883,6 +883,8 @@ def differentiable_chunks(
         return (*d_tokens, None, None, d_y0)
 
     chunks.defvjp(chunks_fwd, chunks_bwd)
+    # a call that is not differentiated, on a core of the caller's (prepared_forward)
+    chunks.primal_forward = functools.partial(forward, primal=True, undifferentiated=True)
     return chunks
 
 
@@ -1126,9 +1128,10 @@ def chunk_operands_artifact(
         config["images"] = True
     if prep is not None:
         config["prep"] = repr(prep)
+        gate_tag = "s" if prep.lower_bound is None else "l"  # softplus, or lower-bounded
         suffix += "_prep" + "".join(
-            tag for tag, on in (("n", prep.qk_l2norm), ("g", prep.gate), ("b", prep.beta_logits))
-            if on
+            tag for tag, on in (("n", prep.qk_l2norm), (gate_tag, prep.gate),
+                                ("b", prep.beta_logits)) if on
         )  # fmt: skip
     core_config = ChunkOperandsConfig(
         scale=scale, passes=passes, residuals=residuals, images=images, prep=prep
@@ -1176,20 +1179,27 @@ def chunk_core_kernel(
     from jax_kda.sm90.ffi_call import cute_call
 
     f32 = jnp.float32
-    results = chunk_core_results(num_slots, q.shape[1], images)
+    heads = q.shape[1]
+    results = chunk_core_results(num_slots, heads, images)
     if any(x.dtype != jnp.bfloat16 for x in (q, k, v)):
         raise TypeError(f"the chunk-core kernel takes bfloat16 q, k, v; got {q.dtype}")
+    if not (prep is not None and prep.gate) and (a_log is not None or dt_bias is not None):
+        raise ValueError("a_log and dt_bias go with an in-kernel gate (prep.gate)")
+    if a_log is not None and tuple(a_log.shape) != (heads,):
+        raise ValueError(f"a_log: got shape {tuple(a_log.shape)}, expected ({heads},)")
+    if dt_bias is not None and tuple(dt_bias.shape) not in ((heads, HEAD_DIM), (heads * HEAD_DIM,)):
+        raise ValueError(
+            f"dt_bias: got shape {tuple(dt_bias.shape)}, expected ({heads}, {HEAD_DIM}) or "
+            f"({heads * HEAD_DIM},)"
+        )
     if num_slots == 0:  # no tokens and no sequences: nothing to launch (an empty grid)
         u, qg, attn, decay, gamma, kk, tinv, w, kd = (jnp.zeros(r.shape, r.dtype) for r in results)
     else:
         inputs = [q, k, v, g.astype(f32), beta.astype(f32), jnp.asarray(cu_seqlens, jnp.int32)]
         if prep is not None and prep.gate:
-            heads = g.shape[1]
             a_log = jnp.zeros((heads,), f32) if a_log is None else a_log.astype(f32)
             dt_bias = jnp.zeros((heads, HEAD_DIM), f32) if dt_bias is None else dt_bias
             inputs += [a_log, dt_bias.astype(f32).reshape(heads, HEAD_DIM)]
-        elif a_log is not None or dt_bias is not None:
-            raise ValueError("a_log and dt_bias go with an in-kernel gate (prep.gate)")
         u, qg, attn, decay, gamma, kk, tinv, w, kd = cute_call(
             chunk_operands_artifact(scale, passes, residuals, images, prep), inputs, results
         )
@@ -1768,6 +1778,41 @@ def _training_chunks(
             and chunk_core_passes == 1 and dense_precision == "bf16"
         ) else None,
     )  # fmt: skip
+
+
+IN_KERNEL_PREP = False
+"""Whether prefill runs a call that is not differentiated, on the no-bound forward, with its
+use_*_in_kernel preparations in the chunk core (prepared_forward). Off until the kernel
+variant has run on a GPU against the float64 oracle (tests/test_sm90_backward_gpu.py,
+test_chunk_core_prepares_raw_inputs_as_the_xla_preparation; jax_kda/api.py's route)."""
+
+
+def prepared_forward(
+    q, k, v, g, beta, cu_seqlens, initial_state, scale, *, qk_l2norm=False, gate=False,
+    lower_bound=None, beta_logits=False, a_log=None, dt_bias=None,
+):  # fmt: skip
+    """The no-bound forward of a call that is not differentiated (training_forward's kernels
+    at their defaults: the forward-alone chunk core and the scan that writes o), with the
+    inputs prepared in the chunk core as they load, so that no prepared copy of them goes
+    through HBM: q and k raw where qk_l2norm, g the raw gate projection a where gate (with
+    a_log [H] and dt_bias [H, 128] or [H * 128], None for fla's defaults; lower_bound None:
+    the softplus gate, else the safe one), beta logits where beta_logits (jax_kda/gate.py
+    states each; the kernels' InputPrep). No VJP of its own: prefill differentiates the XLA
+    preparation and the plain kernels instead. Not yet run on a GPU (IN_KERNEL_PREP)."""
+    from jax_kda.sm90.kernels.kda_chunk_operands_sm90 import InputPrep
+
+    prep = InputPrep(
+        qk_l2norm=qk_l2norm, gate=gate, lower_bound=lower_bound, beta_logits=beta_logits
+    )
+    chunks = _training_chunks(q.shape[1], cu_seqlens.shape[0] - 1, both_scans=True)
+    core = functools.partial(
+        chunk_core_kernel, passes=1, residuals=False, prep=prep, a_log=a_log, dt_bias=dt_bias
+    )
+
+    def undifferentiated(*args):
+        return chunks.primal_forward(*args, run_core=core)[0]
+
+    return xla.forward(q, k, v, g, beta, cu_seqlens, initial_state, scale, chunks=undifferentiated)
 
 
 def training_forward(

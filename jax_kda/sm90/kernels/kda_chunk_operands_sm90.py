@@ -60,7 +60,7 @@ import cutlass.cute.nvgpu.warpgroup as warpgroup
 from cutlass import BFloat16, Float32, Int32
 from cutlass.memory import SmemAllocator
 
-from jax_kda.constants import GATE_FLOOR, HEAD_DIM, L2_EPS, SCAN_CHUNK
+from jax_kda.constants import GATE_FLOOR, GATE_LOWER_BOUND_MIN, HEAD_DIM, L2_EPS, SCAN_CHUNK
 from jax_kda.sm90.kernels.chunk64 import (
     BLOCK,
     BLOCKS,
@@ -113,7 +113,6 @@ def kda_gate(x, amplitude, lower_bound: cutlass.Constexpr):
     """gate.kda_gate of x = a + dt_bias (float32): lower_bound * sigmoid(amplitude * x), or with
     lower_bound None -amplitude * softplus(x), softplus(x) = max(x, 0) + log1p(exp(-|x|)) as
     jax.nn.softplus; precise exp and log1p (the products' exp_fast is for their own range)."""
-    result = Float32(0.0)
     if cutlass.const_expr(lower_bound is None):
         result = -amplitude * (
             cute.math.max(x, Float32(0.0)) + cute.math.log1p(cute.math.exp(-cute.math.abs(x)))
@@ -178,6 +177,10 @@ class InputPrep:
     def __post_init__(self):
         if self.lower_bound is not None and not self.gate:
             raise ValueError("InputPrep: lower_bound is the in-kernel gate's (gate=True)")
+        if self.lower_bound is not None and not GATE_LOWER_BOUND_MIN <= self.lower_bound < 0:
+            raise ValueError(
+                f"InputPrep: lower_bound {self.lower_bound} is outside [{GATE_LOWER_BOUND_MIN}, 0)"
+            )
 
 
 @dataclasses.dataclass(frozen=True)
