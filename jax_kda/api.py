@@ -166,16 +166,13 @@ def prefill(
     )
     call = _Call(scale=scale, backend=chosen, batched=batched, save_residuals=residuals == "saved")
     prep = _Prep(use_qk_l2norm_in_kernel, use_gate_in_kernel, lower_bound,
-                 use_beta_sigmoid_in_kernel)  # fmt: skip
+                 use_beta_sigmoid_in_kernel, groups)  # fmt: skip
     if chosen == "sm90_exact" and prep != _Prep() and sm90.backend.IN_KERNEL_PREP:
         # the raw inputs to the kernels, which prepare them as they load (_prepared_prefill)
-        rq, rk = raw.q, raw.k
-        if groups > 1:  # the norm is per row: repeating before it is the same
-            rq, rk = jnp.repeat(rq, groups, axis=-2), jnp.repeat(rk, groups, axis=-2)
         a_log = jnp.zeros((num_heads,), jnp.float32) if raw.a_log is None else raw.a_log
         bias = jnp.zeros((num_heads, HEAD_DIM), jnp.float32) if raw.dt_bias is None else raw.dt_bias
         o, final_state = _prepared_prefill(
-            call, prep, rq, rk, v, raw.g, raw.beta, a_log, bias, cu_seqlens, initial_state
+            call, prep, raw.q, raw.k, v, raw.g, raw.beta, a_log, bias, cu_seqlens, initial_state
         )
         return o, (final_state if output_final_state else None)
     o, final_state = _prefill(call, q, k, v, g, beta, cu_seqlens, initial_state)
@@ -194,36 +191,44 @@ class _Raw(NamedTuple):
 
 
 class _Prep(NamedTuple):
-    """prefill's use_*_in_kernel preparations (all off: none)."""
+    """prefill's use_*_in_kernel preparations and its grouped value heads (groups = HV / H),
+    all that stands between the inputs as given and as the recurrence takes them (all off:
+    nothing)."""
 
     qk_l2norm: bool = False
     gate: bool = False
     lower_bound: float | None = None
     beta_logits: bool = False
+    groups: int = 1
 
     def apply(self, q, k, g, beta, a_log, dt_bias):
-        """The preparations in XLA (_prepare_inputs): (q, k, g, beta) as the recurrence takes
-        them; a_log and dt_bias arrays (zeros: fla's defaults), read where gate."""
+        """The preparations in XLA (_prepare_inputs, then q and k repeated over the groups):
+        (q, k, g, beta) as the recurrence takes them; a_log and dt_bias arrays (zeros: fla's
+        defaults), read where gate."""
         q, k, g, beta, _ = _prepare_inputs(
             q, k, g, beta, None, self.qk_l2norm, self.gate, a_log if self.gate else None,
             dt_bias if self.gate else None, self.lower_bound, self.beta_logits,
         )  # fmt: skip
+        if self.groups > 1:
+            q, k = (jnp.repeat(x, self.groups, axis=-2) for x in (q, k))
         return q, k, g, beta
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(0, 1))
 def _prepared_prefill(call, prep, q, k, v, g, beta, a_log, dt_bias, cu_seqlens, initial_state):
-    """prefill on the sm90 no-bound forward with the use_*_in_kernel preparations (`prep`) in
-    the chunk core (sm90.prepared_forward) where the call is not differentiated; q, k, g and
-    beta raw, a_log [HV] and dt_bias [HV, 128] or [HV * 128] arrays. Differentiated, the
-    preparations run in XLA before the plain kernels' forward (_prefill_fwd) and their VJP
-    after its backward, so the gradients reach the raw inputs, A_log and dt_bias."""
+    """prefill on the sm90 no-bound forward with the use_*_in_kernel preparations and the
+    grouped value heads (`prep`) in the chunk core (sm90.prepared_forward) where the call is
+    not differentiated; q and k raw with H heads, g and beta raw, a_log [HV] and dt_bias
+    [HV, 128] or [HV * 128] arrays. Differentiated, the preparations run in XLA before the
+    plain kernels' forward (_prefill_fwd) and their VJP after its backward, so the gradients
+    reach the raw inputs, A_log and dt_bias."""
 
     def run(q, k, v, g, beta, cu_seqlens, initial_state, scale):
         return sm90.prepared_forward(
             q, k, v, g, beta, cu_seqlens, initial_state, scale, qk_l2norm=prep.qk_l2norm,
             gate=prep.gate, lower_bound=prep.lower_bound, beta_logits=prep.beta_logits,
             a_log=a_log if prep.gate else None, dt_bias=dt_bias if prep.gate else None,
+            grouped_qk=prep.groups > 1,
         )  # fmt: skip
 
     return _on_packed(run, call, q, k, v, g, beta, cu_seqlens, initial_state)

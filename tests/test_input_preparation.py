@@ -131,13 +131,15 @@ def test_in_kernel_route_pulls_gradients_back_through_the_preparation(
     preparation and forward, and the XLA path's forward and backward where it differentiates:
     o, the final state and all eight gradients equal prefill's with the flags on the XLA path
     (the same operations, composed in another order: the preparation's VJP after the plain
-    backward), grouped value heads included (q and k repeated before the route, as prefill
-    does)."""
+    backward), grouped value heads included (the route takes q and k with their own heads and
+    repeats them with the preparations)."""
     from jax_kda import api, sm90, xla
 
     def standin(q, k, v, g, beta, cu, state, scale, **prep):
+        groups = v.shape[1] // q.shape[1]
+        assert prep["grouped_qk"] == (groups > 1)
         stated = api._Prep(prep["qk_l2norm"], prep["gate"], prep["lower_bound"],
-                           prep["beta_logits"])  # fmt: skip
+                           prep["beta_logits"], groups)  # fmt: skip
         a_log = prep["a_log"] if prep["a_log"] is not None else jnp.zeros(v.shape[1])
         bias = prep["dt_bias"] if prep["dt_bias"] is not None else jnp.zeros((v.shape[1], 128))
         pq, pk, pg, pbeta = stated.apply(q, k, g, beta, a_log, bias)
@@ -146,11 +148,10 @@ def test_in_kernel_route_pulls_gradients_back_through_the_preparation(
     monkeypatch.setattr(sm90, "prepared_forward", standin)
     x = raw_inputs([90, 0, 70], 2, 4, seed=21)
     call = api._Call(scale=0.3, backend="xla", batched=False, save_residuals=residuals == "saved")
-    prep = api._Prep(True, True, lower_bound, True)
+    prep = api._Prep(True, True, lower_bound, True, groups=2)
     cu = jnp.asarray(x.cu_seqlens)
 
     def routed(q, k, v, a, b, state, a_log, dt_bias):
-        q, k = jnp.repeat(q, 2, axis=1), jnp.repeat(k, 2, axis=1)
         return api._prepared_prefill(call, prep, q, k, v, a, b, a_log, dt_bias, cu, state)
 
     reference = prepared_prefill(x, lower_bound, residuals=residuals)

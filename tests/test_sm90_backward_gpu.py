@@ -913,40 +913,53 @@ PREP_CASES = [
 gate, ragged with empty and 1-token sequences, gap slots, thousands of tokens, no tokens."""
 
 
-@pytest.mark.parametrize("only_norm", [False, True], ids=["every-preparation", "qk-l2norm"])
+@pytest.mark.parametrize(
+    "only_norm, groups",
+    [(False, 1), (True, 1), (False, 2)],
+    ids=["every-preparation", "qk-l2norm", "every-preparation-GVA-2"],
+)
 @pytest.mark.parametrize("lengths, lower_bound", PREP_CASES, ids=str)
-def test_chunk_core_prepares_raw_inputs_as_the_xla_preparation(lengths, lower_bound, only_norm):
+def test_chunk_core_prepares_raw_inputs_as_the_xla_preparation(
+    lengths, lower_bound, only_norm, groups
+):
     """The forward-alone chunk core with the inputs prepared in the kernel (InputPrep: q and k
     L2-normalised, the gate from its raw projection, A_log and dt_bias, beta from logits; or the
-    norm alone) on raw inputs, against the plain kernel on the inputs jax_kda.gate prepares in
-    XLA: every output close (the preparation's roundings may differ by an ulp), none NaN; then
+    norm alone; with grouped value heads, q and k read at head j // G) on raw inputs, against
+    the plain kernel on the inputs jax_kda.gate prepares in XLA (q and k repeated over the
+    groups): every output close (the preparation's roundings may differ by an ulp), none NaN; then
     o and the final states through the scan with the outputs against the float64 oracle of the
     prepared inputs, from a non-zero initial state."""
     from jax_kda import gate
     from jax_kda.sm90.kernels.kda_chunk_operands_sm90 import InputPrep
 
     register()
-    seed = SEED + 13 * len(lengths) + only_norm
-    x = raw_inputs(lengths, 3, 3, seed=seed)
+    seed = SEED + 13 * len(lengths) + only_norm + 5 * groups
+    x = raw_inputs(lengths, 3, 3 * groups, seed=seed)
     tokens = x.q.shape[0]
     cu = jnp.asarray(x.cu_seqlens, jnp.int32)
     num_slots = xla.chunk_slot_count(tokens, len(lengths))
     q, k, v, a, beta = (jnp.asarray(t) for t in (x.q, x.k, x.v, x.a, x.beta))
     a_log, dt_bias = jnp.asarray(x.a_log), jnp.asarray(x.dt_bias)
+    grouped = groups > 1
+
+    def repeated(x):  # value head j reads q and k head j // G
+        return jnp.repeat(x, groups, axis=1)
+
     if only_norm:
         prep = InputPrep(qk_l2norm=True)
         g = jnp.asarray(gate.kda_gate(a, a_log, dt_bias, lower_bound=lower_bound))
         b = jax.nn.sigmoid(beta)
-        prepared = (gate.l2_normalize(q), gate.l2_normalize(k), v, g, b)
+        prepared = (repeated(gate.l2_normalize(q)), repeated(gate.l2_normalize(k)), v, g, b)
         raw, params = (q, k, v, g, b), (None, None)
     else:
-        prep = InputPrep(True, True, lower_bound, True)
+        prep = InputPrep(True, True, lower_bound, True, grouped_qk=grouped)
         if len(lengths) == 5:  # fla's defaults: amplitude 1, no bias
             a_log = dt_bias = None
-        elif lower_bound is None:  # dt_bias as [H, 128] (fla's flat [H * 128] elsewhere)
-            dt_bias = dt_bias.reshape(3, 128)
+        elif lower_bound is None:  # dt_bias as [HV, 128] (fla's flat [HV * 128] elsewhere)
+            dt_bias = dt_bias.reshape(3 * groups, 128)
         g = gate.kda_gate(a, a_log, dt_bias, lower_bound=lower_bound)
-        prepared = (gate.l2_normalize(q), gate.l2_normalize(k), v, g, jax.nn.sigmoid(beta))
+        q_ready, k_ready = (repeated(gate.l2_normalize(x)) for x in (q, k))
+        prepared = (q_ready, k_ready, v, g, jax.nn.sigmoid(beta))
         raw, params = (q, k, v, a, beta), (a_log, dt_bias)
     core = jax.jit(sm90.chunk_core_kernel, static_argnums=(6, 7, 8, 9, 10, 11))
     plain = core(*prepared, cu, num_slots, 0.3, 1, False, False, None)

@@ -343,15 +343,17 @@ def test_chunk_core_input_prep_variants_export_and_lower_with_their_operands():
     every = InputPrep(qk_l2norm=True, gate=True, lower_bound=-5.0, beta_logits=True)
     softplus = InputPrep(qk_l2norm=True, gate=True, beta_logits=True)
     norm = InputPrep(qk_l2norm=True)
+    grouped = InputPrep(grouped_qk=True)
     keys = {plain.key}
-    for prep, tag, inputs in ((every, "prepnlb", 8), (softplus, "prepnsb", 8), (norm, "prepn", 6)):
+    for prep, tag, inputs in ((every, "prepnlb", 8), (softplus, "prepnsb", 8), (norm, "prepn", 6),
+                              (grouped, "prepgv", 6)):  # fmt: skip
         artifact = sm90.chunk_operands_artifact(0.3, 1, False, False, prep)
         assert artifact.prefix.startswith(f"kda_chunk_operands_sm90_x1_fwd_{tag}_"), prep
         assert len(artifact.tensors) == inputs + 9, prep  # the inputs, then nine results
         keys.add(artifact.key)
         if prep.gate:
             assert [t.rank for t in artifact.tensors[6:8]] == [1, 2]  # A_log, dt_bias
-    assert len(keys) == 4
+    assert len(keys) == 5
     with pytest.raises(ValueError, match="lower_bound is the in-kernel gate's"):
         InputPrep(lower_bound=-5.0)
     with pytest.raises(ValueError, match=r"lower_bound -6.0 is outside \[-5.0, 0\)"):
@@ -374,6 +376,12 @@ def test_chunk_core_input_prep_variants_export_and_lower_with_their_operands():
         _lower(core, *x[:6], a_log, dt_bias[:128])
     with pytest.raises(ValueError, match=r"a_log: got shape \(3,\), expected \(2,\)"):
         _lower(core, *x[:6], jnp.zeros(3), dt_bias)
+    # grouped value heads: q and k with 1 head against v's 2, only in the grouped variant
+    one_head = [t[:, :1] for t in x[:2]]
+    hlo = _lower(functools.partial(core, prep=grouped), *one_head, *x[2:6])
+    assert re.findall(r'prefix = "(\w+)"', hlo) == [_prefix(grouped)]
+    with pytest.raises(ValueError, match="q, k: got heads 1, 1 against v's 2; expected the same"):
+        _lower(functools.partial(core, prep=norm), *one_head, *x[2:6])
 
 
 @pytest.mark.parametrize("lower_bound", [None, -5.0], ids=["softplus-gate", "safe-gate"])
@@ -406,13 +414,23 @@ def test_prefill_hands_raw_inputs_to_the_kernels_only_where_the_route_is_on(
         prefixes, xla_prep = lowered(call)
         prep_core = [p for p in prefixes if "_prep" in p]
         if route and lower_bound is None:
-            assert prep_core and prep_core[0].startswith("kda_chunk_operands_sm90_x1_fwd_prepnsb_")
+            assert prep_core[0].startswith("kda_chunk_operands_sm90_x1_fwd_prepnsbgv_"), prefixes
             assert not xla_prep, prefixes
         else:
             assert not prep_core and xla_prep, prefixes
         prefixes, xla_prep = lowered(jax.grad(loss, argnums=range(8)))
         assert not any("_prep" in p for p in prefixes) and xla_prep, prefixes
         assert "kda_dense_bwd_sm90" in prefixes, prefixes  # the sm90 backward
+    # grouped value heads alone: the chunk core reads q and k at head j // G, no repeat
+    q, k = (jnp.asarray(t, jnp.bfloat16) for t in x[:2])
+    g = -jax.nn.softplus(jnp.asarray(x.a))
+    plain = functools.partial(
+        api.prefill, cu_seqlens=jnp.asarray(x.cu_seqlens), scale=0.3, backend="sm90"
+    )
+    prefixes = set(re.findall(r'prefix = "(\w+)"', _lower(
+        lambda *a: plain(*a)[0], q, k, x.v, g, jax.nn.sigmoid(jnp.asarray(x.beta))
+    )))  # fmt: skip
+    assert any(p.startswith("kda_chunk_operands_sm90_x1_fwd_prepgv_") for p in prefixes), prefixes
 
 
 def _prefix(prep):

@@ -61,11 +61,9 @@ def _main():
             sm90.state_scan_outputs_artifact(v_slice, states, split)
             if split and not states:  # Qg and Aqk as the chunk core's images variant writes
                 sm90.state_scan_outputs_artifact(v_slice, states, split, True)
-    preps = (  # the in-kernel input preparations the GPU test takes (scale 0.3)
-        InputPrep(qk_l2norm=True),
-        InputPrep(qk_l2norm=True, gate=True, lower_bound=-5.0, beta_logits=True),
-        InputPrep(qk_l2norm=True, gate=True, beta_logits=True),
-    )
+    preps = [InputPrep(qk_l2norm=True), InputPrep(grouped_qk=True)]  # the GPU tests' variants
+    for bound, grouped in itertools.product((-5.0, None), (False, True)):
+        preps.append(InputPrep(True, True, bound, True, grouped))
     for scale in (0.3, default_scale()):
         sm90.chunk_operands_artifact(scale, 1, False)
         sm90.chunk_operands_artifact(scale, 1, False, True)

@@ -5,9 +5,12 @@
 #                                                  were opt-in until they ran on a GPU
 #                                                  (training_forward's fuse_outputs,
 #                                                  outputs_warpgroup and scan_plain_addend; the
-#                                                  defaults since, H100 2026-12-06) and the one
-#                                                  still opt-in (outputs_images), against the
-#                                                  kernels without them and the float64 oracle
+#                                                  defaults since, H100 2026-12-06), the ones
+#                                                  still opt-in (outputs_images; the chunk
+#                                                  core's in-kernel input preparation and
+#                                                  prefill's route to it, IN_KERNEL_PREP),
+#                                                  against the kernels without them and the
+#                                                  float64 oracle
 #   bash benchmarks/jobs/verify_opt_in.sh measure  their kernel times beside the default's, and
 #                                                  the host cost of a jitted call
 #   bash benchmarks/jobs/verify_opt_in.sh all      both in one call (for a session short of
@@ -37,6 +40,7 @@ if [ "$mode" = tests ] || [ "$mode" = all ]; then
     "$t::test_forward_scan_on_the_plain_bf16_addend_equals_the_sliced_one" \
     "$t::test_state_scan_with_outputs_equals_the_scan_and_the_outputs_kernel" \
     "$t::test_chunk_core_images_and_the_scan_on_them_equal_the_plain_ones" \
+    "$t::test_chunk_core_prepares_raw_inputs_as_the_xla_preparation" \
     "$t::test_both_state_scans_kernel_matches_two_xla_scans" \
     "$t::test_scan_kernel_stays_in_bounds_on_bad_boundaries" \
     > "$out/tests-kernels.log" 2>&1
@@ -44,6 +48,7 @@ if [ "$mode" = tests ] || [ "$mode" = all ]; then
   # forward and gradients against the float64 oracle
   timeout "$(limit 260)" python3 -m pytest -q -s -m gpu --maxfail=20 \
     "$t::test_training_forward_scan_switches_match_float64_oracle" \
+    "$t::test_prepared_inputs_and_grouped_heads_match_float64" \
     "$g::test_exact_forward_matches_float64_oracle" \
     "$g::test_exact_forward_long_memory_with_custom_scale" \
     > "$out/tests-oracle.log" 2>&1

@@ -829,7 +829,7 @@ def differentiable_chunks(
     ):  # fmt: skip
         images = {}
         if undifferentiated and primal_images is not None:
-            if primal_images(q.shape[1], y0.shape[0], num_slots, rows.shape[0]):
+            if primal_images(v.shape[1], y0.shape[0], num_slots, rows.shape[0]):
                 images = {"images": True}
         core_out = run_core(q, k, v, g, beta, cu_seqlens, num_slots, scale, **images)
         w, u, qg, attn, _, decay = core_out[:6]
@@ -1094,9 +1094,12 @@ def chunk_operands_artifact(
     token_shape = (tokens, heads, HEAD_DIM)
     chunk = (slots, heads, SCAN_CHUNK, HEAD_DIM)
     pairs = (slots, heads, SCAN_CHUNK, SCAN_CHUNK)
+    qk_shape = token_shape
+    if prep is not None and prep.grouped_qk:  # q and k with heads of their own
+        qk_shape = (tokens, cute.sym_int32(), HEAD_DIM)
     fakes = {
-        "q": row_major_fake(BFloat16, token_shape),
-        "k": row_major_fake(BFloat16, token_shape),
+        "q": row_major_fake(BFloat16, qk_shape),
+        "k": row_major_fake(BFloat16, qk_shape),
         "v": row_major_fake(BFloat16, token_shape),
         "g": row_major_fake(Float32, token_shape),
         "beta": row_major_fake(Float32, (tokens, heads), align=4),
@@ -1131,7 +1134,7 @@ def chunk_operands_artifact(
         gate_tag = "s" if prep.lower_bound is None else "l"  # softplus, or lower-bounded
         suffix += "_prep" + "".join(
             tag for tag, on in (("n", prep.qk_l2norm), (gate_tag, prep.gate),
-                                ("b", prep.beta_logits)) if on
+                                ("b", prep.beta_logits), ("gv", prep.grouped_qk)) if on
         )  # fmt: skip
     core_config = ChunkOperandsConfig(
         scale=scale, passes=passes, residuals=residuals, images=images, prep=prep
@@ -1171,18 +1174,27 @@ def chunk_core_kernel(
     gamma, kk and tinv, which only the backward reads, are not written and come back as
     None. images=True (with residuals=False, one pass): qg and attn come as the scan's K-major
     operand images, flat (chunk_operands_artifact's variant; state_scan_outputs_kernel's
-    images take them). prep (the kernels' InputPrep; not yet run on a GPU): q and k raw where
-    prep.qk_l2norm, g the raw gate projection a (cast to float32) where prep.gate, with a_log
-    [H] and dt_bias [H, 128] or [H * 128] (None: zeros, fla's defaults of amplitude 1 and no
-    bias), beta logits where prep.beta_logits; the results are those of the prepared inputs
-    (gate.py states each preparation)."""
+    images take them). prep (the kernels' InputPrep; not yet run on a GPU): q and k with H
+    heads against v's HV = G H where prep.grouped_qk, raw where prep.qk_l2norm; g the raw
+    gate projection a (cast to float32) where prep.gate, with a_log [HV] and dt_bias
+    [HV, 128] or [HV * 128] (None: zeros, fla's defaults of amplitude 1 and no bias); beta
+    logits where prep.beta_logits; the results are those of the prepared inputs (gate.py
+    states each preparation)."""
     from jax_kda.sm90.ffi_call import cute_call
 
     f32 = jnp.float32
-    heads = q.shape[1]
+    heads = v.shape[1]
     results = chunk_core_results(num_slots, heads, images)
     if any(x.dtype != jnp.bfloat16 for x in (q, k, v)):
         raise TypeError(f"the chunk-core kernel takes bfloat16 q, k, v; got {q.dtype}")
+    grouped = prep is not None and prep.grouped_qk
+    if q.shape != k.shape or (
+        heads % q.shape[1] if grouped else q.shape[1] != heads
+    ):  # fmt: skip
+        raise ValueError(
+            f"q, k: got heads {q.shape[1]}, {k.shape[1]} against v's {heads}; expected "
+            + ("a divisor of it, the same for both" if grouped else "the same")
+        )
     if not (prep is not None and prep.gate) and (a_log is not None or dt_bias is not None):
         raise ValueError("a_log and dt_bias go with an in-kernel gate (prep.gate)")
     if a_log is not None and tuple(a_log.shape) != (heads,):
@@ -1789,22 +1801,27 @@ test_chunk_core_prepares_raw_inputs_as_the_xla_preparation; jax_kda/api.py's rou
 
 def prepared_forward(
     q, k, v, g, beta, cu_seqlens, initial_state, scale, *, qk_l2norm=False, gate=False,
-    lower_bound=None, beta_logits=False, a_log=None, dt_bias=None,
+    lower_bound=None, beta_logits=False, a_log=None, dt_bias=None, grouped_qk=False,
 ):  # fmt: skip
     """The no-bound forward of a call that is not differentiated (training_forward's kernels
     at their defaults: the forward-alone chunk core and the scan that writes o), with the
     inputs prepared in the chunk core as they load, so that no prepared copy of them goes
     through HBM: q and k raw where qk_l2norm, g the raw gate projection a where gate (with
     a_log [H] and dt_bias [H, 128] or [H * 128], None for fla's defaults; lower_bound None:
-    the softplus gate, else the safe one), beta logits where beta_logits (jax_kda/gate.py
-    states each; the kernels' InputPrep). No VJP of its own: prefill differentiates the XLA
+    the softplus gate, else the safe one), beta logits where beta_logits, q and k with H
+    heads against the rest's HV = G H where grouped_qk (jax_kda/gate.py states each
+    preparation; the kernels' InputPrep). No VJP of its own: prefill differentiates the XLA
     preparation and the plain kernels instead. Not yet run on a GPU (IN_KERNEL_PREP)."""
     from jax_kda.sm90.kernels.kda_chunk_operands_sm90 import InputPrep
 
     prep = InputPrep(
-        qk_l2norm=qk_l2norm, gate=gate, lower_bound=lower_bound, beta_logits=beta_logits
+        qk_l2norm=qk_l2norm,
+        gate=gate,
+        lower_bound=lower_bound,
+        beta_logits=beta_logits,
+        grouped_qk=grouped_qk,
     )
-    chunks = _training_chunks(q.shape[1], cu_seqlens.shape[0] - 1, both_scans=True)
+    chunks = _training_chunks(v.shape[1], cu_seqlens.shape[0] - 1, both_scans=True)
     core = functools.partial(
         chunk_core_kernel, passes=1, residuals=False, prep=prep, a_log=a_log, dt_bias=dt_bias
     )

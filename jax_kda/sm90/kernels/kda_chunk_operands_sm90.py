@@ -167,12 +167,15 @@ class InputPrep:
       gate: g is the raw gate projection a (float32), the kernel takes a_log [H] and dt_bias
         [H, 128] float32 besides, and g = lower_bound * sigmoid(exp(a_log) * (a + dt_bias)), or
         with lower_bound None -exp(a_log) * softplus(a + dt_bias) (gate.kda_gate).
-      beta_logits: beta holds logits; sigmoid(beta) is used."""
+      beta_logits: beta holds logits; sigmoid(beta) is used.
+      grouped_qk: q and k have H heads and the rest HV = G H (grouped value heads, fla's
+        convention): value head j reads q and k head j // G, so they need no repeated copy."""
 
     qk_l2norm: bool = False
     gate: bool = False
     lower_bound: float | None = None
     beta_logits: bool = False
+    grouped_qk: bool = False
 
     def __post_init__(self):
         if self.lower_bound is not None and not self.gate:
@@ -327,6 +330,9 @@ class ChunkOperandsSm90:
 
         active, bos, seqlen, c = slot_owner(mCu, slot, SCAN_CHUNK)
         tokens = mQ.shape[0]
+        h_qk = h  # the q and k head this value head reads
+        if cutlass.const_expr(self.prep.grouped_qk):
+            h_qk = h // (mU.shape[1] // mQ.shape[1])
 
         # ---- the chunk into shared memory, 16 bytes a thread a load (g four channels, q and k
         # eight), every load issued before the first store; rows past the end zero and gates
@@ -354,8 +360,8 @@ class ChunkOperandsSm90:
             for m in cutlass.range_constexpr(TASKS):
                 pos = (m * NTHREADS + tid) * LANES
                 token = cutlass.max(cutlass.min(row_base + pos // HEAD_DIM, last_ok), 0)
-                r_q[m, None].store(row_piece(mQ[token, h, None], pos % HEAD_DIM, LANES).load())
-                r_k[m, None].store(row_piece(mK[token, h, None], pos % HEAD_DIM, LANES).load())
+                r_q[m, None].store(row_piece(mQ[token, h_qk, None], pos % HEAD_DIM, LANES).load())
+                r_k[m, None].store(row_piece(mK[token, h_qk, None], pos % HEAD_DIM, LANES).load())
         if d < HALF:  # beta: one row a thread, clamped into the tensor like the loads above
             b_row = Float32(0.0)
             if tokens > 0 and part * HALF + d < rows_ok:
