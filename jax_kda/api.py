@@ -296,7 +296,7 @@ def _on_packed(kernel_path, call: _Call, q, k, v, g, beta, cu_seqlens, initial_s
     row_cu = jnp.arange(rows + 1, dtype=jnp.int32) * length
     packed = [x.reshape(rows * length, *x.shape[2:]) for x in (q, k, v, g, beta)]
     o, final_state = kernel_path(*packed, row_cu, initial_state, call.scale)
-    return o.reshape(q.shape), final_state
+    return o.reshape(*v.shape[:-1], o.shape[-1]), final_state  # v's heads (q's may be fewer)
 
 
 def _one_call_under_vmap(fn, call: _Call, num_token_like: int):

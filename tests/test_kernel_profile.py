@@ -135,3 +135,38 @@ def test_timeline_spreads_a_chained_run_over_its_calls():
     found = timeline(events, 2)
     assert found.span_us == 70.0 and found.busy_us == 65.0 and found.largest_gap_us == 10.0
     assert found.kernels_us == {"a": 40.0, "b": 35.0}
+
+
+def test_chunk_core_phase_table_reads_the_stamps():
+    """benchmarks.chunk_core_phases: per-phase cycles from the cumulative clocks, CTA durations
+    and the span from the global timer's low 32 bits (a start just before the wrap and an end
+    after it included), the mean concurrency."""
+    import numpy as np
+
+    from benchmarks.chunk_core_phases import format_table, phase_table
+
+    wrap = 2**32
+    near = wrap - 500  # a CTA that starts 500 ns before the low bits wrap
+
+    def as_int32(values):
+        return np.asarray(values, np.int64).astype(np.uint32).view(np.int32)
+
+    stamps = as_int32(
+        [
+            [0, 1000, 3000, near, near + 2000],  # 2000 ns, ends after the wrap
+            [0, 2000, 3000, near + 1000, near + 3000],
+            [0, 1000, 5000, near + 500, near + 4500],  # 4000 ns
+        ]
+    ).reshape(3, 1, 5)
+    table = phase_table(stamps, ("first", "second"))
+    assert table.ctas == 3
+    assert table.phases["first"] == (1000.0, np.percentile([1000, 2000, 1000], 90))
+    assert table.phases["second"][0] == 2000.0  # steps 2000, 1000, 4000
+    assert table.cta_us[1] == 2.0
+    assert abs(table.span_us - 4.5) < 1e-9  # the first start to the last end, near + 4500
+    assert abs(table.concurrent - 8000 / 4500) < 1e-9
+    assert abs(table.cycles_per_ns - 3000 / 2000) < 1e-9
+    text = format_table("1x1x1", table)
+    assert "| first | 1000 | 33% |" in text and "3 CTAs" in text
+    with pytest.raises(ValueError, match="no CTAs"):
+        phase_table(np.zeros((0, 2, 5), np.int32), ("first", "second"))

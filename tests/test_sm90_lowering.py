@@ -433,6 +433,30 @@ def test_prefill_hands_raw_inputs_to_the_kernels_only_where_the_route_is_on(
     assert any(p.startswith("kda_chunk_operands_sm90_x1_fwd_prepgv_") for p in prefixes), prefixes
 
 
+def test_chunk_core_stamps_variant_exports_and_lowers():
+    """The chunk core's stamps variant (a diagnostic: every CTA's phase clocks for
+    benchmarks/chunk_core_phases.py) writes one more result, int32 [slots, H, len(STAMPS)],
+    for both the forward-alone and the training variant, and refuses in-kernel preparation;
+    chunk_core_stamps lowers to it alone."""
+    from jax_kda.sm90.kernels.kda_chunk_operands_sm90 import PHASES, STAMPS, InputPrep
+
+    assert len(STAMPS) == len(PHASES) + 3
+    for residuals in (False, True):
+        artifact = sm90.chunk_operands_artifact(0.3, 1, residuals, stamps=True)
+        assert artifact.prefix.endswith("_stamps_" + artifact.prefix.rsplit("_", 1)[1])
+        assert len(artifact.tensors) == 16 and artifact.tensors[-1].rank == 3
+        assert artifact.key != sm90.chunk_operands_artifact(0.3, 1, residuals).key
+    with pytest.raises(ValueError, match="stamps=True is a variant of the chunk core without"):
+        sm90.chunk_operands_artifact(0.3, 1, False, False, InputPrep(qk_l2norm=True), True)
+    x = production_inputs([100, 0, 30], 2, seed=4)
+    slots = xla.chunk_slot_count(x.q.shape[0], 3)
+    fn = functools.partial(sm90.backend.chunk_core_stamps, num_slots=slots, scale=0.3)
+    hlo = _lower(lambda *a: fn(*a), *x[:6])
+    assert re.findall(r'prefix = "(\w+)"', hlo) == [
+        sm90.chunk_operands_artifact(0.3, 1, False, stamps=True).prefix
+    ]
+
+
 def _prefix(prep):
     return sm90.chunk_operands_artifact(0.3, 1, False, False, prep).prefix
 

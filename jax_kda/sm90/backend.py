@@ -1063,7 +1063,8 @@ def xla_tokens_bwd(scale, tokens, cu_seqlens, rows, gamma, d_decayed, cotangents
 
 @functools.cache
 def chunk_operands_artifact(
-    scale: float, passes: int = 3, residuals: bool = True, images: bool = False, prep=None
+    scale: float, passes: int = 3, residuals: bool = True, images: bool = False, prep=None,
+    stamps: bool = False,
 ):  # fmt: skip
     """The exported exact 64-token chunk core (kernels/kda_chunk_operands_sm90.py) for this
     scale; tokens, heads, slots and sequences symbolic; `passes` bf16 passes a product (3:
@@ -1073,20 +1074,26 @@ def chunk_operands_artifact(
     (flat [slots, H, 64 * 128] and [slots, H, 64 * 64] in W's order,
     chunk_io.scan_order_offset). prep (kernels' InputPrep, or None): the inputs prepared in the
     kernel as they load (l2-normalised q and k, the gate from its raw projection, beta from
-    logits; chunk_core_kernel says what it takes then; not yet run on a GPU)."""
+    logits; chunk_core_kernel says what it takes then; not yet run on a GPU). stamps (a
+    diagnostic, with prep None): a variant that also writes each CTA's phase clocks
+    (kernels' STAMPS, benchmarks/chunk_core_phases.py reads them)."""
     import cutlass.cute as cute
     from cutlass import BFloat16, Float32, Int32
 
     from jax_kda.sm90.export import export, row_major_fake
     from jax_kda.sm90.kernels.kda_chunk_operands_sm90 import (
+        STAMPS,
         ChunkOperandsConfig,
         ChunkOperandsGateSm90,
         ChunkOperandsSm90,
+        ChunkOperandsStampsSm90,
         InputPrep,
     )
 
     if prep == InputPrep():
         prep = None  # nothing prepared: the plain kernel
+    if stamps and prep is not None:
+        raise ValueError("stamps=True is a variant of the chunk core without in-kernel prep")
 
     if images and (residuals or passes != 1):
         raise ValueError("images=True is a variant of the one-pass forward-alone chunk core")
@@ -1121,6 +1128,8 @@ def chunk_operands_artifact(
     if images:
         fakes["qg"] = row_major_fake(BFloat16, (slots, heads, SCAN_CHUNK * HEAD_DIM))
         fakes["attn"] = row_major_fake(BFloat16, (slots, heads, SCAN_CHUNK * SCAN_CHUNK))
+    if stamps:
+        fakes["stamps"] = row_major_fake(Int32, (slots, heads, len(STAMPS)), align=4)
     scale_tag = hashlib.sha256(repr(scale).encode()).hexdigest()[:8]
     suffix = ("" if passes == 3 else f"_x{passes}") + ("" if residuals else "_fwd")
     suffix += "_img" if images else ""
@@ -1136,10 +1145,15 @@ def chunk_operands_artifact(
             tag for tag, on in (("n", prep.qk_l2norm), (gate_tag, prep.gate),
                                 ("b", prep.beta_logits), ("gv", prep.grouped_qk)) if on
         )  # fmt: skip
+    if stamps:
+        config["stamps"] = True
+        suffix += "_stamps"
     core_config = ChunkOperandsConfig(
-        scale=scale, passes=passes, residuals=residuals, images=images, prep=prep
+        scale=scale, passes=passes, residuals=residuals, images=images, prep=prep, stamps=stamps
     )
     launcher = ChunkOperandsGateSm90 if prep is not None and prep.gate else ChunkOperandsSm90
+    if stamps:
+        launcher = ChunkOperandsStampsSm90
     return export(
         launcher(core_config),
         fakes,
@@ -1218,6 +1232,24 @@ def chunk_core_kernel(
     if not residuals:
         gamma = kk = tinv = None
     return w, u, qg, attn, kd, decay, gamma, kk, tinv
+
+
+def chunk_core_stamps(q, k, v, g, beta, cu_seqlens, num_slots, scale, passes=1, residuals=False):
+    """A diagnostic: the chunk core's stamps variant on these inputs (chunk_core_kernel's),
+    returning only each (slot, head) CTA's clocks, int32 [slots, H, len(STAMPS)] (the kernel
+    module's STAMPS says what each holds; benchmarks/chunk_core_phases.py reads them)."""
+    from jax_kda.sm90.ffi_call import cute_call
+    from jax_kda.sm90.kernels.kda_chunk_operands_sm90 import STAMPS
+
+    f32 = jnp.float32
+    heads = v.shape[1]
+    results = [
+        *chunk_core_results(num_slots, heads),
+        jax.ShapeDtypeStruct((num_slots, heads, len(STAMPS)), jnp.int32),
+    ]
+    inputs = [q, k, v, g.astype(f32), beta.astype(f32), jnp.asarray(cu_seqlens, jnp.int32)]
+    artifact = chunk_operands_artifact(scale, passes, residuals, stamps=True)
+    return cute_call(artifact, inputs, results)[-1]
 
 
 @functools.cache

@@ -157,6 +157,25 @@ def shared_bytes(passes: int) -> int:
     return region_bytes(passes)[2] + ROWS * PADDED_ROW * (2 + 2 + 4) + ROWS * 4 + 16
 
 
+PHASES = (
+    "loads, cumsum",
+    "anchors, right factors",
+    "kk and qk products",
+    "diagonal blocks pair by pair",
+    "Aqk and kk out",
+    "v loads, T^-1 (out)",
+    "R^T images",
+    "W and U products",
+    "stores",
+)
+"""The chunk core's phases, in order, each ending at a barrier (the last at thread 0's last
+store): what the stamps variant (ChunkOperandsConfig.stamps) times."""
+STAMPS = ("start", *(f"after {phase}" for phase in PHASES), "timer at start", "timer at end")
+"""What the stamps variant writes for each CTA (int32): 0, then thread 0's cycle counter
+(clock) less its value at the start, after each phase; then the global timer's low 32 bits (ns)
+at the CTA's start and end."""
+
+
 @dataclasses.dataclass(frozen=True)
 class InputPrep:
     """prefill's in-kernel input preparation (its use_*_in_kernel flags), done here as the chunk
@@ -193,6 +212,7 @@ class ChunkOperandsConfig:
     residuals: bool = True  # store gamma, kk and tinv (the backward's); False: a forward alone
     images: bool = False  # qg and attn in the scan's operand order (flat [slots, H, 64 * n])
     prep: InputPrep | None = None  # the inputs prepared in the kernel (None: as given)
+    stamps: bool = False  # a diagnostic: each CTA's phase clocks (STAMPS) into one more result
 
 
 class ChunkOperandsSm90:
@@ -203,6 +223,7 @@ class ChunkOperandsSm90:
         self.residuals = config.residuals
         self.images = config.images
         self.prep = config.prep if config.prep is not None else InputPrep()
+        self.stamps = config.stamps
 
     @cute.jit
     def __call__(
@@ -226,7 +247,7 @@ class ChunkOperandsSm90:
     ):
         self.launch(
             q, k, v, g, beta, cu_seqlens, u, qg, attn, decay, gamma, kk, tinv, w_img, kd_img,
-            None, None, stream,
+            None, None, None, stream,
         )  # fmt: skip
 
     @cute.jit
@@ -249,6 +270,7 @@ class ChunkOperandsSm90:
         kd_img: cute.Tensor,
         a_log: cute.Tensor | None,
         dt_bias: cute.Tensor | None,
+        stamps: cute.Tensor | None,
         stream: cuda.CUstream,
     ):
         n_slots = u.shape[0]
@@ -261,7 +283,7 @@ class ChunkOperandsSm90:
         per_sm = 2 if cutlass.const_expr(self.passes == 1) else 1
         self.kernel(
             q, k, v, g, beta, cu_seqlens, u, qg, attn, decay, gamma, kk, tinv, w_img, kd_img,
-            mma_pairs, mma_solve, a_log, dt_bias,
+            mma_pairs, mma_solve, a_log, dt_bias, stamps,
         ).launch(
             grid=[n_slots, heads, 1], block=[NTHREADS, 1, 1], stream=stream,
             min_blocks_per_mp=per_sm, preferred_smem_carveout=100,
@@ -289,9 +311,16 @@ class ChunkOperandsSm90:
         mma_solve: cute.TiledMma,
         mALog: cute.Tensor | None = None,
         mDtBias: cute.Tensor | None = None,
+        mStamps: cute.Tensor | None = None,
     ):
         tid, _, _ = cute.arch.thread_idx()
         slot, h, _ = cute.arch.block_idx()
+        clock_start = Int32(0)
+        if cutlass.const_expr(self.stamps):
+            clock_start = cute.arch.clock()
+            if tid == 0:
+                mStamps[slot, h, 0] = Int32(0)
+                mStamps[slot, h, len(STAMPS) - 2] = cute.arch.globaltimer_lo()
         d = tid % 128  # channel in the row-split phases; the thread's slice in the products
         part = tid // 128  # warpgroup
         scale = self.scale
@@ -420,6 +449,7 @@ class ChunkOperandsSm90:
             for r in cutlass.range_constexpr(HALF):
                 s_gam[part * HALF + r, d] = s_gam[part * HALF + r, d] + g_before
         cute.arch.sync_threads()
+        self.stamp(mStamps, slot, h, 1, clock_start, tid)
 
         # ---- middle-row anchors where the decay allows, else first-row ones (chunk64.py)
         pairwise, shift = choose_anchors(s_gam, s_flag, d)
@@ -427,6 +457,7 @@ class ChunkOperandsSm90:
         put_right_factors(s_right, s_k, s_gam, tid, shift, pairwise, False, passes)
         cute.arch.fence_proxy("async.shared", space="cta")
         cute.arch.sync_threads()
+        self.stamp(mStamps, slot, h, 2, clock_start, tid)
 
         # ---- kk (warpgroup 0) and qk (warpgroup 1) at once: the left operand, k or q anchored
         # at its block's anchor, in registers at the product's A coordinates (one warpgroup's C
@@ -489,6 +520,7 @@ class ChunkOperandsSm90:
                     else:
                         s_qk[i, j] = acc[e]
         cute.arch.sync_threads()
+        self.stamp(mStamps, slot, h, 3, clock_start, tid)
 
         # ---- the diagonal blocks pair by pair where a block's decay range is not safe
         if pairwise != Int32(0):
@@ -514,6 +546,7 @@ class ChunkOperandsSm90:
                         s_kk[i, j] = part_kk
                         s_qk[i, j] = part_qk
             cute.arch.sync_threads()
+        self.stamp(mStamps, slot, h, 4, clock_start, tid)
 
         # ---- Aqk (bf16) and kk (float32) out (zero above the diagonal), coalesced; a thread
         # takes eight neighbouring columns, 16 bytes a store
@@ -542,6 +575,7 @@ class ChunkOperandsSm90:
                         k_four[q4, None].load()
                     )
         cute.arch.sync_threads()  # s_qk is T^-1 from here
+        self.stamp(mStamps, slot, h, 5, clock_start, tid)
 
         # v loads now, in registers, so the T^-1 phase hides them: thread (row group, channel
         # group) takes channels c8 .. c8 + 7 of rows r8 + 16 m (VEC_ROWS = 16), 16 bytes a load
@@ -587,6 +621,7 @@ class ChunkOperandsSm90:
         if cutlass.const_expr(passes == 3):
             t_hi, t_lo = split_a_operands(mma_solve, t_vals, ROWS, ROWS)
         cute.arch.sync_threads()  # T^-1 read: the region is free for R^T
+        self.stamp(mStamps, slot, h, 6, clock_start, tid)
 
         # ---- the solve's B images R^T (rows = the 256 columns [beta k exp(Gamma) | beta v],
         # K = token): 8 channels of one token a store
@@ -599,6 +634,7 @@ class ChunkOperandsSm90:
             put_piece(s_rt_u, c8, t, r_v[m, None].load().to(Float32) * b_t, True, ROWS, passes)
         cute.arch.fence_proxy("async.shared", space="cta")
         cute.arch.sync_threads()
+        self.stamp(mStamps, slot, h, 7, clock_start, tid)
 
         # ---- W (warpgroup 0) and U (warpgroup 1) = T^-1 R on tensor cores
         f_rt_w = mma_solve.make_fragment_B(thr_s.partition_B(s_rt_w))
@@ -634,6 +670,7 @@ class ChunkOperandsSm90:
         # are read: the region is free), then every output 16 bytes a store, thread (r8, c8)'s
         # rows and channels: W into the scan's image, U, Qg, Kd's image (and Gamma) row-major
         cute.arch.sync_threads()
+        self.stamp(mStamps, slot, h, 8, clock_start, tid)
         pair = cute.make_rmem_tensor((2,), Float32)
         for e in cutlass.range_constexpr(0, cute.size(acc_s), 2):
             i, n = c_solve[e]
@@ -670,6 +707,17 @@ class ChunkOperandsSm90:
                     )
         if part == 0:
             mDecay[slot, h, d] = exp_fast(s_gam[ROWS - 1, d])
+        self.stamp(mStamps, slot, h, 9, clock_start, tid)
+        if cutlass.const_expr(self.stamps):
+            if tid == 0:
+                mStamps[slot, h, len(STAMPS) - 1] = cute.arch.globaltimer_lo()
+
+    @cute.jit
+    def stamp(self, mStamps, slot, h, index: cutlass.Constexpr[int], clock_start, tid):
+        """The stamps variant's clock after a phase (thread 0's, less its start): STAMPS."""
+        if cutlass.const_expr(self.stamps):
+            if tid == 0:
+                mStamps[slot, h, index] = cute.arch.clock() - clock_start
 
 
 class ChunkOperandsGateSm90(ChunkOperandsSm90):
@@ -705,5 +753,41 @@ class ChunkOperandsGateSm90(ChunkOperandsSm90):
     ):
         self.launch(
             q, k, v, g, beta, cu_seqlens, u, qg, attn, decay, gamma, kk, tinv, w_img, kd_img,
-            a_log, dt_bias, stream,
+            a_log, dt_bias, None, stream,
+        )  # fmt: skip
+
+
+class ChunkOperandsStampsSm90(ChunkOperandsSm90):
+    """The chunk core's stamps variant (ChunkOperandsConfig.stamps, a diagnostic): one more
+    result after kd_img, stamps int32 [slots, H, len(STAMPS)]."""
+
+    def __init__(self, config: ChunkOperandsConfig):
+        super().__init__(config)
+        if not self.stamps or self.prep != InputPrep():
+            raise ValueError("ChunkOperandsStampsSm90 is the variant with stamps, without prep")
+
+    @cute.jit
+    def __call__(
+        self,
+        q: cute.Tensor,
+        k: cute.Tensor,
+        v: cute.Tensor,
+        g: cute.Tensor,
+        beta: cute.Tensor,
+        cu_seqlens: cute.Tensor,
+        u: cute.Tensor,
+        qg: cute.Tensor,
+        attn: cute.Tensor,
+        decay: cute.Tensor,
+        gamma: cute.Tensor,
+        kk: cute.Tensor,
+        tinv: cute.Tensor,
+        w_img: cute.Tensor,
+        kd_img: cute.Tensor,
+        stamps: cute.Tensor,
+        stream: cuda.CUstream,
+    ):
+        self.launch(
+            q, k, v, g, beta, cu_seqlens, u, qg, attn, decay, gamma, kk, tinv, w_img, kd_img,
+            None, None, stamps, stream,
         )  # fmt: skip
