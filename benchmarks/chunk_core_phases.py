@@ -35,14 +35,19 @@ class PhaseTable:
 
 
 def phase_table(stamps: np.ndarray, phases) -> PhaseTable:
-    """stamps: int32 [..., 1 + len(phases) + 2] as the stamps variant writes them: 0, then the
-    cycles since the CTA's start at each phase's end, then the global timer's low 32 bits (ns)
-    at the CTA's start and at its end."""
+    """stamps: int32 [..., 1 + len(phases) + 2] as the stamps variant writes them: thread 0's
+    32-bit cycle counter at the CTA's start and at each phase's end (raw: wrapping modulo 2^32),
+    then the global timer's low 32 bits (ns) at the CTA's start and at its end."""
     count = len(phases)
-    flat = np.asarray(stamps).reshape(-1, count + 3).astype(np.int64)
+    stamps = np.asarray(stamps)
+    if stamps.shape[-1] != count + 3:
+        raise ValueError(
+            f"stamps: got {stamps.shape[-1]} a CTA, expected {count + 3} for {count} phases"
+        )
+    flat = stamps.reshape(-1, count + 3).astype(np.int64)
     if flat.shape[0] == 0:
         raise ValueError("no CTAs: the call had no chunk slots")
-    clocks = flat[:, : count + 1]
+    clocks = (flat[:, : count + 1] - flat[:, :1]) % 2**32  # cycles since the start
     steps = np.diff(clocks, axis=1)
     timer = flat[:, count + 1 :].astype(np.uint32)
     # the low 32 bits wrap every 4.3 s: offsets from the first CTA's start, signed, modulo 2^32

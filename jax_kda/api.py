@@ -223,15 +223,20 @@ def _prepared_prefill(call, prep, q, k, v, g, beta, a_log, dt_bias, cu_seqlens, 
     plain kernels' forward (_prefill_fwd) and their VJP after its backward, so the gradients
     reach the raw inputs, A_log and dt_bias."""
 
-    def run(q, k, v, g, beta, cu_seqlens, initial_state, scale):
-        return sm90.prepared_forward(
-            q, k, v, g, beta, cu_seqlens, initial_state, scale, qk_l2norm=prep.qk_l2norm,
-            gate=prep.gate, lower_bound=prep.lower_bound, beta_logits=prep.beta_logits,
-            a_log=a_log if prep.gate else None, dt_bias=dt_bias if prep.gate else None,
-            grouped_qk=prep.groups > 1,
-        )  # fmt: skip
+    def run(q, k, v, g, beta, cu_seqlens, initial_state, a_log, dt_bias):
+        def kernels(q, k, v, g, beta, cu_seqlens, initial_state, scale):
+            return sm90.prepared_forward(
+                q, k, v, g, beta, cu_seqlens, initial_state, scale, qk_l2norm=prep.qk_l2norm,
+                gate=prep.gate, lower_bound=prep.lower_bound, beta_logits=prep.beta_logits,
+                a_log=a_log if prep.gate else None, dt_bias=dt_bias if prep.gate else None,
+                grouped_qk=prep.groups > 1,
+            )  # fmt: skip
 
-    return _on_packed(run, call, q, k, v, g, beta, cu_seqlens, initial_state)
+        return _on_packed(kernels, call, q, k, v, g, beta, cu_seqlens, initial_state)
+
+    # under jax.vmap one call on the packed batch, as _forward's
+    one_call = _one_call_under_vmap(run, call, num_token_like=5, num_shared=2)
+    return one_call(q, k, v, g, beta, cu_seqlens, initial_state, a_log, dt_bias)
 
 
 def _prepared_prefill_fwd(call, prep, q, k, v, g, beta, a_log, dt_bias, cu_seqlens, state):
@@ -299,12 +304,15 @@ def _on_packed(kernel_path, call: _Call, q, k, v, g, beta, cu_seqlens, initial_s
     return o.reshape(*v.shape[:-1], o.shape[-1]), final_state  # v's heads (q's may be fewer)
 
 
-def _one_call_under_vmap(fn, call: _Call, num_token_like: int):
-    """fn(*token_like, cu_seqlens, *state_like) with `num_token_like` arrays of q's leading
-    layout ([T, ...] packed, [B, T, ...] batched) and the rest per sequence ([N, ...]), wrapped
-    so that jax.vmap runs it once on the whole batch: a batch of V calls is one call on V times
-    the tokens, with each call's sequences as sequences of their own (cu_seqlens offset by
-    v * T), not V calls (the custom call's own vmap rule runs them one after another)."""
+def _one_call_under_vmap(fn, call: _Call, num_token_like: int, num_shared: int = 0):
+    """fn(*token_like, cu_seqlens, *state_like, *shared) with `num_token_like` arrays of q's
+    leading layout ([T, ...] packed, [B, T, ...] batched; the third, v, with every value
+    head), then the arrays per sequence ([N, ...]), then `num_shared` arrays that are the
+    call's whatever its sequences (per-head parameters: A_log, dt_bias), wrapped so that
+    jax.vmap runs it once on the whole batch: a batch of V calls is one call on V times the
+    tokens, with each call's sequences as sequences of their own (cu_seqlens offset by v * T),
+    not V calls (the custom call's own vmap rule runs them one after another). A batch whose
+    shared arrays differ between its elements runs element by element."""
 
     @jax.custom_batching.custom_vmap
     def wrapped(*args):
@@ -312,6 +320,8 @@ def _one_call_under_vmap(fn, call: _Call, num_token_like: int):
 
     @wrapped.def_vmap
     def rule(axis_size, in_batched, *args):
+        shared_batched = any(in_batched[len(args) - num_shared :])
+        shared = args[len(args) - num_shared :]
         args = [
             a if batched else jnp.broadcast_to(a, (axis_size, *a.shape))
             for a, batched in zip(args, in_batched, strict=True)
@@ -319,9 +329,13 @@ def _one_call_under_vmap(fn, call: _Call, num_token_like: int):
         tokens, cu_seqlens, per_sequence = (
             args[:num_token_like],
             args[num_token_like],
-            args[num_token_like + 1 :],
+            args[num_token_like + 1 : len(args) - num_shared],
         )
-        if axis_size == 0 or _too_big_for_one_call(call, tokens[0], per_sequence[0]):
+        if (
+            axis_size == 0
+            or shared_batched
+            or _too_big_for_one_call(call, tokens[2], per_sequence[0])
+        ):
             # An empty batch, or one whose packing would pass the kernels' limits (32-bit
             # indexing, grid extents): the same kernels, one batch element after another.
             out = jax.lax.map(lambda xs: wrapped(*xs), tuple(args))
@@ -335,7 +349,7 @@ def _one_call_under_vmap(fn, call: _Call, num_token_like: int):
             starts = (cu_seqlens[:, :-1] + offsets).reshape(-1)
             packed_cu = jnp.concatenate([starts, jnp.full((1,), axis_size * length, jnp.int32)])
         # `wrapped`, not `fn`: an enclosing vmap (vmap of vmap) packs its batch again
-        out = wrapped(*map(merge, tokens), packed_cu, *map(merge, per_sequence))
+        out = wrapped(*map(merge, tokens), packed_cu, *map(merge, per_sequence), *shared)
         split = lambda x: x.reshape(axis_size, x.shape[0] // axis_size, *x.shape[1:])  # noqa: E731
         return tuple(map(split, out)), tuple(True for _ in out)
 

@@ -228,3 +228,50 @@ def test_prefill_takes_the_in_kernel_route_with_raw_inputs_in_order(monkeypatch,
         # the batched XLA path runs a vmap over rows, the route one packed call: the same
         # arithmetic summed in another order (about 3e-6); a misrouted input is off by O(1)
         assert rms_ratio(ours, theirs) <= 1e-4, rms_ratio(ours, theirs)
+
+
+def test_in_kernel_route_is_one_call_under_vmap(monkeypatch):
+    """jax.vmap of prefill on the in-kernel route (the kernels stood in for as above) runs
+    them once on the packed batch, A_log and dt_bias shared; a batch that varies A_log runs
+    element by element. Either way the outputs equal the XLA path's under the same vmap."""
+    from jax_kda import api, sm90, xla
+
+    calls = []
+
+    def standin(q, k, v, g, beta, cu, state, scale, **prep):
+        calls.append(q.shape[0])
+        stated = api._Prep(prep["qk_l2norm"], prep["gate"], prep["lower_bound"],
+                           prep["beta_logits"], v.shape[1] // q.shape[1])  # fmt: skip
+        pq, pk, pg, pbeta = stated.apply(q, k, g, beta, prep["a_log"], prep["dt_bias"])
+        return xla.forward(pq, pk, v, pg, pbeta, cu, state, scale)
+
+    xs = [raw_inputs([30, 0, 34], 2, 4, seed=31 + i) for i in range(2)]
+    stacked = [np.stack(parts) for parts in zip(*(x[:5] for x in xs), strict=True)]
+    states = np.stack([x.initial_state for x in xs])
+    a_logs = np.stack([x.a_log for x in xs])
+    cu = jnp.asarray(xs[0].cu_seqlens)
+
+    def call(backend, q, k, v, a, b, state, a_log, dt_bias):
+        return jax_kda.prefill(
+            q, k, v, a, b, cu_seqlens=cu, initial_state=state, scale=0.3,
+            use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, A_log=a_log,
+            dt_bias=dt_bias, use_beta_sigmoid_in_kernel=True, backend=backend,
+        )  # fmt: skip
+
+    shared = (0, 0, 0, 0, 0, 0, None, None)
+    varied = (0, 0, 0, 0, 0, 0, 0, None)
+    for axes, a_log, most_tokens in ((shared, xs[0].a_log, 128), (varied, a_logs, 64)):
+        args = (*stacked, states, a_log, xs[0].dt_bias)
+        reference = jax.vmap(functools.partial(call, "xla"), in_axes=axes)(*args)
+        with monkeypatch.context() as patch:
+            patch.setattr(sm90, "prepared_forward", standin)
+            patch.setattr(sm90.backend, "IN_KERNEL_PREP", True)
+            patch.setattr(api, "_resolve_backend", lambda *a: "sm90_exact")
+            patch.setattr(api, "_too_big_for_one_call", lambda *a: False)  # no GPU to ask
+            calls.clear()
+            routed = jax.vmap(functools.partial(call, "sm90"), in_axes=axes)(*args)
+        # traced for the batch as one packed call (beside custom_vmap's trace of one element
+        # for the output shapes), or element by element
+        assert max(calls) == most_tokens, calls
+        for ours, theirs in zip(routed, reference, strict=True):
+            assert rms_ratio(ours, theirs) <= 1e-4, rms_ratio(ours, theirs)

@@ -138,9 +138,9 @@ def test_timeline_spreads_a_chained_run_over_its_calls():
 
 
 def test_chunk_core_phase_table_reads_the_stamps():
-    """benchmarks.chunk_core_phases: per-phase cycles from the cumulative clocks, CTA durations
-    and the span from the global timer's low 32 bits (a start just before the wrap and an end
-    after it included), the mean concurrency."""
+    """benchmarks.chunk_core_phases: per-phase cycles from the raw cycle counters (one that
+    wraps within a CTA included), CTA durations and the span from the global timer's low 32
+    bits (a start just before the wrap and an end after it included), the mean concurrency."""
     import numpy as np
 
     from benchmarks.chunk_core_phases import format_table, phase_table
@@ -151,10 +151,11 @@ def test_chunk_core_phase_table_reads_the_stamps():
     def as_int32(values):
         return np.asarray(values, np.int64).astype(np.uint32).view(np.int32)
 
+    clock = wrap - 1500  # a cycle counter that wraps within the first CTA
     stamps = as_int32(
         [
-            [0, 1000, 3000, near, near + 2000],  # 2000 ns, ends after the wrap
-            [0, 2000, 3000, near + 1000, near + 3000],
+            [clock, clock + 1000, clock + 3000, near, near + 2000],  # 2000 ns, after the wrap
+            [7, 2007, 3007, near + 1000, near + 3000],
             [0, 1000, 5000, near + 500, near + 4500],  # 4000 ns
         ]
     ).reshape(3, 1, 5)
@@ -168,5 +169,7 @@ def test_chunk_core_phase_table_reads_the_stamps():
     assert abs(table.cycles_per_ns - 3000 / 2000) < 1e-9
     text = format_table("1x1x1", table)
     assert "| first | 1000 | 33% |" in text and "3 CTAs" in text
+    with pytest.raises(ValueError, match="got 5 a CTA, expected 6 for 3 phases"):
+        phase_table(stamps, ("first", "second", "third"))
     with pytest.raises(ValueError, match="no CTAs"):
         phase_table(np.zeros((0, 2, 5), np.int32), ("first", "second"))

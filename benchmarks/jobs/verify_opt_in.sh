@@ -81,8 +81,12 @@ if [ "$mode" = measure ] || [ "$mode" = all ]; then
   done
   grep -E "span" "$out/profile-forward.log" "$out/profile-train.log" "$out/profile-chained.log"
   # where a chunk-core CTA's time goes, phase by phase (its own clocks)
-  timeout "$(limit 60)" python3 -m benchmarks.chunk_core_phases > "$out/chunk-core-phases.log" 2>&1
-  echo "chunk core phases rc=$?"; cat "$out/chunk-core-phases.log"
+  for variant in "" --residuals; do  # the forward-alone core, then the training one
+    timeout "$(limit 60)" python3 -m benchmarks.chunk_core_phases $variant \
+      >> "$out/chunk-core-phases.log" 2>&1
+    echo "chunk core phases $variant rc=$?"
+  done
+  cat "$out/chunk-core-phases.log"
   # jax_kda's share of a jitted call's host time (SPEC: under 20 us), both forwards
   for exact in "" --exact; do
     timeout "$(limit 90)" python3 -m benchmarks.host_cost --only "2048x12x1,33x2x3-ragged" --calls 100 \

@@ -1243,6 +1243,8 @@ def chunk_core_stamps(q, k, v, g, beta, cu_seqlens, num_slots, scale, passes=1, 
 
     f32 = jnp.float32
     heads = v.shape[1]
+    if num_slots == 0 or any(x.dtype != jnp.bfloat16 for x in (q, k, v)):
+        raise ValueError("chunk_core_stamps: wants chunk slots and bfloat16 q, k, v")
     results = [
         *chunk_core_results(num_slots, heads),
         jax.ShapeDtypeStruct((num_slots, heads, len(STAMPS)), jnp.int32),

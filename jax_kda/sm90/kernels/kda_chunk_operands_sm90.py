@@ -168,12 +168,14 @@ PHASES = (
     "W and U products",
     "stores",
 )
-"""The chunk core's phases, in order, each ending at a barrier (the last at thread 0's last
-store): what the stamps variant (ChunkOperandsConfig.stamps) times."""
+"""The chunk core's phases, in order, each ending at a barrier (the diagonal blocks' only where
+a block takes them; the last at thread 0's last store): what the stamps variant
+(ChunkOperandsConfig.stamps) times. Stores are timed as issued, not as drained."""
 STAMPS = ("start", *(f"after {phase}" for phase in PHASES), "timer at start", "timer at end")
-"""What the stamps variant writes for each CTA (int32): 0, then thread 0's cycle counter
-(clock) less its value at the start, after each phase; then the global timer's low 32 bits (ns)
-at the CTA's start and end."""
+"""What the stamps variant writes for each CTA (int32): thread 0's cycle counter (the 32-bit
+clock, raw: the reader subtracts the start, modulo 2^32, so that no register holds it across
+the kernel) at the start and after each phase; then the global timer's low 32 bits (ns) at
+the CTA's start and end."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -315,12 +317,10 @@ class ChunkOperandsSm90:
     ):
         tid, _, _ = cute.arch.thread_idx()
         slot, h, _ = cute.arch.block_idx()
-        clock_start = Int32(0)
         if cutlass.const_expr(self.stamps):
-            clock_start = cute.arch.clock()
             if tid == 0:
-                mStamps[slot, h, 0] = Int32(0)
                 mStamps[slot, h, len(STAMPS) - 2] = cute.arch.globaltimer_lo()
+                mStamps[slot, h, 0] = cute.arch.clock()
         d = tid % 128  # channel in the row-split phases; the thread's slice in the products
         part = tid // 128  # warpgroup
         scale = self.scale
@@ -449,7 +449,7 @@ class ChunkOperandsSm90:
             for r in cutlass.range_constexpr(HALF):
                 s_gam[part * HALF + r, d] = s_gam[part * HALF + r, d] + g_before
         cute.arch.sync_threads()
-        self.stamp(mStamps, slot, h, 1, clock_start, tid)
+        self.stamp(mStamps, slot, h, 1, tid)
 
         # ---- middle-row anchors where the decay allows, else first-row ones (chunk64.py)
         pairwise, shift = choose_anchors(s_gam, s_flag, d)
@@ -457,7 +457,7 @@ class ChunkOperandsSm90:
         put_right_factors(s_right, s_k, s_gam, tid, shift, pairwise, False, passes)
         cute.arch.fence_proxy("async.shared", space="cta")
         cute.arch.sync_threads()
-        self.stamp(mStamps, slot, h, 2, clock_start, tid)
+        self.stamp(mStamps, slot, h, 2, tid)
 
         # ---- kk (warpgroup 0) and qk (warpgroup 1) at once: the left operand, k or q anchored
         # at its block's anchor, in registers at the product's A coordinates (one warpgroup's C
@@ -520,7 +520,7 @@ class ChunkOperandsSm90:
                     else:
                         s_qk[i, j] = acc[e]
         cute.arch.sync_threads()
-        self.stamp(mStamps, slot, h, 3, clock_start, tid)
+        self.stamp(mStamps, slot, h, 3, tid)
 
         # ---- the diagonal blocks pair by pair where a block's decay range is not safe
         if pairwise != Int32(0):
@@ -546,7 +546,7 @@ class ChunkOperandsSm90:
                         s_kk[i, j] = part_kk
                         s_qk[i, j] = part_qk
             cute.arch.sync_threads()
-        self.stamp(mStamps, slot, h, 4, clock_start, tid)
+        self.stamp(mStamps, slot, h, 4, tid)
 
         # ---- Aqk (bf16) and kk (float32) out (zero above the diagonal), coalesced; a thread
         # takes eight neighbouring columns, 16 bytes a store
@@ -575,7 +575,7 @@ class ChunkOperandsSm90:
                         k_four[q4, None].load()
                     )
         cute.arch.sync_threads()  # s_qk is T^-1 from here
-        self.stamp(mStamps, slot, h, 5, clock_start, tid)
+        self.stamp(mStamps, slot, h, 5, tid)
 
         # v loads now, in registers, so the T^-1 phase hides them: thread (row group, channel
         # group) takes channels c8 .. c8 + 7 of rows r8 + 16 m (VEC_ROWS = 16), 16 bytes a load
@@ -621,7 +621,7 @@ class ChunkOperandsSm90:
         if cutlass.const_expr(passes == 3):
             t_hi, t_lo = split_a_operands(mma_solve, t_vals, ROWS, ROWS)
         cute.arch.sync_threads()  # T^-1 read: the region is free for R^T
-        self.stamp(mStamps, slot, h, 6, clock_start, tid)
+        self.stamp(mStamps, slot, h, 6, tid)
 
         # ---- the solve's B images R^T (rows = the 256 columns [beta k exp(Gamma) | beta v],
         # K = token): 8 channels of one token a store
@@ -634,7 +634,7 @@ class ChunkOperandsSm90:
             put_piece(s_rt_u, c8, t, r_v[m, None].load().to(Float32) * b_t, True, ROWS, passes)
         cute.arch.fence_proxy("async.shared", space="cta")
         cute.arch.sync_threads()
-        self.stamp(mStamps, slot, h, 7, clock_start, tid)
+        self.stamp(mStamps, slot, h, 7, tid)
 
         # ---- W (warpgroup 0) and U (warpgroup 1) = T^-1 R on tensor cores
         f_rt_w = mma_solve.make_fragment_B(thr_s.partition_B(s_rt_w))
@@ -670,7 +670,7 @@ class ChunkOperandsSm90:
         # are read: the region is free), then every output 16 bytes a store, thread (r8, c8)'s
         # rows and channels: W into the scan's image, U, Qg, Kd's image (and Gamma) row-major
         cute.arch.sync_threads()
-        self.stamp(mStamps, slot, h, 8, clock_start, tid)
+        self.stamp(mStamps, slot, h, 8, tid)
         pair = cute.make_rmem_tensor((2,), Float32)
         for e in cutlass.range_constexpr(0, cute.size(acc_s), 2):
             i, n = c_solve[e]
@@ -707,17 +707,17 @@ class ChunkOperandsSm90:
                     )
         if part == 0:
             mDecay[slot, h, d] = exp_fast(s_gam[ROWS - 1, d])
-        self.stamp(mStamps, slot, h, 9, clock_start, tid)
+        self.stamp(mStamps, slot, h, 9, tid)
         if cutlass.const_expr(self.stamps):
             if tid == 0:
                 mStamps[slot, h, len(STAMPS) - 1] = cute.arch.globaltimer_lo()
 
     @cute.jit
-    def stamp(self, mStamps, slot, h, index: cutlass.Constexpr[int], clock_start, tid):
-        """The stamps variant's clock after a phase (thread 0's, less its start): STAMPS."""
+    def stamp(self, mStamps, slot, h, index: cutlass.Constexpr[int], tid):
+        """The stamps variant's clock after a phase (thread 0's, raw): STAMPS."""
         if cutlass.const_expr(self.stamps):
             if tid == 0:
-                mStamps[slot, h, index] = cute.arch.clock() - clock_start
+                mStamps[slot, h, index] = cute.arch.clock()
 
 
 class ChunkOperandsGateSm90(ChunkOperandsSm90):
