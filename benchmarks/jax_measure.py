@@ -9,9 +9,9 @@ input-only work once for all of them (identical custom calls on identical operan
 the outputs ride along so nothing is dead code.
 
 Until 2026-12-06 the calls ran in a `lax.fori_loop` with the token inputs tied to the chained state
-(x + 0 * state): that tie is a pass over every input, about 19 us a call at 2048x12x1 on an H100,
-and each loop iteration waits on the host for its condition (about 18 us a call there), costs
-the torch rows never paid.
+(x + 0 * state): a pass over every input each call, and a host round trip each loop iteration,
+costs the torch rows never paid (the same build on an H100: 130.5 against 107.1 us a call at
+2048x12x1; benchmarks/README.md, "How the JAX rows were timed").
 """
 
 from __future__ import annotations
