@@ -36,8 +36,8 @@ dispatch of the next executable (tens of microseconds) hides behind the device t
 one for the smallest calls (a decode step), few enough that tracing them stays quick."""
 EXECUTION_SECONDS = 2e-3
 """Device time one executable should hold: calls longer than this share executables less (the
-XLA path's long calls run one to an executable, which keeps slow rows from compiling ten copies of
-themselves)."""
+XLA path's long calls run one to an executable, which keeps slow rows from compiling many copies
+of themselves)."""
 
 
 def calls_per_execution(loop_calls: int, seconds_per_call: float) -> int:
@@ -150,15 +150,19 @@ def _chained_seconds_per_call(
     copies = distinct_copies(args, per_execution)
     run = chained_calls(step)
     jax.block_until_ready(run(copies, state))
-
-    def launch():
-        chained, kept = state, None
-        for _ in range(executions):
-            chained, kept = run(copies, chained)
-        jax.block_until_ready((chained, kept))
-
-    samples = [wall_seconds(launch) for _ in range(repeats)]
+    samples = [
+        wall_seconds(lambda: back_to_back(run, copies, state, executions)) for _ in range(repeats)
+    ]
     return statistics.median(samples) / (executions * per_execution)
+
+
+def back_to_back(run, copies, state, executions: int) -> None:
+    """``executions`` runs of ``run`` (chained_calls' executable) on ``copies``, each run's
+    final state the next one's, issued without waiting; one wait at the end."""
+    chained, kept = state, None
+    for _ in range(executions):
+        chained, kept = run(copies, chained)
+    jax.block_until_ready((chained, kept))
 
 
 def _call_bytes(single, args, state) -> int | None:

@@ -94,17 +94,12 @@ def chained_times(run, copies, state, executions: int) -> ChainedTimes:
     inputs) and spread its device timeline over the calls: where the harness's time per call
     exceeds a call's span in isolation, this tells idle device time between the kernels
     (launches not kept ahead) from kernels that themselves run slower when chained."""
+    from benchmarks.jax_measure import back_to_back
 
-    def launch():
-        chained, kept = state, None
-        for _ in range(executions):
-            chained, kept = run(copies, chained)
-        jax.block_until_ready((chained, kept))
-
-    launch()
+    back_to_back(run, copies, state, executions)
     with tempfile.TemporaryDirectory(prefix="kda-profile-") as directory:
         with jax.profiler.trace(directory):
-            launch()
+            back_to_back(run, copies, state, executions)
         paths = glob.glob(f"{directory}/**/*.xplane.pb", recursive=True)
         if not paths:
             raise RuntimeError(f"the profiler wrote no trace under {directory}")
