@@ -1841,7 +1841,7 @@ def prepared_forward(
     at their defaults: the forward-alone chunk core and the scan that writes o), with the
     inputs prepared in the chunk core as they load, so that no prepared copy of them goes
     through HBM: q and k raw where qk_l2norm, g the raw gate projection a where gate (with
-    a_log [H] and dt_bias [H, 128] or [H * 128], None for fla's defaults; lower_bound None:
+    a_log [HV] and dt_bias [HV, 128] or [HV * 128], None for fla's defaults; lower_bound None:
     the softplus gate, else the safe one), beta logits where beta_logits, q and k with H
     heads against the rest's HV = G H where grouped_qk (jax_kda/gate.py states each
     preparation; the kernels' InputPrep). No VJP of its own: prefill differentiates the XLA

@@ -185,9 +185,10 @@ class InputPrep:
     jax_kda/gate.py; the XLA path runs those):
       qk_l2norm: q and k are raw; each row becomes x * rsqrt(sum(x^2) + 1e-6) in float32, then
         bf16 (gate.l2_normalize).
-      gate: g is the raw gate projection a (float32), the kernel takes a_log [H] and dt_bias
-        [H, 128] float32 besides, and g = lower_bound * sigmoid(exp(a_log) * (a + dt_bias)), or
-        with lower_bound None -exp(a_log) * softplus(a + dt_bias) (gate.kda_gate).
+      gate: g is the raw gate projection a (float32), the kernel takes a_log [HV] and dt_bias
+        [HV, 128] float32 besides (HV the value heads, the grid's), and g = lower_bound *
+        sigmoid(exp(a_log) * (a + dt_bias)), or with lower_bound None -exp(a_log) *
+        softplus(a + dt_bias) (gate.kda_gate).
       beta_logits: beta holds logits; sigmoid(beta) is used.
       grouped_qk: q and k have H heads and the rest HV = G H (grouped value heads, fla's
         convention): value head j reads q and k head j // G, so they need no repeated copy."""
@@ -722,7 +723,8 @@ class ChunkOperandsSm90:
 
 class ChunkOperandsGateSm90(ChunkOperandsSm90):
     """The chunk core with the gate made in the kernel (InputPrep.gate): g is the raw gate
-    projection a, and a_log [H] and dt_bias [H, 128] (float32) come after cu_seqlens."""
+    projection a, and a_log [HV] and dt_bias [HV, 128] (float32, per value head) come after
+    cu_seqlens."""
 
     def __init__(self, config: ChunkOperandsConfig):
         super().__init__(config)
