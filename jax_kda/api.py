@@ -83,8 +83,10 @@ def prefill(
       "xla". An explicit backend that cannot serve the call raises BackendUnavailableError.
 
     Input preparation, with fla's names (code ports one to one; differentiable for the raw
-    inputs; today plain JAX before the recurrence on both backends, not yet inside the sm90
-    kernels: one element-wise pass over q, k, g and beta that XLA may fuse):
+    inputs). On sm90, a call without a gate bound that is not differentiated prepares the raw
+    inputs in the chunk core as they load (no prepared copy through HBM; grouped q and k read
+    at their own heads); elsewhere (the XLA path, a gate bound, a differentiated call) plain
+    JAX before the recurrence, one element-wise pass over q, k, g and beta that XLA may fuse:
       use_qk_l2norm_in_kernel: q, k are taken as x * rsqrt(sum(x^2) + 1e-6) per head.
       use_gate_in_kernel: g is the raw gate projection a (any float dtype), made the decay by
         jax_kda.kda_gate: with lower_bound (in [-5, 0)) the safe gate

@@ -142,8 +142,9 @@ EXACT_VARIANTS = {
 where the plan fuses them, its O products on a second warpgroup, and reads the chunk core's
 bf16 U as it is) and the other settings of those sm90.training_forward switches: none of
 them (the forward until 2026-12-06: the scan, then the outputs kernel, on a float32 copy of
-U), the plain U alone, the outputs on the scan's own warpgroup, and (outputs_images, opt-in,
-not yet run on a GPU) the chunk core writing Qg and Aqk as the scan's operand images."""
+U), the plain U alone, the outputs on the scan's own warpgroup, and (outputs_images, opt-in;
+passed here on the H100, 2026-12-06, and kept off for its small gain) the chunk core writing Qg
+and Aqk as the scan's operand images."""
 
 
 def _exact_prefill(scale=None, variant="default"):

@@ -331,7 +331,7 @@ def test_state_scan_with_outputs_exports_for_sm90a(v_slice):
 
 
 def test_chunk_core_input_prep_variants_export_and_lower_with_their_operands():
-    """The chunk core with the inputs prepared in the kernel (InputPrep; not yet run on a GPU):
+    """The chunk core with the inputs prepared in the kernel (InputPrep):
     a variant of its own for each preparation (the bounded and the softplus gate apart), the
     gate's variant taking A_log [H] and dt_bias [H, 128] after cu_seqlens; nothing prepared is
     the plain kernel; chunk_core_kernel lowers to one custom call on the raw inputs (dt_bias in
@@ -389,7 +389,7 @@ def test_prefill_hands_raw_inputs_to_the_kernels_only_where_the_route_is_on(
     monkeypatch, lower_bound
 ):
     """prefill with fla's flags (grouped value heads, H = 2, HV = 4): with
-    sm90.backend.IN_KERNEL_PREP (off until the variant has run on a GPU) a call without a gate
+    sm90.backend.IN_KERNEL_PREP (the default) a call without a gate
     bound that is not differentiated lowers to the chunk core's prep variant on the raw inputs
     and to no XLA preparation; differentiated, to the XLA preparation before the plain
     kernels; with the route off, or with the safe gate (whose bound picks the gate-bound

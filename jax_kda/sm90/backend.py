@@ -1074,7 +1074,7 @@ def chunk_operands_artifact(
     (flat [slots, H, 64 * 128] and [slots, H, 64 * 64] in W's order,
     chunk_io.scan_order_offset). prep (kernels' InputPrep, or None): the inputs prepared in the
     kernel as they load (l2-normalised q and k, the gate from its raw projection, beta from
-    logits; chunk_core_kernel says what it takes then; not yet run on a GPU). stamps (a
+    logits; chunk_core_kernel says what it takes then). stamps (a
     diagnostic, with prep None): a variant that also writes each CTA's phase clocks
     (kernels' STAMPS, benchmarks/chunk_core_phases.py reads them)."""
     import cutlass.cute as cute
@@ -1188,7 +1188,7 @@ def chunk_core_kernel(
     gamma, kk and tinv, which only the backward reads, are not written and come back as
     None. images=True (with residuals=False, one pass): qg and attn come as the scan's K-major
     operand images, flat (chunk_operands_artifact's variant; state_scan_outputs_kernel's
-    images take them). prep (the kernels' InputPrep; not yet run on a GPU): q and k with H
+    images take them). prep (the kernels' InputPrep): q and k with H
     heads against v's HV = G H where prep.grouped_qk, raw where prep.qk_l2norm; g the raw
     gate projection a (cast to float32) where prep.gate, with a_log [HV] and dt_bias
     [HV, 128] or [HV * 128] (None: zeros, fla's defaults of amplitude 1 and no bias); beta
@@ -1826,11 +1826,14 @@ def _training_chunks(
     )  # fmt: skip
 
 
-IN_KERNEL_PREP = False
+IN_KERNEL_PREP = True
 """Whether prefill runs a call that is not differentiated, on the no-bound forward, with its
-use_*_in_kernel preparations in the chunk core (prepared_forward). Off until the kernel
-variant has run on a GPU against the float64 oracle (tests/test_sm90_backward_gpu.py,
-test_chunk_core_prepares_raw_inputs_as_the_xla_preparation; jax_kda/api.py's route)."""
+use_*_in_kernel preparations in the chunk core (prepared_forward; jax_kda/api.py's route). On
+since its GPU tests passed (H100, 2026-12-06: tests/test_sm90_backward_gpu.py's
+test_chunk_core_prepares_raw_inputs_as_the_xla_preparation and the in-kernel setting of
+test_prepared_inputs_and_grouped_heads_match_float64), and faster than the XLA preparation
+before the plain kernels (benchmarks/prep_cost.py: 114.1 against 124.1 us at 2048x12x1, 454.7
+against 528.2 at 8192x16x1). False takes the XLA preparation instead (a diagnostic)."""
 
 
 def prepared_forward(
@@ -1845,7 +1848,7 @@ def prepared_forward(
     the softplus gate, else the safe one), beta logits where beta_logits, q and k with H
     heads against the rest's HV = G H where grouped_qk (jax_kda/gate.py states each
     preparation; the kernels' InputPrep). No VJP of its own: prefill differentiates the XLA
-    preparation and the plain kernels instead. Not yet run on a GPU (IN_KERNEL_PREP)."""
+    preparation and the plain kernels instead (IN_KERNEL_PREP)."""
     from jax_kda.sm90.kernels.kda_chunk_operands_sm90 import InputPrep
 
     prep = InputPrep(
