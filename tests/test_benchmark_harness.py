@@ -278,3 +278,26 @@ def test_host_cost_measures_both_dispatches():
     cost = host_cost(inputs, "xla", None, calls=5)
     assert cost.prefill_us > 0 and cost.trivial_us > 0
     assert cost.share_us == pytest.approx(cost.prefill_us - cost.trivial_us)
+
+
+def test_prep_cost_inputs_are_raw_and_prepare_as_prefill_states():
+    """benchmarks.prep_cost's raw inputs are unnormalised, a gate projection and beta logits;
+    its prepared-ahead row's inputs are the XLA preparation of them (unit q and k rows, g <= 0
+    from fla's softplus gate, beta in (0, 1)), heads and shapes kept."""
+    import jax.numpy as jnp
+    import numpy as np
+
+    from benchmarks.prep_cost import prepare, raw_inputs
+
+    raw = raw_inputs([5, 0, 70], 3, seed=1)
+    assert raw["q"].shape == (75, 3, 128) and raw["beta"].shape == (75, 3)
+    assert raw["cu_seqlens"].tolist() == [0, 5, 5, 75]
+    norms = np.linalg.norm(np.asarray(raw["q"], np.float32), axis=-1)
+    assert norms.min() > 5  # raw: far from unit rows
+    ready = prepare(raw)
+    for name in ("q", "k"):
+        rows = np.linalg.norm(np.asarray(ready[name], np.float32), axis=-1)
+        np.testing.assert_allclose(rows, 1.0, atol=1e-2)
+    assert float(jnp.max(ready["g"])) <= 0.0 and float(jnp.min(ready["g"])) < -0.5
+    beta = np.asarray(ready["beta"])
+    assert beta.min() > 0 and beta.max() < 1 and (beta < 0.5).any() and (beta > 0.5).any()

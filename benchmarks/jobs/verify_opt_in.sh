@@ -5,12 +5,13 @@
 #                                                  were opt-in until they ran on a GPU
 #                                                  (training_forward's fuse_outputs,
 #                                                  outputs_warpgroup and scan_plain_addend; the
-#                                                  defaults since, H100 2026-12-06), the ones
-#                                                  still opt-in (outputs_images; the chunk
-#                                                  core's in-kernel input preparation and
-#                                                  prefill's route to it, IN_KERNEL_PREP),
-#                                                  against the kernels without them and the
-#                                                  float64 oracle
+#                                                  defaults since, H100 2026-12-06), the
+#                                                  chunk core's in-kernel input preparation
+#                                                  and prefill's route to it (IN_KERNEL_PREP,
+#                                                  the default since, H100 2026-12-06), the
+#                                                  one still opt-in (outputs_images), against
+#                                                  the kernels without them and the float64
+#                                                  oracle
 #   bash benchmarks/jobs/verify_opt_in.sh measure  their kernel times beside the default's, and
 #                                                  the host cost of a jitted call
 #   bash benchmarks/jobs/verify_opt_in.sh all      both in one call (for a session short of
