@@ -86,6 +86,7 @@ def default_artifacts():
     training step's backward, decode) in the variants the plan picks from, for scale 0.3 and
     2 heads where those are compile-time constants. Each is compiled when first asked for."""
     from jax_kda import sm90
+    from jax_kda.sm90.kernels.kda_chunk_operands_sm90 import InputPrep
     from jax_kda.sm90.kernels.layout import SCAN_TC_V_SLICES
 
     scale = 0.3
@@ -93,6 +94,17 @@ def default_artifacts():
         lambda: sm90.forward_artifact(2, scale),
         lambda: sm90.chunk_operands_artifact(scale, 1),
         lambda: sm90.chunk_operands_artifact(scale, 1, False),
+    ]
+    # the forward-alone core preparing the raw inputs (IN_KERNEL_PREP): fla's three flags with
+    # the softplus gate, with and without grouped value heads; the norm alone; GVA alone
+    for prep in (
+        InputPrep(True, True, None, True, False),
+        InputPrep(True, True, None, True, True),
+        InputPrep(qk_l2norm=True),
+        InputPrep(grouped_qk=True),
+    ):
+        makers.append(lambda prep=prep: sm90.chunk_operands_artifact(scale, 1, False, False, prep))
+    makers += [
         sm90.chunk_outputs_artifact,
         sm90.dense_bwd_artifact,
         lambda: sm90.tokens_bwd_artifact(scale),

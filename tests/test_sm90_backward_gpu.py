@@ -1030,6 +1030,48 @@ def test_chunk_core_images_and_the_scan_on_them_equal_the_plain_ones(lengths, da
         np.testing.assert_array_equal(a, b, err_msg=name)
 
 
+@pytest.mark.parametrize("passes, residuals", [(1, False), (1, True), (3, True)])
+@pytest.mark.parametrize(
+    "lengths, data", [*CHUNK_SCAN_CASES, ([200, 0, 77], "mixed-harsh")], ids=str
+)
+def test_chunk_core_pair_loads_equal_the_plain_kernel(lengths, data, passes, residuals):
+    """The chunk core's pair_loads variant (the kk/qk operand from two-channel shared-memory
+    loads; opt-in) against the plain kernel: every output bit for bit (the same arithmetic,
+    element by element), forward-alone and training variants, middle anchors (production,
+    long memory) and first-row anchors with the diagonal blocks pair by pair (mixed-harsh: half
+    the channels at g <= -20, half near 0), ragged, empty and gap slots, no tokens at all."""
+    register()
+    seed = SEED + 13 * len(lengths)
+    if data == "mixed-harsh":
+        x = production_inputs(lengths, 3, seed=seed)
+        rng = np.random.default_rng(seed)
+        harsh = -20.0 - 10.0 * rng.random(x.g.shape, np.float32)
+        mild = -0.01 * rng.random(x.g.shape, np.float32)
+        x = x._replace(g=np.where(np.arange(128) % 2 == 0, harsh, mild).astype(np.float32))
+    else:
+        x = (long_memory_inputs if data == "long-memory" else production_inputs)(
+            lengths, 3, seed=seed
+        )
+    num_slots = xla.chunk_slot_count(x.q.shape[0], len(lengths))
+    cu = jnp.asarray(x.cu_seqlens, jnp.int32)
+    token_inputs = [jnp.asarray(a) for a in x[:5]]
+    core = jax.jit(
+        functools.partial(sm90.chunk_core_kernel, passes=passes, residuals=residuals),
+        static_argnums=(6, 7),
+        static_argnames=("pair_loads",),
+    )
+    plain = core(*token_inputs, cu, num_slots, 0.3)
+    pairs = core(*token_inputs, cu, num_slots, 0.3, pair_loads=True)
+    names = ("w", "u", "qg", "attn", "kd", "decay", "gamma", "kk", "tinv")
+    for name, a, b in zip(names, plain, pairs, strict=True):
+        if a is None:  # the forward-alone variant's unwritten residuals
+            assert b is None, name
+            continue
+        a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+        assert not np.isnan(b).any(), name
+        np.testing.assert_array_equal(a, b, err_msg=name)
+
+
 @pytest.mark.parametrize("v_slice", [0, 16])
 @pytest.mark.parametrize("lengths", [[130, 0, 70, 1], [64, 10, 128, 0, 65], [3000, 257]], ids=str)
 def test_state_cotangent_kernel_matches_xla(lengths, v_slice):

@@ -9,8 +9,9 @@
 #                                                  chunk core's in-kernel input preparation
 #                                                  and prefill's route to it (IN_KERNEL_PREP,
 #                                                  the default since, H100 2026-12-06), the
-#                                                  one still opt-in (outputs_images), against
-#                                                  the kernels without them and the float64
+#                                                  ones still opt-in (outputs_images; the
+#                                                  chunk core's pair_loads), against the
+#                                                  kernels without them and the float64
 #                                                  oracle
 #   bash benchmarks/jobs/verify_opt_in.sh measure  their kernel times beside the default's, and
 #                                                  the host cost of a jitted call
@@ -42,6 +43,7 @@ if [ "$mode" = tests ] || [ "$mode" = all ]; then
     "$t::test_state_scan_with_outputs_equals_the_scan_and_the_outputs_kernel" \
     "$t::test_chunk_core_images_and_the_scan_on_them_equal_the_plain_ones" \
     "$t::test_chunk_core_prepares_raw_inputs_as_the_xla_preparation" \
+    "$t::test_chunk_core_pair_loads_equal_the_plain_kernel" \
     "$t::test_both_state_scans_kernel_matches_two_xla_scans" \
     "$t::test_scan_kernel_stays_in_bounds_on_bad_boundaries" \
     > "$out/tests-kernels.log" 2>&1
@@ -82,7 +84,7 @@ if [ "$mode" = measure ] || [ "$mode" = all ]; then
   done
   grep -E "span" "$out/profile-forward.log" "$out/profile-train.log" "$out/profile-chained.log"
   # where a chunk-core CTA's time goes, phase by phase (its own clocks)
-  for variant in "" --residuals; do  # the forward-alone core, then the training one
+  for variant in "" --pair-loads --residuals; do  # forward-alone, its pair_loads, training
     timeout "$(limit 60)" python3 -m benchmarks.chunk_core_phases $variant \
       >> "$out/chunk-core-phases.log" 2>&1
     echo "chunk core phases $variant rc=$?"

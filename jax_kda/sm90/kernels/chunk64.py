@@ -90,17 +90,13 @@ def choose_anchors(s_gam: cute.Tensor, s_flag: cute.Tensor, d):
 
 
 @cute.jit
-def unit_lower_inverse(s_kk, s_beta, s_tinv, s_m, tid, nthreads: cutlass.Constexpr[int]):
-    """T^-1 into s_tinv ([64, 64] float32; all of it written), T = I + strictLower(beta_i kk_ij),
-    from kk's strictly lower part in s_kk (nothing above the diagonal is read) and beta in
-    s_beta; s_m is [3, 16, 16] float32 scratch. All nthreads threads of the CTA call it (128 or
-    256); it synchronises the CTA.
-
-    The diagonal blocks by forward substitution (thread = one column of one block, the column in
-    registers), then the blocks below by block substitution by their distance from the diagonal:
-    T^-1_(b, c) = -T^-1_(b, b) sum over m in blocks c .. b - 1 of L_(b, m) T^-1_(m, c). Every loop
-    has a static trip count (zeros of T^-1 stand in for the triangle's bounds), so the shared
-    memory loads of a sum are issued together."""
+def diagonal_inverses(s_kk, s_beta, s_tinv, tid, nthreads: cutlass.Constexpr[int]):
+    """The first half of T^-1 (T = I + strictLower(beta_i kk_ij), [64, 64] float32 into s_tinv,
+    all of it written): the identity, then the four diagonal blocks' inverses by forward
+    substitution (thread = one column of one block, the column in registers), from kk's
+    strictly lower part in s_kk (nothing above the diagonal is read) and beta in s_beta.
+    below_diagonal_blocks then finishes it. All nthreads threads of the CTA call both (128 or
+    256); each synchronises the CTA."""
     for it in cutlass.range_constexpr(ROWS * ROWS // nthreads):
         e = tid + it * nthreads
         i = e // ROWS
@@ -122,6 +118,15 @@ def unit_lower_inverse(s_kk, s_beta, s_tinv, s_m, tid, nthreads: cutlass.Constex
         for rr in cutlass.range_constexpr(BLOCK):
             s_tinv[base + rr, tid] = x[rr]
     cute.arch.sync_threads()
+
+
+@cute.jit
+def below_diagonal_blocks(s_kk, s_beta, s_tinv, s_m, tid, nthreads: cutlass.Constexpr[int]):
+    """The second half of T^-1, after diagonal_inverses: the blocks below the diagonal by block
+    substitution by their distance from it, T^-1_(b, c) = -T^-1_(b, b) sum over m in blocks
+    c .. b - 1 of L_(b, m) T^-1_(m, c); s_m is [3, 16, 16] float32 scratch. Every loop has a
+    static trip count (zeros of T^-1 stand in for the triangle's bounds), so the shared memory
+    loads of a sum are issued together."""
     per_pair = BLOCK * BLOCK // nthreads if nthreads < BLOCK * BLOCK else 1
     for dist in cutlass.range_constexpr(1, BLOCKS):
         for pair in cutlass.range_constexpr(BLOCKS - dist):  # block column; its row pair + dist

@@ -47,6 +47,11 @@ of the kernel's stall samples on the scalar and pair stores of the last phase, a
 loads of g, q and k 2 and 4 bytes at a time; H200 (benchmarks.kernel_profile), with 16-byte
 stores: 53.3 / 259.8 us at 2048x12x1 / 8192x16x1 against 74.2 / 288.8
 for the training variant, 48.3 / 234.7 against 66.7 / 252.9 for the forward alone.
+
+Phases (H100, benchmarks/chunk_core_phases.py): the loads, the kk/qk phase and T^-1 take 60-70%
+of a CTA; the kk/qk phase's time is its operand build (one scalar shared-memory load of k or q
+and two of Gamma an element), not the product. pair_loads (opt-in, not yet run on a GPU) builds
+it from two-channel loads with the same arithmetic (anchored_pairs).
 """
 
 from __future__ import annotations
@@ -67,11 +72,12 @@ from jax_kda.sm90.kernels.chunk64 import (
     PACKED,
     PAIR_ROW,
     ROWS,
+    below_diagonal_blocks,
     choose_anchors,
+    diagonal_inverses,
     exp_fast,
     packed_row,
     put_right_factors,
-    unit_lower_inverse,
 )
 from jax_kda.sm90.kernels.chunk_io import pair_at, scan_order_offset
 from jax_kda.sm90.kernels.varlen import slot_owner
@@ -160,17 +166,23 @@ def shared_bytes(passes: int) -> int:
 PHASES = (
     "loads, cumsum",
     "anchors, right factors",
-    "kk and qk products",
+    "kk/qk operand and product, first K half",
+    "kk/qk operand and product, second K half",
+    "kk and qk into shared memory",
     "diagonal blocks pair by pair",
     "Aqk and kk out",
-    "v loads, T^-1 (out)",
+    "v loads, diagonal inverses",
+    "blocks below the diagonal",
+    "T^-1 out and into registers",
     "R^T images",
     "W and U products",
     "stores",
 )
 """The chunk core's phases, in order, each ending at a barrier (the diagonal blocks' only where
-a block takes them; the last at thread 0's last store): what the stamps variant
-(ChunkOperandsConfig.stamps) times. Stores are timed as issued, not as drained."""
+a block takes them; the kk/qk halves at thread 0's wait for its warpgroup's product; the last
+at thread 0's last store): what the stamps variant (ChunkOperandsConfig.stamps) times. Stores
+are timed as issued, not as drained. (H100, 2026-12-06, nine phases then: the loads, kk/qk and
+T^-1 took 60-70% of a CTA; benchmarks/README.md.)"""
 STAMPS = ("start", *(f"after {phase}" for phase in PHASES), "timer at start", "timer at end")
 """What the stamps variant writes for each CTA (int32): thread 0's cycle counter (the 32-bit
 clock, raw: the reader subtracts the start, modulo 2^32, so that no register holds it across
@@ -216,6 +228,7 @@ class ChunkOperandsConfig:
     images: bool = False  # qg and attn in the scan's operand order (flat [slots, H, 64 * n])
     prep: InputPrep | None = None  # the inputs prepared in the kernel (None: as given)
     stamps: bool = False  # a diagnostic: each CTA's phase clocks (STAMPS) into one more result
+    pair_loads: bool = False  # the kk/qk operand from two-channel loads (anchored_pairs)
 
 
 class ChunkOperandsSm90:
@@ -227,6 +240,7 @@ class ChunkOperandsSm90:
         self.images = config.images
         self.prep = config.prep if config.prep is not None else InputPrep()
         self.stamps = config.stamps
+        self.pair_loads = config.pair_loads
 
     @cute.jit
     def __call__(
@@ -482,18 +496,24 @@ class ChunkOperandsSm90:
             left = cute.make_tensor(a_op.iterator, cute.make_layout(c_left.shape))
             if cutlass.const_expr(passes == 3):
                 left = cute.make_rmem_tensor(c_left.shape, Float32)
-            for e in cutlass.range_constexpr(cute.size(left)):
-                i, ch0 = c_left[e]
-                ch = ch0 + kh * k_half
-                x = Float32(s_k[i, ch])
-                if part == 1:
-                    x = Float32(s_q[i, ch])
-                anchor_row = (i // BLOCK) * BLOCK + shift
-                y = x * exp_fast(s_gam[i, ch] - s_gam[anchor_row, ch])
-                if cutlass.const_expr(passes == 3):
-                    left[e] = y
+            if cutlass.const_expr(self.pair_loads):
+                if part == 0:
+                    self.anchored_pairs(left, c_left, kh * k_half, shift, s_k, s_gam)
                 else:
-                    left[e] = y.to(BFloat16)
+                    self.anchored_pairs(left, c_left, kh * k_half, shift, s_q, s_gam)
+            else:
+                for e in cutlass.range_constexpr(cute.size(left)):
+                    i, ch0 = c_left[e]
+                    ch = ch0 + kh * k_half
+                    x = Float32(s_k[i, ch])
+                    if part == 1:
+                        x = Float32(s_q[i, ch])
+                    anchor_row = (i // BLOCK) * BLOCK + shift
+                    y = x * exp_fast(s_gam[i, ch] - s_gam[anchor_row, ch])
+                    if cutlass.const_expr(passes == 3):
+                        left[e] = y
+                    else:
+                        left[e] = y.to(BFloat16)
             a_hi = a_op
             a_lo = a_op
             if cutlass.const_expr(passes == 3):
@@ -510,6 +530,7 @@ class ChunkOperandsSm90:
                     )  # fmt: skip
             cute.nvgpu.warpgroup.commit_group()
             cute.nvgpu.warpgroup.wait_group(0)
+            self.stamp(mStamps, slot, h, 3 + kh, tid)
         cute.arch.sync_threads()  # both products done reading the right image (the pairs' space)
         for e in cutlass.range_constexpr(cute.size(acc)):
             i, p = c_pairs[e]
@@ -521,7 +542,7 @@ class ChunkOperandsSm90:
                     else:
                         s_qk[i, j] = acc[e]
         cute.arch.sync_threads()
-        self.stamp(mStamps, slot, h, 3, tid)
+        self.stamp(mStamps, slot, h, 5, tid)
 
         # ---- the diagonal blocks pair by pair where a block's decay range is not safe
         if pairwise != Int32(0):
@@ -535,11 +556,11 @@ class ChunkOperandsSm90:
                     part_kk = Float32(0.0)
                     part_qk = Float32(0.0)
                     for t in cutlass.range_constexpr(HEAD_DIM // 32):
-                        ch = lane + 32 * t
-                        e = exp_fast(s_gam[i, ch] - s_gam[j, ch])
-                        kj_e = Float32(s_k[j, ch]) * e
-                        part_kk = part_kk + Float32(s_k[i, ch]) * kj_e
-                        part_qk = part_qk + Float32(s_q[i, ch]) * kj_e
+                        chan = lane + 32 * t
+                        e = exp_fast(s_gam[i, chan] - s_gam[j, chan])
+                        kj_e = Float32(s_k[j, chan]) * e
+                        part_kk = part_kk + Float32(s_k[i, chan]) * kj_e
+                        part_qk = part_qk + Float32(s_q[i, chan]) * kj_e
                     for offset in cutlass.range_constexpr(5):
                         part_kk = part_kk + cute.arch.shuffle_sync_bfly(part_kk, 16 >> offset)
                         part_qk = part_qk + cute.arch.shuffle_sync_bfly(part_qk, 16 >> offset)
@@ -547,7 +568,7 @@ class ChunkOperandsSm90:
                         s_kk[i, j] = part_kk
                         s_qk[i, j] = part_qk
             cute.arch.sync_threads()
-        self.stamp(mStamps, slot, h, 4, tid)
+        self.stamp(mStamps, slot, h, 6, tid)
 
         # ---- Aqk (bf16) and kk (float32) out (zero above the diagonal), coalesced; a thread
         # takes eight neighbouring columns, 16 bytes a store
@@ -576,7 +597,7 @@ class ChunkOperandsSm90:
                         k_four[q4, None].load()
                     )
         cute.arch.sync_threads()  # s_qk is T^-1 from here
-        self.stamp(mStamps, slot, h, 5, tid)
+        self.stamp(mStamps, slot, h, 7, tid)
 
         # v loads now, in registers, so the T^-1 phase hides them: thread (row group, channel
         # group) takes channels c8 .. c8 + 7 of rows r8 + 16 m (VEC_ROWS = 16), 16 bytes a load
@@ -594,7 +615,10 @@ class ChunkOperandsSm90:
                 r_v[m, None].fill(0.0)
 
         # ---- T^-1, T = I + strictLower(beta_i kk_ij), float32 by 16-row blocks (chunk64.py)
-        unit_lower_inverse(s_kk, s_beta, s_tinv, s_m, tid, NTHREADS)
+        diagonal_inverses(s_kk, s_beta, s_tinv, tid, NTHREADS)
+        self.stamp(mStamps, slot, h, 8, tid)
+        below_diagonal_blocks(s_kk, s_beta, s_tinv, s_m, tid, NTHREADS)
+        self.stamp(mStamps, slot, h, 9, tid)
 
         # ---- T^-1 out, and into registers as the solve's A operand (warpgroup 0: W, 1: U)
         if cutlass.const_expr(self.residuals):
@@ -622,7 +646,7 @@ class ChunkOperandsSm90:
         if cutlass.const_expr(passes == 3):
             t_hi, t_lo = split_a_operands(mma_solve, t_vals, ROWS, ROWS)
         cute.arch.sync_threads()  # T^-1 read: the region is free for R^T
-        self.stamp(mStamps, slot, h, 6, tid)
+        self.stamp(mStamps, slot, h, 10, tid)
 
         # ---- the solve's B images R^T (rows = the 256 columns [beta k exp(Gamma) | beta v],
         # K = token): 8 channels of one token a store
@@ -635,7 +659,7 @@ class ChunkOperandsSm90:
             put_piece(s_rt_u, c8, t, r_v[m, None].load().to(Float32) * b_t, True, ROWS, passes)
         cute.arch.fence_proxy("async.shared", space="cta")
         cute.arch.sync_threads()
-        self.stamp(mStamps, slot, h, 7, tid)
+        self.stamp(mStamps, slot, h, 11, tid)
 
         # ---- W (warpgroup 0) and U (warpgroup 1) = T^-1 R on tensor cores
         f_rt_w = mma_solve.make_fragment_B(thr_s.partition_B(s_rt_w))
@@ -671,7 +695,7 @@ class ChunkOperandsSm90:
         # are read: the region is free), then every output 16 bytes a store, thread (r8, c8)'s
         # rows and channels: W into the scan's image, U, Qg, Kd's image (and Gamma) row-major
         cute.arch.sync_threads()
-        self.stamp(mStamps, slot, h, 8, tid)
+        self.stamp(mStamps, slot, h, 12, tid)
         pair = cute.make_rmem_tensor((2,), Float32)
         for e in cutlass.range_constexpr(0, cute.size(acc_s), 2):
             i, n = c_solve[e]
@@ -708,10 +732,32 @@ class ChunkOperandsSm90:
                     )
         if part == 0:
             mDecay[slot, h, d] = exp_fast(s_gam[ROWS - 1, d])
-        self.stamp(mStamps, slot, h, 9, tid)
+        self.stamp(mStamps, slot, h, 13, tid)
         if cutlass.const_expr(self.stamps):
             if tid == 0:
                 mStamps[slot, h, len(STAMPS) - 1] = cute.arch.globaltimer_lo()
+
+    @cute.jit
+    def anchored_pairs(self, left, c_left, ch_off, shift, s_x, s_gam):
+        """The kk/qk left operand (s_x: k for warpgroup 0, q for 1; anchored at its block's
+        anchor row) into `left` (the A fragment's values, compact: bf16 at one pass, else
+        float32), two channels a load (pair_loads): elements e and e + 1 of a wgmma fragment
+        are channels ch and ch + 1 of one row, so k or q comes 4 bytes and Gamma 8 bytes a
+        load, against a scalar load an element; the arithmetic is the scalar loop's, element
+        by element."""
+        for e in cutlass.range_constexpr(0, cute.size(left), 2):
+            i, ch0 = c_left[e]
+            ch = ch0 + ch_off
+            anchor_row = (i // BLOCK) * BLOCK + shift
+            x = pair_at(s_x[i, None], ch).load().to(Float32)
+            gam_i = pair_at(s_gam[i, None], ch).load()
+            gam_anchor = pair_at(s_gam[anchor_row, None], ch).load()
+            y = x * exp_fast(gam_i - gam_anchor)
+            two = cute.make_tensor(left.iterator + e, cute.make_layout(2))
+            if cutlass.const_expr(self.passes == 3):
+                two.store(y)
+            else:
+                two.store(y.to(BFloat16))
 
     @cute.jit
     def stamp(self, mStamps, slot, h, index: cutlass.Constexpr[int], tid):
