@@ -28,6 +28,7 @@ from jax_kda.oracle import (
     rms_ratio,
 )
 from jax_kda.sm90.ffi_call import cute_call, register
+from jax_kda.sm90.kernels.chunk64 import SAFE_RANGE
 from jax_kda.sm90.kernels.layout import SCAN_TC_V_SLICES, SCAN_VARIANTS, SCAN_WGMMA_V_SLICE
 
 pytestmark = pytest.mark.gpu
@@ -1048,6 +1049,14 @@ def test_chunk_core_pair_loads_equal_the_plain_kernel(lengths, data, passes, res
         harsh = -20.0 - 10.0 * rng.random(x.g.shape, np.float32)
         mild = -0.01 * rng.random(x.g.shape, np.float32)
         x = x._replace(g=np.where(np.arange(128) % 2 == 0, harsh, mild).astype(np.float32))
+        # the premise: in every chunk the first block's first half (Gamma_0 - Gamma_8, rows
+        # past the sequence's end adding nothing) spans more decay than SAFE_RANGE on some
+        # channel, so each chunk takes first-row anchors and the diagonal blocks pair by pair
+        # (chunk64.choose_anchors)
+        for start, n in zip(x.cu_seqlens[:-1], lengths, strict=True):
+            for c0 in range(0, n, 64):
+                half = x.g[start + c0 + 1 : start + min(c0 + 9, n)].sum(axis=0)
+                assert half.min() < -SAFE_RANGE, (n, c0)
     else:
         x = (long_memory_inputs if data == "long-memory" else production_inputs)(
             lengths, 3, seed=seed

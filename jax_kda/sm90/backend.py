@@ -1232,11 +1232,11 @@ def chunk_core_kernel(
             a_log = jnp.zeros((heads,), f32) if a_log is None else a_log.astype(f32)
             dt_bias = jnp.zeros((heads, HEAD_DIM), f32) if dt_bias is None else dt_bias
             inputs += [a_log, dt_bias.astype(f32).reshape(heads, HEAD_DIM)]
-        u, qg, attn, decay, gamma, kk, tinv, w, kd = cute_call(
-            chunk_operands_artifact(scale, passes, residuals, images, prep, False, pair_loads),
-            inputs,
-            results,
-        )
+        # the variant as a keyword only where asked for: the artifact cache then keys the plain
+        # kernel as every other caller does
+        variant = {"pair_loads": True} if pair_loads else {}
+        artifact = chunk_operands_artifact(scale, passes, residuals, images, prep, **variant)
+        u, qg, attn, decay, gamma, kk, tinv, w, kd = cute_call(artifact, inputs, results)
     if not residuals:
         gamma = kk = tinv = None
     return w, u, qg, attn, kd, decay, gamma, kk, tinv
