@@ -18,6 +18,10 @@
 #   bash benchmarks/jobs/verify_opt_in.sh all      both in one call (for a session short of
 #                                                  device time): the tests, then as much of the
 #                                                  measurement as fits (fewer variants and shapes)
+#   bash benchmarks/jobs/verify_opt_in.sh quick    about a minute, for a session that gets few
+#                                                  GPU minutes: the chunk core's pair_loads
+#                                                  test and the phase tables (forward-alone,
+#                                                  pair_loads, training) on three shapes
 # Logs under $OUT. Each step has its own time limit, so a hang (a wrong barrier) ends its step,
 # not the call.
 set -u
@@ -36,6 +40,17 @@ limit() {
 }
 t=tests/test_sm90_backward_gpu.py
 g=tests/test_sm90_gpu.py
+if [ "$mode" = quick ]; then
+  for variant in "" --pair-loads --residuals; do
+    timeout "$(limit 45)" python3 -m benchmarks.chunk_core_phases $variant \
+      >> "$out/chunk-core-phases.log" 2>&1
+    echo "chunk core phases $variant rc=$?"
+  done
+  cat "$out/chunk-core-phases.log"
+  timeout "$(limit 120)" python3 -m pytest -q -s -m gpu --maxfail=5 \
+    "$t::test_chunk_core_pair_loads_equal_the_plain_kernel" > "$out/tests-pair-loads.log" 2>&1
+  echo "pair_loads tests rc=$?"; tail -2 "$out/tests-pair-loads.log"
+fi
 if [ "$mode" = tests ] || [ "$mode" = all ]; then
   # the kernels against the verified ones, bit for bit where the arithmetic is the same
   timeout "$(limit 240)" python3 -m pytest -q -s -m gpu --maxfail=20 \
