@@ -21,7 +21,6 @@ import numpy as np
 
 import jax_kda
 from benchmarks import jax_measure
-from benchmarks.timing import wall_seconds
 
 
 def raw_inputs(lengths, heads: int, seed: int) -> dict:
@@ -75,16 +74,12 @@ def prepare(args) -> dict:
 
 
 def gpu_us(fn, args, state, calls: int) -> float:
+    """GPU us a call of ``fn`` (a step), as the harness takes it: `calls` chained calls in
+    executables of up to MAX_CALLS_PER_EXECUTION, back to back, median of three."""
     per_execution = min(jax_measure.MAX_CALLS_PER_EXECUTION, calls)
     executions = math.ceil(calls / per_execution)
-    copies = jax_measure.distinct_copies(args, per_execution)
-    run = jax_measure.chained_calls(fn)
-    jax.block_until_ready(run(copies, state))
-    samples = [
-        wall_seconds(lambda: jax_measure.back_to_back(run, copies, state, executions))
-        for _ in range(3)
-    ]
-    return float(np.median(samples)) / (executions * per_execution) * 1e6
+    seconds = jax_measure._chained_seconds_per_call(fn, args, state, executions, per_execution, 3)
+    return seconds * 1e6
 
 
 def main(argv=None):
