@@ -8,8 +8,7 @@ kernel's span. Its stamps variant (sm90.backend.chunk_core_stamps) has thread 0 
 read the SM's cycle counter at each phase's end and the global timer at the CTA's start and end;
 this prints, per shape, the median cycles of each phase and its share of a CTA, the CTAs'
 durations, how many ran at once on average, and the kernel's span. The forward-alone variant
-(the no-bound forward's) by default; --residuals: the training variant; --pair-loads: the
-kk/qk operand built from two-channel loads (opt-in).
+(the no-bound forward's) by default; --residuals: the training variant.
 """
 
 from __future__ import annotations
@@ -90,9 +89,6 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--only", default="2048x12x1,8192x16x1,33x2x3-ragged")
     parser.add_argument("--residuals", action="store_true", help="the training variant")
-    parser.add_argument(
-        "--pair-loads", action="store_true", help="the kk/qk operand from two-channel loads"
-    )
     options = parser.parse_args(argv)
 
     import jax
@@ -108,12 +104,12 @@ def main(argv=None):
 
     register()
     shapes, _ = select(parse_only(options.only), ALL_SHAPES, [])
-    run = jax.jit(sm90.backend.chunk_core_stamps, static_argnums=(6, 7, 8, 9, 10))
+    run = jax.jit(sm90.backend.chunk_core_stamps, static_argnums=(6, 7, 8, 9))
     for shape in shapes:
         x = production_inputs(list(shape.lengths), shape.heads, seed=0)
         args = [jnp.asarray(a) for a in x[:6]]
         slots = xla.chunk_slot_count(x.q.shape[0], len(shape.lengths))
-        call = (*args, slots, default_scale(), 1, options.residuals, options.pair_loads)
+        call = (*args, slots, default_scale(), 1, options.residuals)
         jax.block_until_ready(run(*call))  # compile, and a first run
         stamps = np.asarray(run(*call))
         print(format_table(shape.name, phase_table(stamps, PHASES)), flush=True)

@@ -457,30 +457,6 @@ def test_chunk_core_stamps_variant_exports_and_lowers():
     ]
 
 
-def test_chunk_core_pair_loads_variant_exports_and_lowers():
-    """The chunk core's pair_loads variant (the kk/qk operand from two-channel loads; opt-in)
-    is a variant of its own (prefix, key), with the plain kernel's operands, for the forward
-    alone and training, at one and three passes, and with the stamps; chunk_core_kernel lowers
-    to it only when asked."""
-    for passes, residuals in ((1, False), (1, True), (3, True)):
-        plain = sm90.chunk_operands_artifact(0.3, passes, residuals)
-        pairs = sm90.chunk_operands_artifact(0.3, passes, residuals, pair_loads=True)
-        assert "_pl_" in pairs.prefix and "_pl_" not in plain.prefix
-        assert pairs.key != plain.key and len(pairs.tensors) == len(plain.tensors)
-    stamped = sm90.chunk_operands_artifact(0.3, 1, False, stamps=True, pair_loads=True)
-    assert stamped.prefix.endswith("_stamps_pl_" + stamped.prefix.rsplit("_", 1)[1])
-    x = production_inputs([100, 0, 30], 2, seed=4)
-    slots = xla.chunk_slot_count(x.q.shape[0], 3)
-    for pair_loads in (False, True):
-        fn = functools.partial(
-            sm90.chunk_core_kernel, num_slots=slots, scale=0.3, passes=1, residuals=False,
-            pair_loads=pair_loads,
-        )  # fmt: skip
-        hlo = _lower(lambda *a, fn=fn: fn(*a), *x[:6])
-        expected = sm90.chunk_operands_artifact(0.3, 1, False, pair_loads=pair_loads).prefix
-        assert re.findall(r'prefix = "(\w+)"', hlo) == [expected]
-
-
 def _prefix(prep):
     return sm90.chunk_operands_artifact(0.3, 1, False, False, prep).prefix
 

@@ -64,12 +64,8 @@ def _main():
     preps = [InputPrep(qk_l2norm=True), InputPrep(grouped_qk=True)]  # the GPU tests' variants
     for bound, grouped in itertools.product((-5.0, None), (False, True)):
         preps.append(InputPrep(True, True, bound, True, grouped))
-    for residuals, pairs in itertools.product((False, True), (False, True)):
-        # benchmarks/chunk_core_phases.py's diagnostic (--residuals, --pair-loads)
-        sm90.chunk_operands_artifact(default_scale(), 1, residuals, stamps=True, pair_loads=pairs)
-    for passes, residuals in ((1, False), (1, True), (3, True)):  # the pair_loads GPU test's
-        for pairs in (False, True):
-            sm90.chunk_operands_artifact(0.3, passes, residuals, pair_loads=pairs)
+    for residuals in (False, True):  # benchmarks/chunk_core_phases.py's diagnostic
+        sm90.chunk_operands_artifact(default_scale(), 1, residuals, stamps=True)
     for scale in (0.3, default_scale()):
         sm90.chunk_operands_artifact(scale, 1, False)
         sm90.chunk_operands_artifact(scale, 1, False, True)

@@ -9,19 +9,18 @@
 #                                                  chunk core's in-kernel input preparation
 #                                                  and prefill's route to it (IN_KERNEL_PREP,
 #                                                  the default since, H100 2026-12-06), the
-#                                                  ones still opt-in (outputs_images; the
-#                                                  chunk core's pair_loads), against the
-#                                                  kernels without them and the float64
-#                                                  oracle
+#                                                  one still opt-in (outputs_images),
+#                                                  against the kernels without them and
+#                                                  the float64 oracle
 #   bash benchmarks/jobs/verify_opt_in.sh measure  their kernel times beside the default's, and
 #                                                  the host cost of a jitted call
 #   bash benchmarks/jobs/verify_opt_in.sh all      both in one call (for a session short of
 #                                                  device time): the tests, then as much of the
 #                                                  measurement as fits (fewer variants and shapes)
 #   bash benchmarks/jobs/verify_opt_in.sh quick    about a minute, for a session that gets few
-#                                                  GPU minutes: the chunk core's pair_loads
-#                                                  test and the phase tables (forward-alone,
-#                                                  pair_loads, training) on three shapes
+#                                                  GPU minutes: the chunk core's phase
+#                                                  tables (forward-alone, training) on
+#                                                  three shapes
 # Logs under $OUT. Each step has its own time limit, so a hang (a wrong barrier) ends its step,
 # not the call.
 set -u
@@ -41,15 +40,12 @@ limit() {
 t=tests/test_sm90_backward_gpu.py
 g=tests/test_sm90_gpu.py
 if [ "$mode" = quick ]; then
-  for variant in "" --pair-loads --residuals; do
+  for variant in "" --residuals; do
     timeout "$(limit 45)" python3 -m benchmarks.chunk_core_phases $variant \
       >> "$out/chunk-core-phases.log" 2>&1
     echo "chunk core phases $variant rc=$?"
   done
   cat "$out/chunk-core-phases.log"
-  timeout "$(limit 120)" python3 -m pytest -q -s -m gpu --maxfail=5 \
-    "$t::test_chunk_core_pair_loads_equal_the_plain_kernel" > "$out/tests-pair-loads.log" 2>&1
-  echo "pair_loads tests rc=$?"; tail -2 "$out/tests-pair-loads.log"
 fi
 if [ "$mode" = tests ] || [ "$mode" = all ]; then
   # the kernels against the verified ones, bit for bit where the arithmetic is the same
@@ -58,7 +54,6 @@ if [ "$mode" = tests ] || [ "$mode" = all ]; then
     "$t::test_state_scan_with_outputs_equals_the_scan_and_the_outputs_kernel" \
     "$t::test_chunk_core_images_and_the_scan_on_them_equal_the_plain_ones" \
     "$t::test_chunk_core_prepares_raw_inputs_as_the_xla_preparation" \
-    "$t::test_chunk_core_pair_loads_equal_the_plain_kernel" \
     "$t::test_both_state_scans_kernel_matches_two_xla_scans" \
     "$t::test_scan_kernel_stays_in_bounds_on_bad_boundaries" \
     > "$out/tests-kernels.log" 2>&1
@@ -99,7 +94,7 @@ if [ "$mode" = measure ] || [ "$mode" = all ]; then
   done
   grep -E "span" "$out/profile-forward.log" "$out/profile-train.log" "$out/profile-chained.log"
   # where a chunk-core CTA's time goes, phase by phase (its own clocks)
-  for variant in "" --pair-loads --residuals; do  # forward-alone, its pair_loads, training
+  for variant in "" --residuals; do  # forward-alone, training
     timeout "$(limit 60)" python3 -m benchmarks.chunk_core_phases $variant \
       >> "$out/chunk-core-phases.log" 2>&1
     echo "chunk core phases $variant rc=$?"

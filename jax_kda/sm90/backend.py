@@ -1064,7 +1064,7 @@ def xla_tokens_bwd(scale, tokens, cu_seqlens, rows, gamma, d_decayed, cotangents
 @functools.cache
 def chunk_operands_artifact(
     scale: float, passes: int = 3, residuals: bool = True, images: bool = False, prep=None,
-    stamps: bool = False, pair_loads: bool = False,
+    stamps: bool = False,
 ):  # fmt: skip
     """The exported exact 64-token chunk core (kernels/kda_chunk_operands_sm90.py) for this
     scale; tokens, heads, slots and sequences symbolic; `passes` bf16 passes a product (3:
@@ -1076,9 +1076,7 @@ def chunk_operands_artifact(
     kernel as they load (l2-normalised q and k, the gate from its raw projection, beta from
     logits; chunk_core_kernel says what it takes then). stamps (a
     diagnostic, with prep None): a variant that also writes each CTA's phase clocks
-    (kernels' STAMPS, benchmarks/chunk_core_phases.py reads them). pair_loads (opt-in, not yet
-    run on a GPU): the kk/qk operand built from two-channel shared-memory loads, the same
-    arithmetic (ChunkOperandsSm90.anchored_pairs)."""
+    (kernels' STAMPS, benchmarks/chunk_core_phases.py reads them)."""
     import cutlass.cute as cute
     from cutlass import BFloat16, Float32, Int32
 
@@ -1150,12 +1148,8 @@ def chunk_operands_artifact(
     if stamps:
         config["stamps"] = True
         suffix += "_stamps"
-    if pair_loads:
-        config["pair_loads"] = True
-        suffix += "_pl"
     core_config = ChunkOperandsConfig(
         scale=scale, passes=passes, residuals=residuals, images=images, prep=prep, stamps=stamps,
-        pair_loads=pair_loads,
     )  # fmt: skip
     launcher = ChunkOperandsGateSm90 if prep is not None and prep.gate else ChunkOperandsSm90
     if stamps:
@@ -1183,7 +1177,7 @@ def chunk_core_results(num_slots: int, heads: int, images: bool = False):
 
 def chunk_core_kernel(
     q, k, v, g, beta, cu_seqlens, num_slots, scale, passes=3, residuals=True, images=False,
-    prep=None, a_log=None, dt_bias=None, pair_loads=False,
+    prep=None, a_log=None, dt_bias=None,
 ):  # fmt: skip
     """The chunk-core kernel: (w, u, qg, attn, kd, decay, gamma, kk, tinv) from the packed
     tokens, xla_chunk_core's contract with tinv = T^-1, T = I + strictLower(beta kk), and
@@ -1199,7 +1193,7 @@ def chunk_core_kernel(
     gate projection a (cast to float32) where prep.gate, with a_log [HV] and dt_bias
     [HV, 128] or [HV * 128] (None: zeros, fla's defaults of amplitude 1 and no bias); beta
     logits where prep.beta_logits; the results are those of the prepared inputs (gate.py
-    states each preparation). pair_loads: chunk_operands_artifact's variant (opt-in)."""
+    states each preparation)."""
     from jax_kda.sm90.ffi_call import cute_call
 
     f32 = jnp.float32
@@ -1232,21 +1226,15 @@ def chunk_core_kernel(
             a_log = jnp.zeros((heads,), f32) if a_log is None else a_log.astype(f32)
             dt_bias = jnp.zeros((heads, HEAD_DIM), f32) if dt_bias is None else dt_bias
             inputs += [a_log, dt_bias.astype(f32).reshape(heads, HEAD_DIM)]
-        # the variant as a keyword only where asked for: the artifact cache then keys the plain
-        # kernel as every other caller does
-        variant = {"pair_loads": True} if pair_loads else {}
-        artifact = chunk_operands_artifact(scale, passes, residuals, images, prep, **variant)
+        artifact = chunk_operands_artifact(scale, passes, residuals, images, prep)
         u, qg, attn, decay, gamma, kk, tinv, w, kd = cute_call(artifact, inputs, results)
     if not residuals:
         gamma = kk = tinv = None
     return w, u, qg, attn, kd, decay, gamma, kk, tinv
 
 
-def chunk_core_stamps(
-    q, k, v, g, beta, cu_seqlens, num_slots, scale, passes=1, residuals=False, pair_loads=False
-):
-    """A diagnostic: the chunk core's stamps variant on these inputs (chunk_core_kernel's; with
-    pair_loads, of that variant),
+def chunk_core_stamps(q, k, v, g, beta, cu_seqlens, num_slots, scale, passes=1, residuals=False):
+    """A diagnostic: the chunk core's stamps variant on these inputs (chunk_core_kernel's),
     returning only each (slot, head) CTA's clocks, int32 [slots, H, len(STAMPS)] (the kernel
     module's STAMPS says what each holds; benchmarks/chunk_core_phases.py reads them)."""
     from jax_kda.sm90.ffi_call import cute_call
@@ -1261,7 +1249,7 @@ def chunk_core_stamps(
         jax.ShapeDtypeStruct((num_slots, heads, len(STAMPS)), jnp.int32),
     ]
     inputs = [q, k, v, g.astype(f32), beta.astype(f32), jnp.asarray(cu_seqlens, jnp.int32)]
-    artifact = chunk_operands_artifact(scale, passes, residuals, stamps=True, pair_loads=pair_loads)
+    artifact = chunk_operands_artifact(scale, passes, residuals, stamps=True)
     return cute_call(artifact, inputs, results)[-1]
 
 
