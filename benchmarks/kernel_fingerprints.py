@@ -86,7 +86,7 @@ def default_artifacts():
     training step's backward, decode) in the variants the plan picks from, for scale 0.3 and
     2 heads where those are compile-time constants. Each is compiled when first asked for."""
     from jax_kda import sm90
-    from jax_kda.sm90.kernels.kda_chunk_operands_sm90 import InputPrep
+    from jax_kda.sm90.kernels.input_prep import InputPrep
     from jax_kda.sm90.kernels.layout import SCAN_TC_V_SLICES
 
     scale = 0.3
@@ -104,6 +104,14 @@ def default_artifacts():
         InputPrep(grouped_qk=True),
     ):
         makers.append(lambda prep=prep: sm90.chunk_operands_artifact(scale, 1, False, False, prep))
+    # the gate-bound forward preparing them (IN_KERNEL_PREP, the safe gate's route): fla's three
+    # flags, with and without grouped value heads; the norm alone
+    for prep in (
+        InputPrep(True, True, -5.0, True, False),
+        InputPrep(True, True, -5.0, True, True),
+        InputPrep(qk_l2norm=True),
+    ):
+        makers.append(lambda prep=prep: sm90.forward_artifact(2, scale, prep))
     makers += [
         sm90.chunk_outputs_artifact,
         sm90.dense_bwd_artifact,

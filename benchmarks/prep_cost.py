@@ -1,10 +1,12 @@
 """GPU time of a prefill call on raw inputs (fla's flags), preparation in the kernel or before it.
 
-``python -m benchmarks.prep_cost [--only TERMS] [--calls N]`` times, per shape, a jitted
-``prefill(..., use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, A_log=..., dt_bias=...,
-use_beta_sigmoid_in_kernel=True)`` with no gate bound (the exact 64-token forward, fla's softplus
-gate) twice: with ``sm90.backend.IN_KERNEL_PREP`` on (the chunk core prepares the raw inputs as
-they load) and off (XLA prepares them, then the plain kernels run), and, for scale, prefill on
+``python -m benchmarks.prep_cost [--only TERMS] [--calls N] [--lower-bound LB]`` times, per
+shape, a jitted ``prefill(..., use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
+A_log=..., dt_bias=..., use_beta_sigmoid_in_kernel=True)`` with no gate bound (the exact 64-token
+forward, fla's softplus gate; with ``--lower-bound LB`` the safe gate with that bound, which
+takes the gate-bound kernels) twice: with ``sm90.backend.IN_KERNEL_PREP`` on (the chunk core, or
+the gate-bound forward's PREP, prepares the raw inputs as they load) and off (XLA prepares them,
+then the plain kernels run), and, for scale, prefill on
 inputs prepared ahead. GPU time per call as the harness takes it (`jax_measure`: chained calls on
 distinct input copies, back to back). A diagnostic beside the harness, which times prepared
 inputs only.
@@ -13,6 +15,7 @@ inputs only.
 from __future__ import annotations
 
 import argparse
+import functools
 import math
 
 import jax
@@ -42,25 +45,26 @@ def raw_inputs(lengths, heads: int, seed: int) -> dict:
     }
 
 
-def step(args, state):
+def step(args, state, lower_bound=None):
     o, final = jax_kda.prefill(
         args["q"], args["k"], args["v"], args["g"], args["beta"],
         cu_seqlens=args["cu_seqlens"], initial_state=state, backend="sm90",
         use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, A_log=args["A_log"],
-        dt_bias=args["dt_bias"], use_beta_sigmoid_in_kernel=True,
+        dt_bias=args["dt_bias"], lower_bound=lower_bound, use_beta_sigmoid_in_kernel=True,
     )  # fmt: skip
     return final, (o,)
 
 
-def prepared_step(args, state):
+def prepared_step(args, state, lower_bound=None):
     o, final = jax_kda.prefill(
         args["q"], args["k"], args["v"], args["g"], args["beta"],
         cu_seqlens=args["cu_seqlens"], initial_state=state, backend="sm90",
+        gate_lower_bound=lower_bound,
     )  # fmt: skip
     return final, (o,)
 
 
-def prepare(args) -> dict:
+def prepare(args, lower_bound=None) -> dict:
     """The raw inputs prepared as prefill would (XLA), for the prepared-ahead row."""
     from jax_kda.gate import kda_gate, l2_normalize
 
@@ -68,7 +72,7 @@ def prepare(args) -> dict:
         **args,
         "q": l2_normalize(args["q"]),
         "k": l2_normalize(args["k"]),
-        "g": kda_gate(args["g"], args["A_log"], args["dt_bias"]),
+        "g": kda_gate(args["g"], args["A_log"], args["dt_bias"], lower_bound=lower_bound),
         "beta": jax.nn.sigmoid(args["beta"]),
     }
 
@@ -90,7 +94,12 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--only", default="2048x12x1,8192x16x1,33x2x3-ragged")
     parser.add_argument("--calls", type=int, default=200)
+    parser.add_argument(
+        "--lower-bound", type=float, default=None, help="the safe gate's bound (e.g. -5)"
+    )
     options = parser.parse_args(argv)
+    bound = options.lower_bound
+    print(f"gate: {'softplus (no bound)' if bound is None else f'safe, lower_bound {bound}'}")
     shapes, _ = select(parse_only(options.only), ALL_SHAPES, [])
     print("| shape | in kernel us | XLA prep + kernels us | prepared ahead us |")
     print("|---|---|---|---|")
@@ -100,9 +109,11 @@ def main(argv=None):
         row = []
         for route in (True, False):
             sm90.backend.IN_KERNEL_PREP = route
-            row.append(gpu_us(step, args, state, options.calls))
-        ready = jax.block_until_ready(jax.jit(prepare)(args))
-        row.append(gpu_us(prepared_step, ready, state, options.calls))
+            call = functools.partial(step, lower_bound=bound)
+            row.append(gpu_us(call, args, state, options.calls))
+        ready = jax.block_until_ready(jax.jit(functools.partial(prepare, lower_bound=bound))(args))
+        ahead = functools.partial(prepared_step, lower_bound=bound)
+        row.append(gpu_us(ahead, ready, state, options.calls))
         print(f"| {shape.name} | " + " | ".join(f"{t:.1f}" for t in row) + " |", flush=True)
 
 

@@ -169,7 +169,7 @@ def prefill(
     call = _Call(scale=scale, backend=chosen, batched=batched, save_residuals=residuals == "saved")
     prep = _Prep(use_qk_l2norm_in_kernel, use_gate_in_kernel, lower_bound,
                  use_beta_sigmoid_in_kernel, groups)  # fmt: skip
-    if chosen == "sm90_exact" and prep != _Prep() and sm90.backend.IN_KERNEL_PREP:
+    if chosen in ("sm90", "sm90_exact") and prep != _Prep() and sm90.backend.IN_KERNEL_PREP:
         # the raw inputs to the kernels, which prepare them as they load (_prepared_prefill)
         a_log = jnp.zeros((num_heads,), jnp.float32) if raw.a_log is None else raw.a_log
         bias = jnp.zeros((num_heads, HEAD_DIM), jnp.float32) if raw.dt_bias is None else raw.dt_bias
@@ -218,20 +218,32 @@ class _Prep(NamedTuple):
 
 @partial(jax.custom_vjp, nondiff_argnums=(0, 1))
 def _prepared_prefill(call, prep, q, k, v, g, beta, a_log, dt_bias, cu_seqlens, initial_state):
-    """prefill on the sm90 no-bound forward with the use_*_in_kernel preparations and the
-    grouped value heads (`prep`) in the chunk core (sm90.prepared_forward) where the call is
-    not differentiated; q and k raw with H heads, g and beta raw, a_log [HV] and dt_bias
+    """prefill on the sm90 kernels with the use_*_in_kernel preparations and the grouped value
+    heads (`prep`) done as the kernels load the inputs, where the call is not differentiated:
+    on the gate-bound forward (call.backend "sm90": the safe gate, or a stated bound) in its
+    PREP kernel (sm90.forward), on the no-bound forward in the chunk core
+    (sm90.prepared_forward); q and k raw with H heads, g and beta raw, a_log [HV] and dt_bias
     [HV, 128] or [HV * 128] arrays. Differentiated, the preparations run in XLA before the
     plain kernels' forward (_prefill_fwd) and their VJP after its backward, so the gradients
     reach the raw inputs, A_log and dt_bias."""
 
     def run(q, k, v, g, beta, cu_seqlens, initial_state, a_log, dt_bias):
         def kernels(q, k, v, g, beta, cu_seqlens, initial_state, scale):
+            gate = {"a_log": a_log, "dt_bias": dt_bias} if prep.gate else {}
+            if call.backend == "sm90":
+                from jax_kda.sm90.kernels.input_prep import InputPrep  # CuTe DSL: imported late
+
+                kernel_prep = InputPrep(
+                    prep.qk_l2norm, prep.gate, prep.lower_bound, prep.beta_logits,
+                    prep.groups > 1,
+                )  # fmt: skip
+                return sm90.forward(
+                    q, k, v, g, beta, cu_seqlens, initial_state, scale, prep=kernel_prep, **gate
+                )
             return sm90.prepared_forward(
                 q, k, v, g, beta, cu_seqlens, initial_state, scale, qk_l2norm=prep.qk_l2norm,
                 gate=prep.gate, lower_bound=prep.lower_bound, beta_logits=prep.beta_logits,
-                a_log=a_log if prep.gate else None, dt_bias=dt_bias if prep.gate else None,
-                grouped_qk=prep.groups > 1,
+                grouped_qk=prep.groups > 1, **gate,
             )  # fmt: skip
 
         return _on_packed(kernels, call, q, k, v, g, beta, cu_seqlens, initial_state)

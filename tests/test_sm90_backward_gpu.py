@@ -289,15 +289,16 @@ def test_backward_is_exact_for_any_gate(gate, residuals):
 
 @pytest.mark.parametrize(
     "lower_bound, in_kernel",
-    [(LB, False), (None, False), (None, True)],
-    ids=["safe-gate", "softplus-gate", "softplus-gate-in-kernel"],
+    [(LB, False), (LB, True), (None, False), (None, True)],
+    ids=["safe-gate", "safe-gate-in-kernel", "softplus-gate", "softplus-gate-in-kernel"],
 )
 def test_prepared_inputs_and_grouped_heads_match_float64(monkeypatch, lower_bound, in_kernel):
     """fla's input flags (q/k L2 norm, the gate from its projection, A_log and dt_bias, beta
     logits) and grouped value heads (H = 2, HV = 4) on sm90: o, the final state and the
     gradients of the eight raw inputs against the float64 statement; in_kernel: with the
-    preparations in the chunk core where the call is not differentiated
-    (sm90.backend.IN_KERNEL_PREP; the forward here, the gradients through the XLA
+    preparations in the kernels where the call is not differentiated
+    (sm90.backend.IN_KERNEL_PREP: the safe gate's in the gate-bound forward's PREP, the
+    softplus gate's in the chunk core; the forward here, the gradients through the XLA
     preparation)."""
     monkeypatch.setattr(sm90.backend, "IN_KERNEL_PREP", in_kernel)
     x = raw_inputs([300, 0, 77, 130], 2, 4, seed=SEED + 29)
@@ -930,7 +931,7 @@ def test_chunk_core_prepares_raw_inputs_as_the_xla_preparation(
     o and the final states through the scan with the outputs against the float64 oracle of the
     prepared inputs, from a non-zero initial state."""
     from jax_kda import gate
-    from jax_kda.sm90.kernels.kda_chunk_operands_sm90 import InputPrep
+    from jax_kda.sm90.kernels.input_prep import InputPrep
 
     register()
     seed = SEED + 13 * len(lengths) + only_norm + 5 * groups

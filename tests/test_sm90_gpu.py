@@ -4,6 +4,7 @@ Fresh random data each run, the production gate (lb = -5), non-zero initial stat
 poisoned with NaN before the kernel writes them.
 """
 
+import functools
 import os
 import subprocess
 import sys
@@ -69,6 +70,90 @@ def _poisoned_kernel_call(x, segments=None):
         return cute_call(artifact, [*inputs, *poison], results, aliases=aliases)[:2]
 
     return run(*x), plan.segment_count
+
+
+def _poisoned_call(artifact, results, *inputs):
+    """The artifact's custom call with its results pre-filled with NaN bit patterns (aliased),
+    so that anything left unwritten shows: its first two results."""
+    poison = [jnp.full(r.shape, -1 if r.dtype == jnp.int32 else jnp.nan, r.dtype) for r in results]
+    aliases = {len(inputs) + i: i for i in range(len(results))}
+    return cute_call(artifact, [*inputs, *poison], results, aliases=aliases)[:2]
+
+
+GATE_BOUND_PREP_CASES = {
+    "ragged-every-preparation": ([130, 0, 70, 1], False, 1),
+    "ragged-qk-l2norm": ([64, 10, 128, 0, 65], True, 1),
+    "long-every-preparation-GVA-2": ([3000, 257], False, 2),
+    "no-tokens": ([0, 0], False, 1),
+}
+"""The gate-bound forward's in-kernel preparation: (lengths, the L2 norm alone, value heads a q
+head): ragged with empty and 1-token sequences, thousands of tokens, grouped value heads, no
+tokens at all."""
+
+
+@pytest.mark.parametrize("case", GATE_BOUND_PREP_CASES)
+def test_gate_bound_forward_prepares_raw_inputs_as_the_xla_preparation(case):
+    """The gate-bound forward with the inputs prepared in PREP (InputPrep: q and k
+    L2-normalised, the safe gate (lower bound -5) from its raw projection with A_log and
+    dt_bias, beta from logits, q and k read at head j // G for grouped value heads; or the norm
+    alone) on raw inputs, o, the final state and the workspace NaN-poisoned, planned and cut
+    into FORCED_SPLIT segments: against the plain kernel on the inputs jax_kda.gate prepares in
+    XLA (q and k repeated over the groups), close (the preparation's roundings may differ by
+    an ulp), and against the float64 oracle of the prepared inputs from a non-zero initial
+    state; empty sequences keep their initial state bit for bit."""
+    from oracle_gradients import raw_inputs
+
+    from jax_kda import gate
+    from jax_kda.sm90.kernels.input_prep import InputPrep
+
+    register()
+    lengths, only_norm, groups = GATE_BOUND_PREP_CASES[case]
+    x = raw_inputs(lengths, 3, 3 * groups, seed=SEED + 17 * len(case))
+    heads = 3 * groups
+    q, k, v, a, beta = (jnp.asarray(t) for t in (x.q, x.k, x.v, x.a, x.beta))
+    a_log, dt_bias = jnp.asarray(x.a_log), jnp.asarray(x.dt_bias)
+    cu = jnp.asarray(x.cu_seqlens, jnp.int32)
+    state = jnp.asarray(x.initial_state)
+    g = gate.kda_gate(a, a_log, dt_bias, lower_bound=LB)
+    b = jax.nn.sigmoid(beta)
+    q_ready, k_ready = (jnp.repeat(gate.l2_normalize(t), groups, axis=1) for t in (q, k))
+    prepared = (q_ready, k_ready, v, g, b)
+    if only_norm:
+        prep, raw, params = InputPrep(qk_l2norm=True), (q, k, v, g, b), []
+    else:
+        prep, raw = InputPrep(True, True, LB, True, grouped_qk=groups > 1), (q, k, v, a, beta)
+        params = [a_log, dt_bias.reshape(heads, HEAD_DIM)]
+    tokens = int(x.cu_seqlens[-1])
+    with jax.enable_x64(True):
+        f64 = [np.asarray(t, np.float64) for t in prepared]
+        ref_o, ref_final = recurrent_oracle(
+            *f64, x.cu_seqlens, np.asarray(x.initial_state, np.float64), scale=default_scale()
+        )
+    for forced in (None, FORCED_SPLIT):
+        results = sm90.result_shapes(tokens, heads, len(lengths), forced)
+        plain = functools.partial(
+            _poisoned_call, sm90.forward_artifact(heads, default_scale()), results
+        )
+        fused = functools.partial(
+            _poisoned_call, sm90.forward_artifact(heads, default_scale(), prep), results
+        )
+        want_o, want_final = jax.jit(plain)(*prepared, cu, state)
+        got_o, got_final = jax.jit(fused)(*raw, cu, *params, state)
+        got_o, got_final = np.asarray(got_o, np.float32), np.asarray(got_final)
+        assert not np.isnan(got_o).any() and not np.isnan(got_final).any()
+        errors = {"final vs plain": rms_ratio(got_final, want_final)}
+        errors["final vs float64"] = rms_ratio(got_final, ref_final)
+        if tokens:
+            errors["o vs plain"] = rms_ratio(got_o, want_o)
+            errors["o vs float64"] = rms_ratio(got_o, ref_o)
+        print(f"{case} segments={forced}: " + ", ".join(f"{n} {e:.1e}" for n, e in errors.items()))
+        # the preparation's roundings move the products by about bf16's 2^-9 where they differ
+        assert errors["final vs plain"] <= 5e-3 and errors.get("o vs plain", 0.0) <= 5e-3
+        assert errors["final vs float64"] <= RMS_RATIO_BAR
+        assert errors.get("o vs float64", 0.0) <= RMS_RATIO_BAR
+        for s, n in enumerate(lengths):
+            if n == 0:
+                np.testing.assert_array_equal(got_final[s], x.initial_state[s])
 
 
 def _prefill(backend):

@@ -336,7 +336,7 @@ def test_chunk_core_input_prep_variants_export_and_lower_with_their_operands():
     gate's variant taking A_log [H] and dt_bias [H, 128] after cu_seqlens; nothing prepared is
     the plain kernel; chunk_core_kernel lowers to one custom call on the raw inputs (dt_bias in
     fla's flat layout too), and refuses A_log or dt_bias without an in-kernel gate."""
-    from jax_kda.sm90.kernels.kda_chunk_operands_sm90 import InputPrep
+    from jax_kda.sm90.kernels.input_prep import InputPrep
 
     plain = sm90.chunk_operands_artifact(0.3, 1, False)
     assert sm90.chunk_operands_artifact(0.3, 1, False, False, InputPrep()).key == plain.key
@@ -384,16 +384,65 @@ def test_chunk_core_input_prep_variants_export_and_lower_with_their_operands():
         _lower(functools.partial(core, prep=norm), *one_head, *x[2:6])
 
 
+def test_gate_bound_forward_input_prep_variants_export_and_lower_with_their_operands():
+    """The gate-bound forward with the inputs prepared in its PREP kernel (InputPrep): a
+    variant of its own for each preparation, the gate's taking A_log [H] and dt_bias [H, 128]
+    after cu_seqlens; nothing prepared is the plain kernel; the softplus gate (no bound) is
+    refused; sm90.forward lowers to one custom call on the raw inputs (dt_bias in fla's flat
+    layout too, q and k with their own heads where grouped) and no XLA preparation."""
+    from jax_kda.sm90.kernels.input_prep import InputPrep
+
+    plain = sm90.forward_artifact(2, 0.3)
+    assert sm90.forward_artifact(2, 0.3, InputPrep()).key == plain.key
+    every = InputPrep(qk_l2norm=True, gate=True, lower_bound=-5.0, beta_logits=True)
+    norm = InputPrep(qk_l2norm=True)
+    grouped = InputPrep(True, True, -5.0, True, grouped_qk=True)
+    keys = {plain.key}
+    for prep, tag, inputs in ((every, "prepnlb", 9), (norm, "prepn", 7), (grouped, "prepnlbgv", 9)):
+        artifact = sm90.forward_artifact(2, 0.3, prep)
+        assert artifact.prefix.startswith(f"kda_fwd_sm90_h2_{tag}_"), prep
+        assert len(artifact.tensors) == len(plain.tensors) + inputs - 7, prep
+        keys.add(artifact.key)
+        if prep.gate:
+            assert [t.rank for t in artifact.tensors[6:8]] == [1, 2]  # A_log, dt_bias
+    assert len(keys) == 4
+    with pytest.raises(ValueError, match="take the in-kernel gate only with a lower_bound"):
+        sm90.forward_artifact(2, 0.3, InputPrep(gate=True))
+
+    x = production_inputs([100, 0, 30], 2, seed=4)
+    a_log, dt_bias = jnp.zeros((2,)), jnp.zeros((2 * 128,))
+
+    def forward(q, k, v, g, beta, cu, state, *params, prep=every):
+        gate = dict(zip(("a_log", "dt_bias"), params, strict=False))
+        return sm90.forward(q, k, v, g, beta, cu, state, 0.3, prep=prep, **gate)
+
+    hlo = _lower(forward, *x[:6], x.initial_state, a_log, dt_bias)
+    prefixes = re.findall(r'prefix = "(\w+)"', hlo)
+    assert prefixes == [sm90.forward_artifact(2, 0.3, every).prefix], prefixes
+    assert "stablehlo.rsqrt" not in hlo and "stablehlo.logistic" not in hlo  # none in XLA
+    with pytest.raises(ValueError, match="with its lower_bound only"):
+        _lower(functools.partial(forward, prep=InputPrep(gate=True)), *x[:6], x.initial_state)
+    one_head = [t[:, :1] for t in x[:2]]
+    hlo = _lower(
+        functools.partial(forward, prep=grouped), *one_head, *x[2:6], x.initial_state, a_log,
+        dt_bias,
+    )  # fmt: skip
+    prefixes = re.findall(r'prefix = "(\w+)"', hlo)
+    assert prefixes == [sm90.forward_artifact(2, 0.3, grouped).prefix], prefixes
+    with pytest.raises(ValueError, match="q, k: got heads 1, 1 against v's 2; expected the same"):
+        _lower(functools.partial(forward, prep=norm), *one_head, *x[2:6], x.initial_state)
+
+
 @pytest.mark.parametrize("lower_bound", [None, -5.0], ids=["softplus-gate", "safe-gate"])
 def test_prefill_hands_raw_inputs_to_the_kernels_only_where_the_route_is_on(
     monkeypatch, lower_bound
 ):
     """prefill with fla's flags (grouped value heads, H = 2, HV = 4): with
-    sm90.backend.IN_KERNEL_PREP (the default) a call without a gate
-    bound that is not differentiated lowers to the chunk core's prep variant on the raw inputs
-    and to no XLA preparation; differentiated, to the XLA preparation before the plain
-    kernels; with the route off, or with the safe gate (whose bound picks the gate-bound
-    kernels), to the XLA preparation and the plain kernels."""
+    sm90.backend.IN_KERNEL_PREP (the default) a call that is not differentiated lowers to a
+    prep variant on the raw inputs and to no XLA preparation: the chunk core's without a gate
+    bound, the gate-bound forward's with the safe gate (its bound picks those kernels);
+    differentiated, to the XLA preparation before the plain kernels; with the route off, to
+    the XLA preparation and the plain kernels."""
     from oracle_gradients import prepared_prefill, raw_inputs
 
     x = raw_inputs([100, 0, 30], 2, 4, seed=6)
@@ -413,8 +462,11 @@ def test_prefill_hands_raw_inputs_to_the_kernels_only_where_the_route_is_on(
         monkeypatch.setattr(sm90.backend, "IN_KERNEL_PREP", route)
         prefixes, xla_prep = lowered(call)
         prep_core = [p for p in prefixes if "_prep" in p]
-        if route and lower_bound is None:
-            assert prep_core[0].startswith("kda_chunk_operands_sm90_x1_fwd_prepnsbgv_"), prefixes
+        if route:
+            expected = "kda_chunk_operands_sm90_x1_fwd_prepnsbgv_"
+            if lower_bound is not None:
+                expected = "kda_fwd_sm90_h4_prepnlbgv_"
+            assert len(prep_core) == 1 and prep_core[0].startswith(expected), prefixes
             assert not xla_prep, prefixes
         else:
             assert not prep_core and xla_prep, prefixes

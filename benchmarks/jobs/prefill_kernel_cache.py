@@ -30,7 +30,7 @@ def _main():
     from jax_kda import sm90
     from jax_kda.constants import default_scale
     from jax_kda.oracle import production_inputs
-    from jax_kda.sm90.kernels.kda_chunk_operands_sm90 import InputPrep
+    from jax_kda.sm90.kernels.input_prep import InputPrep
     from jax_kda.sm90.kernels.layout import SCAN_TC_V_SLICES
 
     os.environ[sm90.ASSUME_SM90_ENV] = "1"
@@ -64,6 +64,14 @@ def _main():
     preps = [InputPrep(qk_l2norm=True), InputPrep(grouped_qk=True)]  # the GPU tests' variants
     for bound, grouped in itertools.product((-5.0, None), (False, True)):
         preps.append(InputPrep(True, True, bound, True, grouped))
+    # the gate-bound forward's in-kernel preparation: its GPU test's variants (3 heads, 6 grouped
+    # over 3), prefill's safe-gate route in the oracle test (4 over 2) and benchmarks/prep_cost.py
+    every = InputPrep(True, True, -5.0, True)
+    gate_bound = [(3, every), (3, InputPrep(qk_l2norm=True))]
+    gate_bound += [(heads, InputPrep(True, True, -5.0, True, True)) for heads in (4, 6)]
+    gate_bound += [(heads, every) for heads in (2, 12, 16)]
+    for heads, prep in gate_bound:
+        sm90.forward_artifact(heads, default_scale(), prep)
     for residuals in (False, True):  # benchmarks/chunk_core_phases.py's diagnostic
         sm90.chunk_operands_artifact(default_scale(), 1, residuals, stamps=True)
     for scale in (0.3, default_scale()):

@@ -6,9 +6,10 @@
 #                                                  (training_forward's fuse_outputs,
 #                                                  outputs_warpgroup and scan_plain_addend; the
 #                                                  defaults since, H100 2026-12-06), the
-#                                                  chunk core's in-kernel input preparation
-#                                                  and prefill's route to it (IN_KERNEL_PREP,
-#                                                  the default since, H100 2026-12-06), the
+#                                                  in-kernel input preparation of the chunk
+#                                                  core and of the gate-bound forward's PREP
+#                                                  and prefill's route to them
+#                                                  (IN_KERNEL_PREP), the
 #                                                  one still opt-in (outputs_images),
 #                                                  against the kernels without them and
 #                                                  the float64 oracle
@@ -17,6 +18,9 @@
 #   bash benchmarks/jobs/verify_opt_in.sh all      both in one call (for a session short of
 #                                                  device time): the tests, then as much of the
 #                                                  measurement as fits (fewer variants and shapes)
+#   bash benchmarks/jobs/verify_opt_in.sh prep-cost  prefill on raw inputs with the preparation
+#                                                  in the kernels and in XLA, both gates
+#                                                  (benchmarks/prep_cost.py; measure runs it too)
 #   bash benchmarks/jobs/verify_opt_in.sh quick    about a minute, for a session that gets few
 #                                                  GPU minutes: the chunk core's phase
 #                                                  tables (forward-alone, training) on
@@ -54,6 +58,7 @@ if [ "$mode" = tests ] || [ "$mode" = all ]; then
     "$t::test_state_scan_with_outputs_equals_the_scan_and_the_outputs_kernel" \
     "$t::test_chunk_core_images_and_the_scan_on_them_equal_the_plain_ones" \
     "$t::test_chunk_core_prepares_raw_inputs_as_the_xla_preparation" \
+    "$g::test_gate_bound_forward_prepares_raw_inputs_as_the_xla_preparation" \
     "$t::test_both_state_scans_kernel_matches_two_xla_scans" \
     "$t::test_scan_kernel_stays_in_bounds_on_bad_boundaries" \
     > "$out/tests-kernels.log" 2>&1
@@ -66,6 +71,15 @@ if [ "$mode" = tests ] || [ "$mode" = all ]; then
     "$g::test_exact_forward_long_memory_with_custom_scale" \
     > "$out/tests-oracle.log" 2>&1
   echo "oracle tests rc=$?"; tail -2 "$out/tests-oracle.log"
+fi
+if [ "$mode" = prep-cost ] || [ "$mode" = measure ]; then
+  # prefill on raw inputs, the preparation in the kernels against XLA's, both gates
+  for bound in "" "--lower-bound -5"; do
+    timeout "$(limit 120)" python3 -m benchmarks.prep_cost --calls 100 $bound \
+      >> "$out/prep-cost.log" 2>&1
+    echo "prep cost $bound rc=$?"
+  done
+  cat "$out/prep-cost.log"
 fi
 if [ "$mode" = measure ] || [ "$mode" = all ]; then
   # the default since 2026-12-06 (fo, fow, ua), the one before it, and the opt-in oi; oi

@@ -154,28 +154,41 @@ def unavailable_reason(q_dtype, total_tokens, num_heads, num_sequences) -> str |
 
 
 @functools.cache
-def forward_artifact(num_heads: int, scale: float):
-    """The exported forward kernel for H heads and this scale (compiled or read from disk)."""
+def forward_artifact(num_heads: int, scale: float, prep=None):
+    """The exported forward kernel for H heads and this scale (compiled or read from disk).
+    prep (kernels' InputPrep, or None): the inputs prepared in PREP as it loads them (the gate
+    only with its lower_bound: the safe gate; forward says what the kernel takes then)."""
     import cutlass.cute as cute
     from cutlass import BFloat16, Float32, Int32
 
     from jax_kda.sm90.export import export, row_major_fake
-    from jax_kda.sm90.kernels.kda_fwd_sm90 import KdaConfig, KdaForwardSm90
+    from jax_kda.sm90.kernels.input_prep import InputPrep
+    from jax_kda.sm90.kernels.kda_fwd_sm90 import KdaConfig, KdaForwardGateSm90, KdaForwardSm90
 
-    config = KdaConfig(num_heads=num_heads, scale=scale)
+    if prep == InputPrep():
+        prep = None  # nothing prepared: the plain kernel
+    config = KdaConfig(num_heads=num_heads, scale=scale, prep=prep)
     tokens, seqs, seqs_plus_one = cute.sym_int32(), cute.sym_int32(), cute.sym_int32()
     slots = cute.sym_int32()
     records = plan_prefill(0, num_heads, 1).workspace[0]
     square = (HEAD_DIM, HEAD_DIM)
     token_shape = (tokens, num_heads, HEAD_DIM)
+    qk_shape = token_shape
+    if prep is not None and prep.grouped_qk:  # q and k with heads of their own
+        qk_shape = (tokens, cute.sym_int32(), HEAD_DIM)
     state_shape = (seqs, num_heads, HEAD_DIM, HEAD_DIM)
     fakes = {
-        "q": row_major_fake(BFloat16, token_shape),
-        "k": row_major_fake(BFloat16, token_shape),
+        "q": row_major_fake(BFloat16, qk_shape),
+        "k": row_major_fake(BFloat16, qk_shape),
         "v": row_major_fake(BFloat16, token_shape),
         "g": row_major_fake(Float32, token_shape),
         "beta": row_major_fake(Float32, (tokens, num_heads), align=4),
         "cu_seqlens": row_major_fake(Int32, (seqs_plus_one,), align=4),
+    }
+    if prep is not None and prep.gate:
+        fakes["a_log"] = row_major_fake(Float32, (num_heads,), align=4)
+        fakes["dt_bias"] = row_major_fake(Float32, (num_heads, HEAD_DIM))
+    fakes |= {
         "initial_state": row_major_fake(Float32, state_shape),
         "o": row_major_fake(BFloat16, token_shape),
         "final_state": row_major_fake(Float32, state_shape),
@@ -186,11 +199,20 @@ def forward_artifact(num_heads: int, scale: float):
         "seg_ops": row_major_fake(Float32, (*(cute.sym_int32() for _ in range(3)), *square)),
     }
     scale_tag = hashlib.sha256(repr(scale).encode()).hexdigest()[:8]
+    settings = {"num_heads": num_heads, "scale": repr(scale), "stages": config.stages}
+    suffix = ""
+    if prep is not None:
+        settings["prep"] = repr(prep)
+        suffix = "_prep" + "".join(
+            tag for tag, on in (("n", prep.qk_l2norm), ("l", prep.gate),
+                                ("b", prep.beta_logits), ("gv", prep.grouped_qk)) if on
+        )  # fmt: skip
+    launcher = KdaForwardGateSm90 if prep is not None and prep.gate else KdaForwardSm90
     return export(
-        KdaForwardSm90(config),
+        launcher(config),
         fakes,
-        prefix=f"kda_fwd_sm90_h{num_heads}_{scale_tag}",
-        config={"num_heads": num_heads, "scale": repr(scale), "stages": config.stages},
+        prefix=f"kda_fwd_sm90_h{num_heads}{suffix}_{scale_tag}",
+        config=settings,
     )
 
 
@@ -209,16 +231,68 @@ def result_shapes(
     ]
 
 
-def forward(q, k, v, g, beta, cu_seqlens, initial_state, scale, *, segments=None):
+def forward(
+    q, k, v, g, beta, cu_seqlens, initial_state, scale, *, segments=None, prep=None, a_log=None,
+    dt_bias=None,
+):  # fmt: skip
     """KDA forward on the sm90 kernels; same contract as xla.forward (q, k, v bfloat16).
-    segments: cut every sequence into this many segments (diagnostics, tests); None: the plan's."""
+    segments: cut every sequence into this many segments (diagnostics, tests); None: the plan's.
+    prep (the kernels' InputPrep): the inputs prepared in PREP as it loads them, as
+    chunk_core_kernel takes them (q and k with H heads against v's HV = G H where
+    prep.grouped_qk, raw where prep.qk_l2norm; g the raw gate projection where prep.gate, which
+    here needs prep.lower_bound, with a_log [HV] and dt_bias [HV, 128] or [HV * 128], None for
+    fla's defaults; beta logits where prep.beta_logits)."""
     from jax_kda.sm90.ffi_call import cute_call
+    from jax_kda.sm90.kernels.input_prep import InputPrep
 
-    total_tokens, num_heads, _ = q.shape
+    prep = InputPrep() if prep is None else prep
+    total_tokens, num_heads = v.shape[:2]
+    _check_prepared_heads(q, k, num_heads, prep, a_log, dt_bias)
+    if prep.gate and prep.lower_bound is None:
+        raise ValueError(
+            "forward: the gate-bound kernels take the in-kernel gate with its lower_bound only "
+            "(the softplus gate has no bound: prepared_forward runs it)"
+        )
     results = result_shapes(total_tokens, num_heads, cu_seqlens.shape[0] - 1, segments)
-    inputs = [q, k, v, g, beta, jnp.asarray(cu_seqlens, jnp.int32), initial_state]
-    o, final_state, *_workspace = cute_call(forward_artifact(num_heads, scale), inputs, results)
+    f32 = jnp.float32  # the raw gate projection and beta logits may come in another dtype
+    inputs = [q, k, v, g.astype(f32), beta.astype(f32), jnp.asarray(cu_seqlens, jnp.int32)]
+    if prep.gate:
+        inputs += _gate_parameters(num_heads, a_log, dt_bias)
+    inputs.append(initial_state)
+    artifact = forward_artifact(num_heads, scale, prep)
+    o, final_state, *_workspace = cute_call(artifact, inputs, results)
     return o, final_state
+
+
+def _gate_parameters(heads, a_log, dt_bias):
+    """The in-kernel gate's a_log [HV] and dt_bias [HV, 128] as the kernels take them, float32
+    (None: zeros, fla's defaults of amplitude 1 and no bias)."""
+    f32 = jnp.float32
+    a_log = jnp.zeros((heads,), f32) if a_log is None else a_log.astype(f32)
+    dt_bias = jnp.zeros((heads, HEAD_DIM), f32) if dt_bias is None else dt_bias
+    return [a_log, dt_bias.astype(f32).reshape(heads, HEAD_DIM)]
+
+
+def _check_prepared_heads(q, k, heads, prep, a_log, dt_bias):
+    """The heads of q and k against v's (the same, or a divisor where prep.grouped_qk) and the
+    in-kernel gate's parameters' shapes, as the kernels with in-kernel prep take them."""
+    grouped = prep.grouped_qk
+    if q.shape != k.shape or (
+        heads % q.shape[1] if grouped else q.shape[1] != heads
+    ):  # fmt: skip
+        raise ValueError(
+            f"q, k: got heads {q.shape[1]}, {k.shape[1]} against v's {heads}; expected "
+            + ("a divisor of it, the same for both" if grouped else "the same")
+        )
+    if not prep.gate and (a_log is not None or dt_bias is not None):
+        raise ValueError("a_log and dt_bias go with an in-kernel gate (prep.gate)")
+    if a_log is not None and tuple(a_log.shape) != (heads,):
+        raise ValueError(f"a_log: got shape {tuple(a_log.shape)}, expected ({heads},)")
+    if dt_bias is not None and tuple(dt_bias.shape) not in ((heads, HEAD_DIM), (heads * HEAD_DIM,)):
+        raise ValueError(
+            f"dt_bias: got shape {tuple(dt_bias.shape)}, expected ({heads}, {HEAD_DIM}) or "
+            f"({heads * HEAD_DIM},)"
+        )
 
 
 @functools.cache
@@ -1195,37 +1269,20 @@ def chunk_core_kernel(
     logits where prep.beta_logits; the results are those of the prepared inputs (gate.py
     states each preparation)."""
     from jax_kda.sm90.ffi_call import cute_call
+    from jax_kda.sm90.kernels.input_prep import InputPrep
 
     f32 = jnp.float32
     heads = v.shape[1]
     results = chunk_core_results(num_slots, heads, images)
     if any(x.dtype != jnp.bfloat16 for x in (q, k, v)):
         raise TypeError(f"the chunk-core kernel takes bfloat16 q, k, v; got {q.dtype}")
-    grouped = prep is not None and prep.grouped_qk
-    if q.shape != k.shape or (
-        heads % q.shape[1] if grouped else q.shape[1] != heads
-    ):  # fmt: skip
-        raise ValueError(
-            f"q, k: got heads {q.shape[1]}, {k.shape[1]} against v's {heads}; expected "
-            + ("a divisor of it, the same for both" if grouped else "the same")
-        )
-    if not (prep is not None and prep.gate) and (a_log is not None or dt_bias is not None):
-        raise ValueError("a_log and dt_bias go with an in-kernel gate (prep.gate)")
-    if a_log is not None and tuple(a_log.shape) != (heads,):
-        raise ValueError(f"a_log: got shape {tuple(a_log.shape)}, expected ({heads},)")
-    if dt_bias is not None and tuple(dt_bias.shape) not in ((heads, HEAD_DIM), (heads * HEAD_DIM,)):
-        raise ValueError(
-            f"dt_bias: got shape {tuple(dt_bias.shape)}, expected ({heads}, {HEAD_DIM}) or "
-            f"({heads * HEAD_DIM},)"
-        )
+    _check_prepared_heads(q, k, heads, InputPrep() if prep is None else prep, a_log, dt_bias)
     if num_slots == 0:  # no tokens and no sequences: nothing to launch (an empty grid)
         u, qg, attn, decay, gamma, kk, tinv, w, kd = (jnp.zeros(r.shape, r.dtype) for r in results)
     else:
         inputs = [q, k, v, g.astype(f32), beta.astype(f32), jnp.asarray(cu_seqlens, jnp.int32)]
         if prep is not None and prep.gate:
-            a_log = jnp.zeros((heads,), f32) if a_log is None else a_log.astype(f32)
-            dt_bias = jnp.zeros((heads, HEAD_DIM), f32) if dt_bias is None else dt_bias
-            inputs += [a_log, dt_bias.astype(f32).reshape(heads, HEAD_DIM)]
+            inputs += _gate_parameters(heads, a_log, dt_bias)
         artifact = chunk_operands_artifact(scale, passes, residuals, images, prep)
         u, qg, attn, decay, gamma, kk, tinv, w, kd = cute_call(artifact, inputs, results)
     if not residuals:
@@ -1848,7 +1905,7 @@ def prepared_forward(
     heads against the rest's HV = G H where grouped_qk (jax_kda/gate.py states each
     preparation; the kernels' InputPrep). No VJP of its own: prefill differentiates the XLA
     preparation and the plain kernels instead (IN_KERNEL_PREP)."""
-    from jax_kda.sm90.kernels.kda_chunk_operands_sm90 import InputPrep
+    from jax_kda.sm90.kernels.input_prep import InputPrep
 
     prep = InputPrep(
         qk_l2norm=qk_l2norm,

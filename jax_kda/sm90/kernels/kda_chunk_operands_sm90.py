@@ -67,7 +67,7 @@ import cutlass.cute.nvgpu.warpgroup as warpgroup
 from cutlass import BFloat16, Float32, Int32
 from cutlass.memory import SmemAllocator
 
-from jax_kda.constants import GATE_FLOOR, GATE_LOWER_BOUND_MIN, HEAD_DIM, L2_EPS, SCAN_CHUNK
+from jax_kda.constants import GATE_FLOOR, HEAD_DIM, L2_EPS, SCAN_CHUNK
 from jax_kda.sm90.kernels.chunk64 import (
     BLOCK,
     BLOCKS,
@@ -82,6 +82,7 @@ from jax_kda.sm90.kernels.chunk64 import (
     put_right_factors,
 )
 from jax_kda.sm90.kernels.chunk_io import pair_at, scan_order_offset
+from jax_kda.sm90.kernels.input_prep import InputPrep, kda_gate
 from jax_kda.sm90.kernels.varlen import slot_owner
 from jax_kda.sm90.kernels.wgmma import (
     bf16_tiled_mma,
@@ -114,20 +115,6 @@ GROUPS = HEAD_DIM // LANES  # channel groups of a row
 VEC_ROWS = NTHREADS // GROUPS  # rows a pass of the vectorised phases covers
 TASKS = ROWS // VEC_ROWS  # (row, channel group) pieces a thread takes there
 G_PIECES = ROWS * HEAD_DIM // (NTHREADS * 4)  # g's 16-byte pieces (four float32) a thread loads
-
-
-@cute.jit
-def kda_gate(x, amplitude, lower_bound: cutlass.Constexpr):
-    """gate.kda_gate of x = a + dt_bias (float32): lower_bound * sigmoid(amplitude * x), or with
-    lower_bound None -amplitude * softplus(x), softplus(x) = max(x, 0) + log1p(exp(-|x|)) as
-    jax.nn.softplus; precise exp and log1p (the products' exp_fast is for their own range)."""
-    if cutlass.const_expr(lower_bound is None):
-        result = -amplitude * (
-            cute.math.max(x, Float32(0.0)) + cute.math.log1p(cute.math.exp(-cute.math.abs(x)))
-        )
-    else:
-        result = Float32(lower_bound) / (Float32(1.0) + cute.math.exp(-(x * amplitude)))
-    return result
 
 
 @cute.jit
@@ -190,36 +177,6 @@ STAMPS = ("start", *(f"after {phase}" for phase in PHASES), "timer at start", "t
 clock, raw: the reader subtracts the start, modulo 2^32, so that no register holds it across
 the kernel) at the start and after each phase; then the global timer's low 32 bits (ns) at
 the CTA's start and end."""
-
-
-@dataclasses.dataclass(frozen=True)
-class InputPrep:
-    """prefill's in-kernel input preparation (its use_*_in_kernel flags), done here as the chunk
-    loads, so that no prepared copy of the inputs goes through HBM (the statements in plain JAX:
-    jax_kda/gate.py; the XLA path runs those):
-      qk_l2norm: q and k are raw; each row becomes x * rsqrt(sum(x^2) + 1e-6) in float32, then
-        bf16 (gate.l2_normalize).
-      gate: g is the raw gate projection a (float32), the kernel takes a_log [HV] and dt_bias
-        [HV, 128] float32 besides (HV the value heads, the grid's), and g = lower_bound *
-        sigmoid(exp(a_log) * (a + dt_bias)), or with lower_bound None -exp(a_log) *
-        softplus(a + dt_bias) (gate.kda_gate).
-      beta_logits: beta holds logits; sigmoid(beta) is used.
-      grouped_qk: q and k have H heads and the rest HV = G H (grouped value heads, fla's
-        convention): value head j reads q and k head j // G, so they need no repeated copy."""
-
-    qk_l2norm: bool = False
-    gate: bool = False
-    lower_bound: float | None = None
-    beta_logits: bool = False
-    grouped_qk: bool = False
-
-    def __post_init__(self):
-        if self.lower_bound is not None and not self.gate:
-            raise ValueError("InputPrep: lower_bound is the in-kernel gate's (gate=True)")
-        if self.lower_bound is not None and not GATE_LOWER_BOUND_MIN <= self.lower_bound < 0:
-            raise ValueError(
-                f"InputPrep: lower_bound {self.lower_bound} is outside [{GATE_LOWER_BOUND_MIN}, 0)"
-            )
 
 
 @dataclasses.dataclass(frozen=True)

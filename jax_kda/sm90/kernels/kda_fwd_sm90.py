@@ -41,7 +41,8 @@ from cutlass import BFloat16, Float32, Int32
 from cutlass.cute.nvgpu import cpasync
 from cutlass.memory import SmemAllocator
 
-from jax_kda.constants import HEAD_DIM
+from jax_kda.constants import HEAD_DIM, L2_EPS
+from jax_kda.sm90.kernels.input_prep import InputPrep, kda_gate
 from jax_kda.sm90.kernels.layout import CHUNK, CHUNK_RECORD_BYTES
 from jax_kda.sm90.kernels.varlen import sequence_slots, slot_owner
 from jax_kda.sm90.kernels.wgmma import (
@@ -74,6 +75,7 @@ class KdaConfig:
     num_heads: int
     scale: float = HEAD_DIM**-0.5
     stages: int = 4  # EXPAND cp.async pipeline depth (chunks in flight = stages - 1)
+    prep: InputPrep | None = None  # the inputs prepared in PREP as it loads them (None: as given)
 
     def __post_init__(self):
         if not (self.num_heads >= 1):
@@ -81,6 +83,11 @@ class KdaConfig:
         min_stages = -(-2 * IMAGE_BYTES // STAGE_BYTES)  # BUILD stages Mt's images in them
         if not (min_stages <= self.stages <= 8):
             raise ValueError(f"stages must be in [{min_stages}, 8], got {self.stages}")
+        if self.prep is not None and self.prep.gate and self.prep.lower_bound is None:
+            raise ValueError(
+                "KdaConfig: the gate-bound kernels take the in-kernel gate only with a "
+                "lower_bound (the safe gate); the softplus gate has no bound"
+            )
 
 
 def _b_layouts():
@@ -144,6 +151,7 @@ class KdaForwardSm90:
         self.H = config.num_heads
         self.scale = float(config.scale)
         self.stages = config.stages
+        self.prep = config.prep if config.prep is not None else InputPrep()
 
     # ------------------------------------------------------------------ launcher
     @cute.jit
@@ -163,6 +171,30 @@ class KdaForwardSm90:
         seg_ops: cute.Tensor,
         stream: cuda.CUstream,
     ):
+        self.launch(
+            q, k, v, g, beta, cu_seqlens, initial_state, o, final_state, ws_rec, seg_states,
+            seg_ops, None, None, stream,
+        )  # fmt: skip
+
+    @cute.jit
+    def launch(
+        self,
+        q: cute.Tensor,
+        k: cute.Tensor,
+        v: cute.Tensor,
+        g: cute.Tensor,
+        beta: cute.Tensor,
+        cu_seqlens: cute.Tensor,
+        initial_state: cute.Tensor,
+        o: cute.Tensor,
+        final_state: cute.Tensor,
+        ws_rec: cute.Tensor,
+        seg_states: cute.Tensor,
+        seg_ops: cute.Tensor,
+        a_log: cute.Tensor | None,
+        dt_bias: cute.Tensor | None,
+        stream: cuda.CUstream,
+    ):
         n_seq = cu_seqlens.shape[0] - 1
         n_slots = ws_rec.shape[0]
         nseg = seg_states.shape[0]  # segments per sequence; 1: no BUILD / COMBINE
@@ -171,7 +203,7 @@ class KdaForwardSm90:
         mma_n128 = bf16_tiled_mma((VS, HEAD_DIM), warpgroup.OperandSource.RMEM)
         assert str(mma_n16.tv_layout_A) == str(mma_n16.tv_layout_C), "wgmma C/A TV layouts differ"
         # +1: never a 0-sized grid (N = 0 / T = 0); the extra CTAs find no chunk and exit
-        self.prep_kernel(q, k, v, g, beta, cu_seqlens, ws_rec, mma_prep).launch(
+        self.prep_kernel(q, k, v, g, beta, cu_seqlens, ws_rec, mma_prep, a_log, dt_bias).launch(
             grid=[n_slots + 1, self.H, 1], block=[NTHREADS, 1, 1], stream=stream
         )
 
@@ -202,6 +234,8 @@ class KdaForwardSm90:
         mCu: cute.Tensor,
         mWs: cute.Tensor,
         mma: cute.TiledMma,
+        mALog: cute.Tensor | None = None,
+        mDtBias: cute.Tensor | None = None,
     ):
         tid, _, _ = cute.arch.thread_idx()
         slot, h, _ = cute.arch.block_idx()
@@ -225,6 +259,13 @@ class KdaForwardSm90:
         s_prod = smem.allocate_tensor(
             Float32, cute.make_layout((2 * CHUNK, CHUNK), stride=(PROD_ROW, 1)), 16
         )
+        prepared = self.prep != InputPrep()  # the plain kernel's code stays as it was
+        s_norm = None
+        if cutlass.const_expr(self.prep.qk_l2norm):
+            # the L2 norm's per-warp partial sums of squares, [q | k, warp, row]
+            s_norm = smem.allocate_tensor(
+                Float32, cute.make_layout((2, NTHREADS // 32, CHUNK), stride=(64, CHUNK, 1)), 16
+            )
         lay_nk128, lay_z, lay_kg = _b_layouts()
         raw = s_rec.iterator
         s_wt = view(raw, OFF_WT, lay_nk128)
@@ -240,6 +281,14 @@ class KdaForwardSm90:
         )
 
         active, bos, seqlen, c = slot_owner(mCu, slot, CHUNK)
+        h_qk = h  # the q and k head this value head reads
+        if cutlass.const_expr(self.prep.grouped_qk):
+            h_qk = h // (mV.shape[1] // mQ.shape[1])
+        bias = Float32(0.0)  # the in-kernel gate's dt_bias (channel d) and amplitude
+        amplitude = Float32(1.0)
+        if cutlass.const_expr(self.prep.gate):
+            bias = mDtBias[h, d]
+            amplitude = cute.math.exp(mALog[h])
         if active:
             eos = bos + seqlen
             r_kw = cute.make_rmem_tensor((CHUNK,), Float32)
@@ -250,6 +299,7 @@ class KdaForwardSm90:
             r_q = cute.make_rmem_tensor((CHUNK,), Float32)
             r_g = cute.make_rmem_tensor((CHUNK,), Float32)
             r_b = cute.make_rmem_tensor((CHUNK,), Float32)
+            r_mask = cute.make_rmem_tensor((CHUNK,), Float32)
             # Every load of the chunk first, so that all 80 are in flight at once (issued
             # inside the dependent loop below they would each wait a full memory latency).
             for i in cutlass.range_constexpr(CHUNK):
@@ -259,11 +309,32 @@ class KdaForwardSm90:
                 if rr >= seqlen:
                     row = eos - 1
                     mk = Float32(0.0)
-                r_g[i] = mG[row, h, d] * mk
-                r_kw[i] = Float32(mK[row, h, d]) * mk
-                r_q[i] = Float32(mQ[row, h, d]) * mk
+                if cutlass.const_expr(prepared):
+                    r_g[i] = mG[row, h, d]
+                else:
+                    r_g[i] = mG[row, h, d] * mk
+                r_kw[i] = Float32(mK[row, h_qk, d]) * mk
+                r_q[i] = Float32(mQ[row, h_qk, d]) * mk
                 r_v[i] = Float32(mV[row, h, d]) * mk
-                r_b[i] = mBeta[row, h] * mk
+                if cutlass.const_expr(prepared):
+                    r_b[i] = mBeta[row, h]
+                    r_mask[i] = mk
+                else:
+                    r_b[i] = mBeta[row, h] * mk
+            if cutlass.const_expr(prepared):
+                # the in-kernel preparations (InputPrep) on the loaded values; rows past the
+                # end come out zero, as the plain kernel loads them
+                for i in cutlass.range_constexpr(CHUNK):
+                    gv = r_g[i]
+                    if cutlass.const_expr(self.prep.gate):
+                        gv = kda_gate(gv + bias, amplitude, self.prep.lower_bound)
+                    r_g[i] = gv * r_mask[i]
+                    bv = r_b[i]
+                    if cutlass.const_expr(self.prep.beta_logits):
+                        bv = Float32(1.0) / (Float32(1.0) + cute.math.exp(-bv))
+                    r_b[i] = bv * r_mask[i]
+                if cutlass.const_expr(self.prep.qk_l2norm):
+                    self.l2_normalize_rows(r_q, r_kw, s_norm, tid)
             gam = Float32(0.0)
             for i in cutlass.range_constexpr(CHUNK):
                 gv = r_g[i]
@@ -355,6 +426,34 @@ class KdaForwardSm90:
                 idx = tid + it * NTHREADS
                 if idx < REC_VEC:
                     vec4(g_rec[idx, None].iterator).store(vec4(s_rec[idx, None].iterator).load())
+
+    @cute.jit
+    def l2_normalize_rows(self, r_q, r_k, s_norm, tid):
+        """q and k's CHUNK rows (thread = channel d; r_q[i], r_k[i] its float32 values of row i)
+        *= rsqrt(the row's sum of squares + 1e-6), then rounded to bf16 (gate.l2_normalize, as
+        the XLA preparation hands the kernel bf16 rows): each warp sums its 32 channels by
+        butterfly shuffles, lane 0 puts the warp's partial sums into s_norm, and every thread
+        adds the warps' in order. Synchronises the CTA (all threads call it)."""
+        warp = tid // 32
+        lane = tid % 32
+        for i in cutlass.range_constexpr(CHUNK):
+            sq = r_q[i] * r_q[i]
+            sk = r_k[i] * r_k[i]
+            for step in cutlass.range_constexpr(5):
+                sq = sq + cute.arch.shuffle_sync_bfly(sq, offset=1 << step)
+                sk = sk + cute.arch.shuffle_sync_bfly(sk, offset=1 << step)
+            if lane == 0:
+                s_norm[0, warp, i] = sq
+                s_norm[1, warp, i] = sk
+        cute.arch.sync_threads()
+        for i in cutlass.range_constexpr(CHUNK):
+            sq = Float32(0.0)
+            sk = Float32(0.0)
+            for w in cutlass.range_constexpr(NTHREADS // 32):
+                sq = sq + s_norm[0, w, i]
+                sk = sk + s_norm[1, w, i]
+            r_q[i] = Float32((r_q[i] * cute.math.rsqrt(sq + Float32(L2_EPS))).to(BFloat16))
+            r_k[i] = Float32((r_k[i] * cute.math.rsqrt(sk + Float32(L2_EPS))).to(BFloat16))
 
     # ------------------------------------------------------------------ EXPAND
     @cute.kernel
@@ -647,3 +746,38 @@ class KdaForwardSm90:
                 m, col = c128[i]
                 mSegStates[p + 1, n, h, vbase + m, col] = acc[i]
         cute.arch.cp_async_wait_group(0)
+
+
+class KdaForwardGateSm90(KdaForwardSm90):
+    """The forward with the gate made in PREP (InputPrep.gate, with its lower_bound): g is the
+    raw gate projection a, and a_log [H] and dt_bias [H, 128] (float32) come after
+    cu_seqlens."""
+
+    def __init__(self, config: KdaConfig):
+        super().__init__(config)
+        if not self.prep.gate:
+            raise ValueError("KdaForwardGateSm90 is the variant with InputPrep(gate=True)")
+
+    @cute.jit
+    def __call__(
+        self,
+        q: cute.Tensor,
+        k: cute.Tensor,
+        v: cute.Tensor,
+        g: cute.Tensor,
+        beta: cute.Tensor,
+        cu_seqlens: cute.Tensor,
+        a_log: cute.Tensor,
+        dt_bias: cute.Tensor,
+        initial_state: cute.Tensor,
+        o: cute.Tensor,
+        final_state: cute.Tensor,
+        ws_rec: cute.Tensor,
+        seg_states: cute.Tensor,
+        seg_ops: cute.Tensor,
+        stream: cuda.CUstream,
+    ):
+        self.launch(
+            q, k, v, g, beta, cu_seqlens, initial_state, o, final_state, ws_rec, seg_states,
+            seg_ops, a_log, dt_bias, stream,
+        )  # fmt: skip
