@@ -81,14 +81,16 @@ def _poisoned_call(artifact, results, *inputs):
 
 
 GATE_BOUND_PREP_CASES = {
-    "ragged-every-preparation": ([130, 0, 70, 1], False, 1),
-    "ragged-qk-l2norm": ([64, 10, 128, 0, 65], True, 1),
-    "long-every-preparation-GVA-2": ([3000, 257], False, 2),
-    "no-tokens": ([0, 0], False, 1),
+    "ragged-every-preparation": ([130, 0, 70, 1], "every", 1),
+    "ragged-qk-l2norm": ([64, 10, 128, 0, 65], "norm", 1),
+    "gate-and-beta-bf16-projection": ([200, 3], "gate-beta", 1),
+    "long-every-preparation-GVA-2": ([3000, 257], "every", 2),
+    "no-tokens": ([0, 0], "every", 1),
 }
-"""The gate-bound forward's in-kernel preparation: (lengths, the L2 norm alone, value heads a q
-head): ragged with empty and 1-token sequences, thousands of tokens, grouped value heads, no
-tokens at all."""
+"""The gate-bound forward's in-kernel preparation: (lengths, which preparations, value heads a
+q head): every one, the L2 norm alone, the gate and beta logits alone (the gate's projection
+given in bf16); ragged with empty and 1-token sequences, thousands of tokens, grouped value
+heads, no tokens at all."""
 
 
 @pytest.mark.parametrize("case", GATE_BOUND_PREP_CASES)
@@ -96,18 +98,19 @@ def test_gate_bound_forward_prepares_raw_inputs_as_the_xla_preparation(case):
     """The gate-bound forward with the inputs prepared in PREP (InputPrep: q and k
     L2-normalised, the safe gate (lower bound -5) from its raw projection with A_log and
     dt_bias, beta from logits, q and k read at head j // G for grouped value heads; or the norm
-    alone) on raw inputs, o, the final state and the workspace NaN-poisoned, planned and cut
-    into FORCED_SPLIT segments: against the plain kernel on the inputs jax_kda.gate prepares in
-    XLA (q and k repeated over the groups), close (the preparation's roundings may differ by
-    an ulp), and against the float64 oracle of the prepared inputs from a non-zero initial
-    state; empty sequences keep their initial state bit for bit."""
+    alone; or the gate and beta alone) on raw inputs, o, the final state and the workspace
+    NaN-poisoned, planned and cut into FORCED_SPLIT segments: against the plain kernel on the
+    inputs jax_kda.gate prepares in XLA (q and k repeated over the groups), close (the
+    preparation's roundings may differ by an ulp), and against the float64 oracle of the
+    prepared inputs from a non-zero initial state; empty sequences keep their initial state
+    bit for bit."""
     from oracle_gradients import raw_inputs
 
     from jax_kda import gate
     from jax_kda.sm90.kernels.input_prep import InputPrep
 
     register()
-    lengths, only_norm, groups = GATE_BOUND_PREP_CASES[case]
+    lengths, flags, groups = GATE_BOUND_PREP_CASES[case]
     x = raw_inputs(lengths, 3, 3 * groups, seed=SEED + 17 * len(case))
     heads = 3 * groups
     q, k, v, a, beta = (jnp.asarray(t) for t in (x.q, x.k, x.v, x.a, x.beta))
@@ -118,11 +121,17 @@ def test_gate_bound_forward_prepares_raw_inputs_as_the_xla_preparation(case):
     b = jax.nn.sigmoid(beta)
     q_ready, k_ready = (jnp.repeat(gate.l2_normalize(t), groups, axis=1) for t in (q, k))
     prepared = (q_ready, k_ready, v, g, b)
-    if only_norm:
+    params = [a_log, dt_bias.reshape(heads, HEAD_DIM)]
+    if flags == "norm":
         prep, raw, params = InputPrep(qk_l2norm=True), (q, k, v, g, b), []
+    elif flags == "gate-beta":  # q and k normalised ahead; the projection in bf16, as a model's
+        a = a.astype(jnp.bfloat16)
+        g = gate.kda_gate(a, a_log, dt_bias, lower_bound=LB)
+        prepared = (q_ready, k_ready, v, g, b)
+        prep = InputPrep(gate=True, lower_bound=LB, beta_logits=True)
+        raw = (q_ready, k_ready, v, a, beta)
     else:
         prep, raw = InputPrep(True, True, LB, True, grouped_qk=groups > 1), (q, k, v, a, beta)
-        params = [a_log, dt_bias.reshape(heads, HEAD_DIM)]
     tokens = int(x.cu_seqlens[-1])
     with jax.enable_x64(True):
         f64 = [np.asarray(t, np.float64) for t in prepared]

@@ -277,7 +277,7 @@ def _check_prepared_heads(q, k, heads, prep, a_log, dt_bias):
     """The heads of q and k against v's (the same, or a divisor where prep.grouped_qk) and the
     in-kernel gate's parameters' shapes, as the kernels with in-kernel prep take them."""
     grouped = prep.grouped_qk
-    if q.shape != k.shape or (
+    if q.shape != k.shape or q.shape[1] == 0 or (
         heads % q.shape[1] if grouped else q.shape[1] != heads
     ):  # fmt: skip
         raise ValueError(

@@ -9,8 +9,12 @@ the device cu_seqlens (gap slots exit). Thread d = channel d:
   [Akk | Zf] = [kw; qg] ub^T on tensor cores, bf16x3 split (hi*hi + lo*hi + hi*lo: three
   K = 128 m64n16 wgmma products over [x_hi | x_lo], f32 accumulate) -> ~f32-accurate products
   wt = T^-1 kw, ut = T^-1 v with T = I + strictLower(Akk)  (f32 forward substitution)
-and writes one 21504-byte record per (slot, head) into ws[S, H, 1344, 4] int32, laid out
-exactly as EXPAND's shared-memory stage (swizzled wgmma B tiles), so EXPAND copies raw bytes:
+(KdaConfig.prep, kernels' InputPrep: the inputs prepared as they load, every row's q and k
+L2-normalised across the CTA by warp shuffles and four warps' partial sums, the safe gate made
+from its raw projection with a_log and dt_bias (KdaForwardGateSm90 takes them), beta from
+logits, q and k read at head h // G for grouped value heads; the plain kernel's code is as
+without it) and writes one 21504-byte record per (slot, head) into ws[S, H, 1344, 4] int32,
+laid out exactly as EXPAND's shared-memory stage (swizzled wgmma B tiles), so EXPAND copies raw bytes:
   [0, 4096)      -wt   bf16 (16, 128)  K_SW128  (wgmma B, N = token, K = channel)
   [4096, 8192)   qg    bf16 (16, 128)  K_SW128
   [8192, 12288)  kg^T  bf16 (128, 16)  K_SW32   (N = channel, K = token)
@@ -55,6 +59,7 @@ from jax_kda.sm90.kernels.wgmma import (
 )
 
 NTHREADS = 128
+WARPS = NTHREADS // 32
 VS = 64  # V rows per EXPAND CTA
 REC_BYTES = CHUNK_RECORD_BYTES  # per (slot, head) record
 REC_VEC = REC_BYTES // 16  # 1344 16-byte vectors
@@ -264,7 +269,7 @@ class KdaForwardSm90:
         if cutlass.const_expr(self.prep.qk_l2norm):
             # the L2 norm's per-warp partial sums of squares, [q | k, warp, row]
             s_norm = smem.allocate_tensor(
-                Float32, cute.make_layout((2, NTHREADS // 32, CHUNK), stride=(64, CHUNK, 1)), 16
+                Float32, cute.make_layout((2, WARPS, CHUNK), stride=(WARPS * CHUNK, CHUNK, 1)), 16
             )
         lay_nk128, lay_z, lay_kg = _b_layouts()
         raw = s_rec.iterator
@@ -449,7 +454,7 @@ class KdaForwardSm90:
         for i in cutlass.range_constexpr(CHUNK):
             sq = Float32(0.0)
             sk = Float32(0.0)
-            for w in cutlass.range_constexpr(NTHREADS // 32):
+            for w in cutlass.range_constexpr(WARPS):
                 sq = sq + s_norm[0, w, i]
                 sk = sk + s_norm[1, w, i]
             r_q[i] = Float32((r_q[i] * cute.math.rsqrt(sq + Float32(L2_EPS))).to(BFloat16))
