@@ -14,7 +14,8 @@ L2-normalised across the CTA by warp shuffles and four warps' partial sums, the 
 from its raw projection with a_log and dt_bias (KdaForwardGateSm90 takes them), beta from
 logits, q and k read at head h // G for grouped value heads; the plain kernel's code is as
 without it) and writes one 21504-byte record per (slot, head) into ws[S, H, 1344, 4] int32,
-laid out exactly as EXPAND's shared-memory stage (swizzled wgmma B tiles), so EXPAND copies raw bytes:
+laid out exactly as EXPAND's shared-memory stage (swizzled wgmma B tiles), so EXPAND copies raw
+bytes:
   [0, 4096)      -wt   bf16 (16, 128)  K_SW128  (wgmma B, N = token, K = channel)
   [4096, 8192)   qg    bf16 (16, 128)  K_SW128
   [8192, 12288)  kg^T  bf16 (128, 16)  K_SW32   (N = channel, K = token)
