@@ -263,6 +263,35 @@ def test_decayed_tokens_bwd_exports_for_sm90a():
     assert sm90.decayed_tokens_bwd_artifact(128**-0.5).key != artifact.key
 
 
+def test_decayed_tokens_bwd_stamps_variant_exports_and_lowers():
+    """The fused backward's stamps variant (a diagnostic: every CTA's phase clocks for
+    benchmarks/decayed_bwd_phases.py) writes one more result, int32 [slots, H, 2,
+    len(DECAYED_STAMPS)], and has a key of its own; decayed_tokens_bwd_stamps lowers to it
+    alone."""
+    from jax_kda.sm90.kernels.kda_decayed_bwd_sm90 import DECAYED_PHASES, DECAYED_STAMPS
+
+    assert len(DECAYED_STAMPS) == len(DECAYED_PHASES) + 3
+    artifact = sm90.decayed_tokens_bwd_artifact(0.3, True)
+    assert artifact.prefix.startswith("kda_decayed_tokens_bwd_sm90_stamps_")
+    assert len(artifact.tensors) == 20 and artifact.tensors[-1].rank == 4
+    assert artifact.key != sm90.decayed_tokens_bwd_artifact(0.3).key
+    tokens = tuple(jnp.zeros((70, 2, 128), t) for t in [jnp.bfloat16] * 3 + [jnp.float32])
+    tokens += (jnp.zeros((70, 2), jnp.float32),)
+    chunk = jnp.zeros((3, 2, 64, 128), jnp.bfloat16)
+    pairs = jnp.zeros((3, 2, 64, 64), jnp.bfloat16)
+    cotangents = (jnp.zeros((3, 2, 64, 256), jnp.bfloat16), jnp.zeros((3, 2, 64)), chunk, chunk,
+                  jnp.zeros((3, 2, 128)))  # fmt: skip
+    cu = jnp.asarray([0, 70], jnp.int32)
+
+    def stamps(tokens, cu, gamma, d_kk, d_attn, cotangents):
+        return sm90.backend.decayed_tokens_bwd_stamps(0.3, tokens, cu, gamma, d_kk, d_attn,
+                                                      cotangents)  # fmt: skip
+
+    gamma = jnp.zeros((3, 2, 64, 128), jnp.float32)
+    hlo = _lower(stamps, tokens, cu, gamma, pairs, pairs, cotangents)
+    assert re.findall(r'prefix = "(\w+)"', hlo) == [artifact.prefix]
+
+
 def test_decayed_tokens_bwd_refuses_float32_cotangents():
     """The fused kernel takes the dense kernel's bf16 cotangents only: float32 ones (XLA's dense
     backward) are refused, never rounded on the way in."""

@@ -1645,15 +1645,22 @@ def tokens_bwd_results(outputs):
 
 
 @functools.cache
-def decayed_tokens_bwd_artifact(scale: float):
+def decayed_tokens_bwd_artifact(scale: float, stamps: bool = False):
     """The exported decayed products' backward with the tokens' backward fused after it
     (kernels/kda_decayed_bwd_sm90.py, DecayedTokensBwdSm90) for this scale: the dense kernel's
-    bf16 cotangents; tokens, heads, slots and sequences symbolic."""
+    bf16 cotangents; tokens, heads, slots and sequences symbolic. stamps (a diagnostic): the
+    variant that also writes each CTA's phase clocks (the kernel module's DECAYED_STAMPS;
+    benchmarks/decayed_bwd_phases.py reads them)."""
     import cutlass.cute as cute
-    from cutlass import BFloat16, Float32
+    from cutlass import BFloat16, Float32, Int32
 
     from jax_kda.sm90.export import export, row_major_fake
-    from jax_kda.sm90.kernels.kda_decayed_bwd_sm90 import DecayedTokensBwdSm90
+    from jax_kda.sm90.kernels.kda_decayed_bwd_sm90 import (
+        DECAYED_STAMPS,
+        HALVES,
+        DecayedTokensBwdSm90,
+        DecayedTokensBwdStampsSm90,
+    )
 
     tokens, heads, slots = cute.sym_int32(), cute.sym_int32(), cute.sym_int32()
     chunk = (slots, heads, SCAN_CHUNK, HEAD_DIM)
@@ -1672,11 +1679,20 @@ def decayed_tokens_bwd_artifact(scale: float):
         **token_results,
     }
     scale_tag = hashlib.sha256(repr(scale).encode()).hexdigest()[:8]
+    if not stamps:
+        return export(
+            DecayedTokensBwdSm90(scale),
+            fakes,
+            prefix=f"kda_decayed_tokens_bwd_sm90_{scale_tag}",
+            config={"scale": repr(scale)},
+        )
+    stamp_shape = (slots, heads, HALVES, len(DECAYED_STAMPS))
+    fakes["stamps"] = row_major_fake(Int32, stamp_shape, align=4)
     return export(
-        DecayedTokensBwdSm90(scale),
+        DecayedTokensBwdStampsSm90(scale),
         fakes,
-        prefix=f"kda_decayed_tokens_bwd_sm90_{scale_tag}",
-        config={"scale": repr(scale)},
+        prefix=f"kda_decayed_tokens_bwd_sm90_stamps_{scale_tag}",
+        config={"scale": repr(scale), "stamps": True},
     )
 
 
@@ -1710,6 +1726,33 @@ def decayed_tokens_bwd_kernel(scale, tokens, cu_seqlens, rows, gamma, d_kk, d_at
     ]
     out = cute_call(decayed_tokens_bwd_artifact(scale), inputs, results)
     return tokens_bwd_results(out)
+
+
+def decayed_tokens_bwd_stamps(scale, tokens, cu_seqlens, gamma, d_kk, d_attn, cotangents):
+    """A diagnostic: the fused decayed and tokens' backward's stamps variant on these inputs
+    (decayed_tokens_bwd_kernel's, all of them given), returning only each (slot, head, half)
+    CTA's clocks, int32 [slots, H, 2, len(DECAYED_STAMPS)] (the kernel module's DECAYED_STAMPS
+    says what each holds)."""
+    from jax_kda.sm90.ffi_call import cute_call
+    from jax_kda.sm90.kernels.kda_decayed_bwd_sm90 import DECAYED_STAMPS, HALVES
+
+    q, k, v, g, beta = tokens
+    d_rhs, d_beta_kk, d_qg, d_kd, d_decay = cotangents
+    if gamma.shape[0] == 0:
+        raise ValueError("decayed_tokens_bwd_stamps: wants chunk slots")
+    f32, bf16 = jnp.float32, jnp.bfloat16
+    stamp_shape = (*gamma.shape[:2], HALVES, len(DECAYED_STAMPS))
+    results = [*token_grad_results(q), jax.ShapeDtypeStruct(stamp_shape, jnp.int32)]
+    inputs = [
+        *(x.astype(bf16) for x in (q, k, v)),
+        g.astype(f32),
+        beta.astype(f32),
+        jnp.asarray(cu_seqlens, jnp.int32),
+        gamma.astype(f32),
+        *(x.astype(bf16) for x in (d_kk, d_attn, d_rhs, d_qg, d_kd)),
+        *(x.astype(f32) for x in (d_decay, d_beta_kk)),
+    ]
+    return cute_call(decayed_tokens_bwd_artifact(scale, True), inputs, results)[-1]
 
 
 def xla_chunk_core(q, k, v, g, beta, cu_seqlens, num_slots, scale):
