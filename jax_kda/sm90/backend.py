@@ -1655,12 +1655,7 @@ def decayed_tokens_bwd_artifact(scale: float, stamps: bool = False):
     from cutlass import BFloat16, Float32, Int32
 
     from jax_kda.sm90.export import export, row_major_fake
-    from jax_kda.sm90.kernels.kda_decayed_bwd_sm90 import (
-        DECAYED_STAMPS,
-        HALVES,
-        DecayedTokensBwdSm90,
-        DecayedTokensBwdStampsSm90,
-    )
+    from jax_kda.sm90.kernels.kda_decayed_bwd_sm90 import DecayedTokensBwdSm90
 
     tokens, heads, slots = cute.sym_int32(), cute.sym_int32(), cute.sym_int32()
     chunk = (slots, heads, SCAN_CHUNK, HEAD_DIM)
@@ -1686,6 +1681,12 @@ def decayed_tokens_bwd_artifact(scale: float, stamps: bool = False):
             prefix=f"kda_decayed_tokens_bwd_sm90_{scale_tag}",
             config={"scale": repr(scale)},
         )
+    from jax_kda.sm90.kernels.kda_decayed_bwd_sm90 import (
+        DECAYED_STAMPS,
+        HALVES,
+        DecayedTokensBwdStampsSm90,
+    )
+
     stamp_shape = (slots, heads, HALVES, len(DECAYED_STAMPS))
     fakes["stamps"] = row_major_fake(Int32, stamp_shape, align=4)
     return export(
