@@ -89,6 +89,28 @@ BACK_B_BYTES = CH * 2 * SIDE * 2  # [kl | ql] image [64, 64] bf16 (hi | lo): 8 K
 STAGE_ROW = CH + 4
 STAGE_BYTES = ROWS * STAGE_ROW * 4
 PART_BYTES = 2 * 2 * CH * 4
+DECAYED_PHASES = (
+    "loads",
+    "back products",
+    "R^T images",
+    "P(d_kk) and dk",
+    "P(d_a), dq and dgamma",
+    "diagonal blocks pair by pair",
+    "tokens: loads and element-wise terms",
+    "tokens: dg's reverse cumsum and stores",
+)
+"""The fused kernel's phases (DecayedTokensBwdSm90), in order, each ending where thread 0 of the
+CTA reads its cycle counter: what the stamps variant (DecayedTokensBwdStampsSm90) times
+(benchmarks/decayed_bwd_phases.py). Stores are timed as issued, not as drained."""
+DECAYED_STAMPS = (
+    "start",
+    *(f"after {phase}" for phase in DECAYED_PHASES),
+    "timer at start",
+    "timer at end",
+)
+"""What the stamps variant writes for each CTA (int32): thread 0's 32-bit cycle counter (raw)
+at the start and after each phase; then the global timer's low 32 bits (ns) at the CTA's start
+and end (kda_chunk_operands_sm90.STAMPS's convention)."""
 
 
 def split_cotangents(dtype) -> bool:
@@ -119,6 +141,7 @@ class DecayedBwdSm90:
     def __init__(self, config: DecayedBwdConfig):
         self.from_tokens = config.from_tokens
         self.qk_scale = float(config.qk_scale)
+        self.stamps = False  # the fused kernel's diagnostic (DecayedTokensBwdStampsSm90)
 
     @cute.jit
     def __call__(
@@ -186,8 +209,16 @@ class DecayedBwdSm90:
                        mDgamma[slot, h, None, None], c0, tid)  # fmt: skip
 
     @cute.jit
+    def stamp(self, mStamps, index: cutlass.Constexpr[int], tid):
+        """The stamps variant's clock after a phase (thread 0's, raw): DECAYED_STAMPS."""
+        if cutlass.const_expr(self.stamps):
+            if tid == 0:
+                slot, h, half = cute.arch.block_idx()
+                mStamps[slot, h, half, index] = cute.arch.clock()
+
+    @cute.jit
     def _products(self, shared, mma: cute.TiledMma, mDq, mDk, mDgamma, c0, tid,
-                  staged: cutlass.Constexpr[bool] = False):  # fmt: skip
+                  staged: cutlass.Constexpr[bool] = False, mStamps=None):  # fmt: skip
         """dq, dk, dgamma [64, 128] of the chunk in `shared` (_allocate; q, k, Gamma of channels
         c0 .. c0 + 63 and the cotangents in place and visible to all) into those channels of
         mDq, mDk, mDgamma; staged: into the float32 stages of the region instead (stages(),
@@ -266,9 +297,11 @@ class DecayedBwdSm90:
                     s = exp_fast(s_gam[BLOCK * b + shift, ch] - s_gam[j, ch])
                     acc_sum[e] = acc_sum[e] + s * acc_x[e]
             cute.arch.sync_threads()  # the images are free for the next block
+        self.stamp(mStamps, 2, tid)
 
         # ---- R^T: the anchors' right factors, packed, transposed (chunk64.py)
         put_right_factors(s_rt, s_k, s_gam, tid, shift, pairwise, True, 3, CH)
+        self.stamp(mStamps, 3, tid)
 
         # ---- P(d_kk, k) and P(d_a, k): the cotangent in the packing of R, times R, times r_i
         # (staged: dk waits in registers until the last product has read the region)
@@ -328,6 +361,7 @@ class DecayedBwdSm90:
                     pair_at(mDq[i, None], c0 + ch).store(out_a.load())
                     pair_at(mDgamma[i, None], c0 + ch).store(out_b.load())
             cute.arch.sync_threads()  # every wgmma read of the images is done
+            self.stamp(mStamps, 4 + which, tid)
 
         # ---- the diagonal blocks pair by pair where the chunk's decay forbids middle anchors:
         # thread d = channel c0 + d adds them onto the rows the products wrote (the global
@@ -376,6 +410,7 @@ class DecayedBwdSm90:
                         mDgamma[j, c0 + d] = mDgamma[j, c0 + d] - k_j * back
             if cutlass.const_expr(staged):
                 cute.arch.sync_threads()
+        self.stamp(mStamps, 6, tid)
 
 
 class DecayedTokensBwdSm90(DecayedBwdSm90):
@@ -392,8 +427,9 @@ class DecayedTokensBwdSm90(DecayedBwdSm90):
     128] float32, dbeta [2, T, H] float32 (two partial sums, one a half of the channels; the
     first holds d_beta_kk too)."""
 
-    def __init__(self, scale: float):
+    def __init__(self, scale: float, stamps: bool = False):
         super().__init__(DecayedBwdConfig(from_tokens=True, qk_scale=scale))
+        self.stamps = stamps
 
     @cute.jit
     def __call__(
@@ -419,12 +455,42 @@ class DecayedTokensBwdSm90(DecayedBwdSm90):
         dbeta: cute.Tensor,
         stream: cuda.CUstream,
     ):
+        self.launch(
+            q, k, v, g, beta, cu_seqlens, gamma, d_kk, d_qk, d_rhs, d_qg, d_kd, d_decay,
+            d_beta_kk, dq, dk, dv, dg, dbeta, None, stream,
+        )  # fmt: skip
+
+    @cute.jit
+    def launch(
+        self,
+        q: cute.Tensor,
+        k: cute.Tensor,
+        v: cute.Tensor,
+        g: cute.Tensor,
+        beta: cute.Tensor,
+        cu_seqlens: cute.Tensor,
+        gamma: cute.Tensor,
+        d_kk: cute.Tensor,
+        d_qk: cute.Tensor,
+        d_rhs: cute.Tensor,
+        d_qg: cute.Tensor,
+        d_kd: cute.Tensor,
+        d_decay: cute.Tensor,
+        d_beta_kk: cute.Tensor,
+        dq: cute.Tensor,
+        dk: cute.Tensor,
+        dv: cute.Tensor,
+        dg: cute.Tensor,
+        dbeta: cute.Tensor,
+        stamps: cute.Tensor | None,
+        stream: cuda.CUstream,
+    ):
         if cutlass.const_expr(split_cotangents(d_kk.element_type)):
             raise TypeError("the fused kernel takes bf16 cotangents (the dense kernel's)")
         mma = bf16_tiled_mma((ROWS, CH), warpgroup.OperandSource.SMEM, b_mn_major=True)
         self.fused_kernel(
             q, k, v, g, beta, cu_seqlens, gamma, d_kk, d_qk, d_rhs, d_qg, d_kd, d_decay,
-            d_beta_kk, dq, dk, dv, dg, dbeta, mma,
+            d_beta_kk, dq, dk, dv, dg, dbeta, mma, stamps,
         ).launch(
             grid=[gamma.shape[0], gamma.shape[1], HALVES], block=[NTHREADS, 1, 1],
             stream=stream, min_blocks_per_mp=2, preferred_smem_carveout=100,
@@ -453,9 +519,14 @@ class DecayedTokensBwdSm90(DecayedBwdSm90):
         mDg: cute.Tensor,
         mDbeta: cute.Tensor,
         mma: cute.TiledMma,
+        mStamps: cute.Tensor | None = None,
     ):
         tid, _, _ = cute.arch.thread_idx()
         slot, h, half = cute.arch.block_idx()
+        if cutlass.const_expr(self.stamps):
+            if tid == 0:
+                mStamps[slot, h, half, len(DECAYED_STAMPS) - 2] = cute.arch.globaltimer_lo()
+                mStamps[slot, h, half, 0] = cute.arch.clock()
         c0 = half * CH
         shared = _allocate(mDkk.element_type)
         s_region, s_q, s_k, s_gam, s_dkk, s_dqk, s_flag = shared
@@ -468,14 +539,19 @@ class DecayedTokensBwdSm90(DecayedBwdSm90):
                    mDqk[slot, h, None, None], s_dkk, s_dqk, row0, count, c0, tid)  # fmt: skip
         _zero_words(s_region, RT_BYTES // 4, w_bytes(False) // 4, tid)
         cute.arch.sync_threads()
-        self._products(shared, mma, None, None, None, c0, tid, True)
+        self.stamp(mStamps, 1, tid)
+        self._products(shared, mma, None, None, None, c0, tid, True, mStamps)
         self._tokens(shared, mV, mG, mBeta, mDrhs[slot, h, None, None], mDqg[slot, h, None, None],
                      mDkd[slot, h, None, None], mDdecay[slot, h, None], mDbetaKk[slot, h, None],
-                     mDq, mDk, mDv, mDg, mDbeta, h, half, row0, count, tid)  # fmt: skip
+                     mDq, mDk, mDv, mDg, mDbeta, h, half, row0, count, tid, mStamps)  # fmt: skip
+        self.stamp(mStamps, 8, tid)
+        if cutlass.const_expr(self.stamps):
+            if tid == 0:
+                mStamps[slot, h, half, len(DECAYED_STAMPS) - 1] = cute.arch.globaltimer_lo()
 
     @cute.jit
     def _tokens(self, shared, mV, mG, mBeta, m_rhs, m_qg, m_kd, m_decay, m_beta_kk, mDq, mDk,
-                mDv, mDg, mDbeta, h, half, row0, count, tid):  # fmt: skip
+                mDv, mDg, mDbeta, h, half, row0, count, tid, mStamps=None):  # fmt: skip
         """kda_tokens_bwd_sm90's terms for the CTA's 64 channels of the chunk, from the staged
         dq_c, dk_c, dgamma_c (_products(staged=True), visible to all): thread (row i = tid / 8
         + 16 t, channels c8 .. c8 + 7) for the element-wise terms, 16 bytes a load or store,
@@ -564,6 +640,7 @@ class DecayedTokensBwdSm90(DecayedBwdSm90):
                         total = total + m_beta_kk[i]
                     mDbeta[half, token, h] = total
         cute.arch.sync_threads()
+        self.stamp(mStamps, 7, tid)
 
         # dg: thread (p, d) = channel d over rows [32 p, 32 p + 32): the reverse cumsum within
         # its rows, then the later half's sum and the last row's terms (every row's kd dKd and
@@ -698,3 +775,41 @@ def _zero_words(s_region: cute.Tensor, first: cutlass.Constexpr[int],
     for p in cutlass.range_constexpr(words // (NTHREADS * 4)):
         e = first + (p * NTHREADS + tid) * 4
         vec4(s_region.iterator + e).store(zeros.load())
+
+
+class DecayedTokensBwdStampsSm90(DecayedTokensBwdSm90):
+    """The fused kernel's stamps variant (a diagnostic): one more result after dbeta, stamps
+    int32 [slots, H, 2, len(DECAYED_STAMPS)], each (slot, head, half) CTA's clocks."""
+
+    def __init__(self, scale: float):
+        super().__init__(scale, stamps=True)
+
+    @cute.jit
+    def __call__(
+        self,
+        q: cute.Tensor,
+        k: cute.Tensor,
+        v: cute.Tensor,
+        g: cute.Tensor,
+        beta: cute.Tensor,
+        cu_seqlens: cute.Tensor,
+        gamma: cute.Tensor,
+        d_kk: cute.Tensor,
+        d_qk: cute.Tensor,
+        d_rhs: cute.Tensor,
+        d_qg: cute.Tensor,
+        d_kd: cute.Tensor,
+        d_decay: cute.Tensor,
+        d_beta_kk: cute.Tensor,
+        dq: cute.Tensor,
+        dk: cute.Tensor,
+        dv: cute.Tensor,
+        dg: cute.Tensor,
+        dbeta: cute.Tensor,
+        stamps: cute.Tensor,
+        stream: cuda.CUstream,
+    ):
+        self.launch(
+            q, k, v, g, beta, cu_seqlens, gamma, d_kk, d_qk, d_rhs, d_qg, d_kd, d_decay,
+            d_beta_kk, dq, dk, dv, dg, dbeta, stamps, stream,
+        )  # fmt: skip
