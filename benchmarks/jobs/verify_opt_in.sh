@@ -22,9 +22,10 @@
 #                                                  in the kernels and in XLA, both gates
 #                                                  (benchmarks/prep_cost.py; measure runs it too)
 #   bash benchmarks/jobs/verify_opt_in.sh quick    about a minute, for a session that gets few
-#                                                  GPU minutes: the chunk core's phase
-#                                                  tables (forward-alone, training) on
-#                                                  three shapes
+#                                                  GPU minutes: the phase tables of the
+#                                                  chunk core (forward-alone, training) and
+#                                                  of the fused decayed and tokens'
+#                                                  backward on three shapes
 # Logs under $OUT. Each step has its own time limit, so a hang (a wrong barrier) ends its step,
 # not the call.
 set -u
@@ -50,6 +51,10 @@ if [ "$mode" = quick ]; then
     echo "chunk core phases $variant rc=$?"
   done
   cat "$out/chunk-core-phases.log"
+  # the training backward's largest kernel, the fused decayed and tokens' backward
+  timeout "$(limit 60)" python3 -m benchmarks.decayed_bwd_phases > "$out/decayed-bwd-phases.log" 2>&1
+  echo "decayed backward phases rc=$?"
+  cat "$out/decayed-bwd-phases.log"
 fi
 if [ "$mode" = tests ] || [ "$mode" = all ]; then
   # the kernels against the verified ones, bit for bit where the arithmetic is the same
