@@ -83,10 +83,11 @@ def prefill(
       "xla". An explicit backend that cannot serve the call raises BackendUnavailableError.
 
     Input preparation, with fla's names (code ports one to one; differentiable for the raw
-    inputs). On sm90, a call without a gate bound that is not differentiated prepares the raw
-    inputs in the chunk core as they load (no prepared copy through HBM; grouped q and k read
-    at their own heads); elsewhere (the XLA path, a gate bound, a differentiated call) plain
-    JAX before the recurrence, one element-wise pass over q, k, g and beta that XLA may fuse:
+    inputs). On sm90, a call that is not differentiated prepares the raw inputs in the kernels
+    as they load them (no prepared copy through HBM; grouped q and k read at their own heads):
+    with a gate bound (the safe gate's included) in the gate-bound forward's PREP kernel,
+    without one in the chunk core; elsewhere (the XLA path, a differentiated call) plain JAX
+    before the recurrence, one element-wise pass over q, k, g and beta that XLA may fuse:
       use_qk_l2norm_in_kernel: q, k are taken as x * rsqrt(sum(x^2) + 1e-6) per head.
       use_gate_in_kernel: g is the raw gate projection a (any float dtype), made the decay by
         jax_kda.kda_gate: with lower_bound (in [-5, 0)) the safe gate
@@ -106,8 +107,9 @@ def prefill(
         more time (H200, training step at 2048x12x1: 557 us against 493 with "saved"); under
         jax.vmap the sm90 backward is one call for the whole batch.
     Grouped value heads (GVA, fla's convention): q and k may have H heads and v, g, beta and
-    the states HV = G * H; value head j reads q and k head j // G (q and k are repeated G times,
-    as fla's reference does; on sm90 that repetition is an XLA copy, not yet in the kernels).
+    the states HV = G * H; value head j reads q and k head j // G (as fla's reference repeats
+    them G times; on sm90 a call that is not differentiated reads them at head j // G in the
+    kernels, a differentiated one repeats them in XLA).
 
     Returns:
       (o, final_state): o has v's shape and q's dtype (q's shape without grouped value heads);
