@@ -95,16 +95,15 @@ def default_artifacts():
         lambda: sm90.chunk_operands_artifact(scale, 1),
         lambda: sm90.chunk_operands_artifact(scale, 1, False),
     ]
-    # the forward-alone core preparing the raw inputs (IN_KERNEL_PREP): fla's three flags with
-    # the softplus gate, with and without grouped value heads; the norm alone; GVA alone
+    # the forward-alone core preparing the raw inputs (IN_KERNEL_PREPS' combinations): fla's
+    # three flags with the softplus gate, with and without grouped value heads; the norm alone
     for prep in (
         InputPrep(True, True, None, True, False),
         InputPrep(True, True, None, True, True),
         InputPrep(qk_l2norm=True),
-        InputPrep(grouped_qk=True),
     ):
         makers.append(lambda prep=prep: sm90.chunk_operands_artifact(scale, 1, False, False, prep))
-    # the gate-bound forward preparing them (IN_KERNEL_PREP, the safe gate's route): fla's three
+    # the gate-bound forward preparing them (the safe gate's route): fla's three
     # flags, with and without grouped value heads; the norm alone
     for prep in (
         InputPrep(True, True, -5.0, True, False),

@@ -171,7 +171,9 @@ def prefill(
     call = _Call(scale=scale, backend=chosen, batched=batched, save_residuals=residuals == "saved")
     prep = _Prep(use_qk_l2norm_in_kernel, use_gate_in_kernel, lower_bound,
                  use_beta_sigmoid_in_kernel, groups)  # fmt: skip
-    if chosen in ("sm90", "sm90_exact") and prep != _Prep() and sm90.backend.IN_KERNEL_PREP:
+    if chosen in ("sm90", "sm90_exact") and sm90.backend.in_kernel_prep(
+        prep.qk_l2norm, prep.gate, prep.beta_logits, prep.groups > 1
+    ):
         # the raw inputs to the kernels, which prepare them as they load (_prepared_prefill)
         a_log = jnp.zeros((num_heads,), jnp.float32) if raw.a_log is None else raw.a_log
         bias = jnp.zeros((num_heads, HEAD_DIM), jnp.float32) if raw.dt_bias is None else raw.dt_bias

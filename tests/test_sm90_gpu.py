@@ -129,7 +129,7 @@ def test_gate_bound_forward_prepares_raw_inputs_as_the_xla_preparation(case):
         g = gate.kda_gate(a, a_log, dt_bias, lower_bound=LB)
         prepared = (q_ready, k_ready, v, g, b)
         prep = InputPrep(gate=True, lower_bound=LB, beta_logits=True)
-        raw = (q_ready, k_ready, v, a, beta)
+        raw = (q_ready, k_ready, v, a.astype(jnp.float32), beta)  # as sm90.forward casts it
     else:
         prep, raw = InputPrep(True, True, LB, True, grouped_qk=groups > 1), (q, k, v, a, beta)
     tokens = int(x.cu_seqlens[-1])

@@ -502,7 +502,9 @@ def test_prefill_hands_raw_inputs_to_the_kernels_only_where_the_route_is_on(
         prefixes, xla_prep = lowered(jax.grad(loss, argnums=range(8)))
         assert not any("_prep" in p for p in prefixes) and xla_prep, prefixes
         assert "kda_dense_bwd_sm90" in prefixes, prefixes  # the sm90 backward
-    # grouped value heads alone: the chunk core reads q and k at head j // G, no repeat
+    # a combination whose kernels have not run on a GPU (sm90.backend.IN_KERNEL_PREPS): grouped
+    # value heads alone, or the safe gate and beta logits without the norm, take the XLA
+    # preparation (q and k repeated) before the plain kernels
     q, k = (jnp.asarray(t, jnp.bfloat16) for t in x[:2])
     g = -jax.nn.softplus(jnp.asarray(x.a))
     plain = functools.partial(
@@ -511,7 +513,17 @@ def test_prefill_hands_raw_inputs_to_the_kernels_only_where_the_route_is_on(
     prefixes = set(re.findall(r'prefix = "(\w+)"', _lower(
         lambda *a: plain(*a)[0], q, k, x.v, g, jax.nn.sigmoid(jnp.asarray(x.beta))
     )))  # fmt: skip
-    assert any(p.startswith("kda_chunk_operands_sm90_x1_fwd_prepgv_") for p in prefixes), prefixes
+    assert prefixes and not any("_prep" in p for p in prefixes), prefixes
+    gate_only = functools.partial(
+        plain, use_gate_in_kernel=True, A_log=x.a_log, lower_bound=-5.0,
+        use_beta_sigmoid_in_kernel=True,
+    )  # fmt: skip
+    hlo = _lower(lambda *a: gate_only(*a)[0], q, k, x.v, x.a, x.beta)
+    prefixes = set(re.findall(r'prefix = "(\w+)"', hlo))
+    assert prefixes and not any("_prep" in p for p in prefixes), prefixes
+    assert any(p.startswith("kda_fwd_sm90_h4_") for p in prefixes), prefixes  # gate-bound
+    assert not sm90.backend.in_kernel_prep(False, True, True, False)
+    assert not sm90.backend.in_kernel_prep(False, False, False, True)
 
 
 def test_chunk_core_stamps_variant_exports_and_lowers():
