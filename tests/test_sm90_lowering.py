@@ -413,6 +413,27 @@ def test_chunk_core_input_prep_variants_export_and_lower_with_their_operands():
         _lower(functools.partial(core, prep=norm), *one_head, *x[2:6])
 
 
+def test_cute_call_refuses_a_dtype_the_kernel_does_not_take():
+    """cute_call checks every buffer's dtype against the kernel's element type (Artifact.dtypes,
+    from the export's fake tensors, cached artifacts included): a bf16 gate projection handed to
+    a kernel that reads float32 raises, naming the tensor, instead of being read as garbage."""
+    from jax_kda.sm90.ffi_call import cute_call
+
+    artifact = sm90.forward_artifact(2, 0.3)
+    assert artifact.dtypes[:7] == ("bfloat16",) * 3 + ("float32", "float32", "int32", "float32")
+    assert len(artifact.dtypes) == len(artifact.tensors)
+    x = [jnp.asarray(a) for a in production_inputs([40], 2, seed=1)]
+    results = sm90.result_shapes(40, 2, 1)
+
+    def call(*inputs):
+        return cute_call(artifact, list(inputs), results)[0]
+
+    assert re.findall(r'prefix = "(\w+)"', _lower(call, *x)) == [artifact.prefix]
+    x[3] = x[3].astype(jnp.bfloat16)
+    with pytest.raises(TypeError, match="tensor 3 has dtype bfloat16, the kernel takes float32"):
+        _lower(call, *x)
+
+
 def test_gate_bound_forward_input_prep_variants_export_and_lower_with_their_operands():
     """The gate-bound forward with the inputs prepared in its PREP kernel (InputPrep): a
     variant of its own for each preparation, the gate's taking A_log [H] and dt_bias [H, 128]

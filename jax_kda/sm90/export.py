@@ -92,11 +92,25 @@ class Artifact:
     object_bytes: bytes
     header: str
     tensors: tuple[TensorAbi, ...]  # in launcher argument order (the stream comes last)
+    dtypes: tuple[
+        str, ...
+    ] = ()  # each tensor's element type as numpy names it (checked by cute_call)
 
     @functools.cached_property
     def object_sha256(self) -> str:
         """Content key the handler loads modules by (one load per distinct object per process)."""
         return hashlib.sha256(self.object_bytes).hexdigest()
+
+
+_NUMPY_NAMES = {"BFloat16": "bfloat16", "Float16": "float16", "Float32": "float32",
+                "Float64": "float64", "Int32": "int32", "Int64": "int64", "Uint32": "uint32",
+                "Int8": "int8", "Uint8": "uint8"}  # fmt: skip
+
+
+def element_dtypes(fake_args: dict[str, Any]) -> tuple[str, ...]:
+    """The fake tensors' element types as numpy names them (bfloat16, float32, int32, ...)."""
+    names = (str(f.element_type) for f in fake_args.values())
+    return tuple(_NUMPY_NAMES.get(name, name.lower()) for name in names)
 
 
 def _mask(bits: Sequence[int]) -> int:
@@ -199,6 +213,7 @@ def export(launcher: Callable, fake_args: dict[str, Any], *, prefix: str, config
             object_bytes=(entry / "kernel.o").read_bytes(),
             header=(entry / "kernel.h").read_text(),
             tensors=tensors,
+            dtypes=element_dtypes(fake_args),
         )
     COMPILE_COUNT += 1
     compiled = cute.compile(launcher, *fake_args.values(), cute.runtime.make_fake_stream())
@@ -217,4 +232,7 @@ def export(launcher: Callable, fake_args: dict[str, Any], *, prefix: str, config
     for f in ("kernel.o", "kernel.h", "meta.json"):  # meta.json last: it marks the entry complete
         os.replace(staging / f, entry / f)
     staging.rmdir()
-    return Artifact(key=key, prefix=prefix, object_bytes=obj, header=header, tensors=tensors)
+    return Artifact(
+        key=key, prefix=prefix, object_bytes=obj, header=header, tensors=tensors,
+        dtypes=element_dtypes(fake_args),
+    )  # fmt: skip

@@ -75,6 +75,13 @@ def cute_call(
                 f"{artifact.prefix}: tensor {i} has shape {b.shape}, "
                 f"the kernel expects rank {t.rank}"
             )
+        # the kernel reads the buffer as its own element type: another dtype of the same rank
+        # would be read as garbage, not converted
+        if artifact.dtypes and np.dtype(b.dtype).name != artifact.dtypes[i]:
+            raise TypeError(
+                f"{artifact.prefix}: tensor {i} has dtype {np.dtype(b.dtype).name}, the kernel "
+                f"takes {artifact.dtypes[i]}"
+            )
 
     def field(name: str) -> np.ndarray:
         return np.array([getattr(t, name) for t in artifact.tensors], np.int32)
