@@ -1645,12 +1645,14 @@ def tokens_bwd_results(outputs):
 
 
 @functools.cache
-def decayed_tokens_bwd_artifact(scale: float, stamps: bool = False):
+def decayed_tokens_bwd_artifact(scale: float, stamps: bool = False, prefetch: bool = False):
     """The exported decayed products' backward with the tokens' backward fused after it
     (kernels/kda_decayed_bwd_sm90.py, DecayedTokensBwdSm90) for this scale: the dense kernel's
     bf16 cotangents; tokens, heads, slots and sequences symbolic. stamps (a diagnostic): the
     variant that also writes each CTA's phase clocks (the kernel module's DECAYED_STAMPS;
-    benchmarks/decayed_bwd_phases.py reads them)."""
+    benchmarks/decayed_bwd_phases.py reads them). prefetch (opt-in, not yet run on a GPU):
+    the tokens' phase's inputs asked into L2 at the CTA's start
+    (DecayedTokensBwdSm90.prefetch_tokens)."""
     import cutlass.cute as cute
     from cutlass import BFloat16, Float32, Int32
 
@@ -1674,12 +1676,17 @@ def decayed_tokens_bwd_artifact(scale: float, stamps: bool = False):
         **token_results,
     }
     scale_tag = hashlib.sha256(repr(scale).encode()).hexdigest()[:8]
+    config = {"scale": repr(scale)}
+    suffix = ""
+    if prefetch:
+        config["prefetch"] = True
+        suffix = "_pf"
     if not stamps:
         return export(
-            DecayedTokensBwdSm90(scale),
+            DecayedTokensBwdSm90(scale, prefetch=prefetch),
             fakes,
-            prefix=f"kda_decayed_tokens_bwd_sm90_{scale_tag}",
-            config={"scale": repr(scale)},
+            prefix=f"kda_decayed_tokens_bwd_sm90{suffix}_{scale_tag}",
+            config=config,
         )
     from jax_kda.sm90.kernels.kda_decayed_bwd_sm90 import (
         DECAYED_STAMPS,
@@ -1690,10 +1697,10 @@ def decayed_tokens_bwd_artifact(scale: float, stamps: bool = False):
     stamp_shape = (slots, heads, HALVES, len(DECAYED_STAMPS))
     fakes["stamps"] = row_major_fake(Int32, stamp_shape, align=4)
     return export(
-        DecayedTokensBwdStampsSm90(scale),
+        DecayedTokensBwdStampsSm90(scale, prefetch),
         fakes,
-        prefix=f"kda_decayed_tokens_bwd_sm90_stamps_{scale_tag}",
-        config={"scale": repr(scale), "stamps": True},
+        prefix=f"kda_decayed_tokens_bwd_sm90_stamps{suffix}_{scale_tag}",
+        config={**config, "stamps": True},
     )
 
 
@@ -1729,11 +1736,13 @@ def decayed_tokens_bwd_kernel(scale, tokens, cu_seqlens, rows, gamma, d_kk, d_at
     return tokens_bwd_results(out)
 
 
-def decayed_tokens_bwd_stamps(scale, tokens, cu_seqlens, gamma, d_kk, d_attn, cotangents):
+def decayed_tokens_bwd_stamps(
+    scale, tokens, cu_seqlens, gamma, d_kk, d_attn, cotangents, prefetch=False
+):
     """A diagnostic: the fused decayed and tokens' backward's stamps variant on these inputs
-    (decayed_tokens_bwd_kernel's, all of them given), returning only each (slot, head, half)
-    CTA's clocks, int32 [slots, H, 2, len(DECAYED_STAMPS)] (the kernel module's DECAYED_STAMPS
-    says what each holds)."""
+    (decayed_tokens_bwd_kernel's, all of them given; with prefetch, of that variant), returning
+    only each (slot, head, half) CTA's clocks, int32 [slots, H, 2, len(DECAYED_STAMPS)] (the
+    kernel module's DECAYED_STAMPS says what each holds)."""
     from jax_kda.sm90.ffi_call import cute_call
     from jax_kda.sm90.kernels.kda_decayed_bwd_sm90 import DECAYED_STAMPS, HALVES
 
@@ -1753,7 +1762,8 @@ def decayed_tokens_bwd_stamps(scale, tokens, cu_seqlens, gamma, d_kk, d_attn, co
         *(x.astype(bf16) for x in (d_kk, d_attn, d_rhs, d_qg, d_kd)),
         *(x.astype(f32) for x in (d_decay, d_beta_kk)),
     ]
-    return cute_call(decayed_tokens_bwd_artifact(scale, True), inputs, results)[-1]
+    artifact = decayed_tokens_bwd_artifact(scale, True, prefetch)
+    return cute_call(artifact, inputs, results)[-1]
 
 
 def xla_chunk_core(q, k, v, g, beta, cu_seqlens, num_slots, scale):

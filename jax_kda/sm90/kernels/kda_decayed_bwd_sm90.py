@@ -142,6 +142,7 @@ class DecayedBwdSm90:
         self.from_tokens = config.from_tokens
         self.qk_scale = float(config.qk_scale)
         self.stamps = False  # the fused kernel's diagnostic (DecayedTokensBwdStampsSm90)
+        self.prefetch = False  # the fused kernel's opt-in L2 prefetch (DecayedTokensBwdSm90)
 
     @cute.jit
     def __call__(
@@ -427,9 +428,10 @@ class DecayedTokensBwdSm90(DecayedBwdSm90):
     128] float32, dbeta [2, T, H] float32 (two partial sums, one a half of the channels; the
     first holds d_beta_kk too)."""
 
-    def __init__(self, scale: float, stamps: bool = False):
+    def __init__(self, scale: float, stamps: bool = False, prefetch: bool = False):
         super().__init__(DecayedBwdConfig(from_tokens=True, qk_scale=scale))
         self.stamps = stamps
+        self.prefetch = prefetch  # opt-in, not yet run on a GPU: prefetch_tokens
 
     @cute.jit
     def __call__(
@@ -534,6 +536,9 @@ class DecayedTokensBwdSm90(DecayedBwdSm90):
             s_flag[0] = Int32(0)
         tokens = mQ.shape[0]
         row0, count = slot_rows(mCu, slot, tokens, SCAN_CHUNK)
+        if cutlass.const_expr(self.prefetch):
+            self.prefetch_tokens(mV, mG, mDrhs[slot, h, None, None], mDqg[slot, h, None, None],
+                                 mDkd[slot, h, None, None], h, c0, row0, count, tid)  # fmt: skip
         _load_rows(s_q, s_k, s_gam, mQ[None, h, None], mK[None, h, None],
                    mGamma[slot, h, None, None], mDkk[slot, h, None, None],
                    mDqk[slot, h, None, None], s_dkk, s_dqk, row0, count, c0, tid)  # fmt: skip
@@ -548,6 +553,30 @@ class DecayedTokensBwdSm90(DecayedBwdSm90):
         if cutlass.const_expr(self.stamps):
             if tid == 0:
                 mStamps[slot, h, half, len(DECAYED_STAMPS) - 1] = cute.arch.globaltimer_lo()
+
+    @cute.jit
+    def prefetch_tokens(self, mV, mG, m_rhs, m_qg, m_kd, h, c0, row0, count, tid):
+        """The prefetch variant (opt-in, not yet run on a GPU): the tokens' phase's inputs of
+        the CTA's channels into L2 at its start, so that the loads _tokens issues only after
+        the products (12-15k cycles at two CTAs an SM against 4.9k alone, H100: DECAYED_PHASES)
+        find them there: thread (row i, part) asks for the 128-byte lines of d_rhs's W and U
+        halves, d_qg and d_kd of row i, and of v and g (two lines) of its token. A hint: no
+        registers or shared memory held, nothing waits on it."""
+        i = tid % ROWS
+        if tid < ROWS:
+            cute.arch.prefetch((m_rhs[i, None].iterator + c0).to_llvm_ptr(), cache_level="L2")
+            cute.arch.prefetch((m_qg[i, None].iterator + c0).to_llvm_ptr(), cache_level="L2")
+            cute.arch.prefetch((m_kd[i, None].iterator + c0).to_llvm_ptr(), cache_level="L2")
+        else:
+            u_half = m_rhs[i, None].iterator + HEAD_DIM + c0
+            cute.arch.prefetch(u_half.to_llvm_ptr(), cache_level="L2")
+            if i < count:
+                token = row0 + i
+                v_at = mV[token, h, None].iterator + c0
+                g_at = mG[token, h, None].iterator + c0  # 64 float32: two lines
+                cute.arch.prefetch(v_at.to_llvm_ptr(), cache_level="L2")
+                cute.arch.prefetch(g_at.to_llvm_ptr(), cache_level="L2")
+                cute.arch.prefetch((g_at + CH // 2).to_llvm_ptr(), cache_level="L2")
 
     @cute.jit
     def _tokens(self, shared, mV, mG, mBeta, m_rhs, m_qg, m_kd, m_decay, m_beta_kk, mDq, mDk,
@@ -781,8 +810,8 @@ class DecayedTokensBwdStampsSm90(DecayedTokensBwdSm90):
     """The fused kernel's stamps variant (a diagnostic): one more result after dbeta, stamps
     int32 [slots, H, 2, len(DECAYED_STAMPS)], each (slot, head, half) CTA's clocks."""
 
-    def __init__(self, scale: float):
-        super().__init__(scale, stamps=True)
+    def __init__(self, scale: float, prefetch: bool = False):
+        super().__init__(scale, stamps=True, prefetch=prefetch)
 
     @cute.jit
     def __call__(
