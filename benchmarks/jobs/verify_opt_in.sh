@@ -52,8 +52,11 @@ if [ "$mode" = quick ]; then
   done
   cat "$out/chunk-core-phases.log"
   # the training backward's largest kernel, the fused decayed and tokens' backward
-  timeout "$(limit 60)" python3 -m benchmarks.decayed_bwd_phases > "$out/decayed-bwd-phases.log" 2>&1
-  echo "decayed backward phases rc=$?"
+  for variant in "" --prefetch; do  # the default, and the opt-in L2 prefetch of its inputs
+    timeout "$(limit 60)" python3 -m benchmarks.decayed_bwd_phases $variant \
+      >> "$out/decayed-bwd-phases.log" 2>&1
+    echo "decayed backward phases $variant rc=$?"
+  done
   cat "$out/decayed-bwd-phases.log"
 fi
 if [ "$mode" = tests ] || [ "$mode" = all ]; then
