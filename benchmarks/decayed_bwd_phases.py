@@ -12,7 +12,8 @@ prints, per shape, the median cycles of each phase and its share of a CTA, the C
 durations, how many ran at once on average and the kernel's span. Its inputs: the chunk core's
 Gamma of production-gate data (so the anchors are the ones a real step takes) and random
 cotangents (the kernel's work does not depend on their values). --prefetch times the opt-in
-variant that asks the tokens' phase's inputs into L2 at each CTA's start.
+variant that asks the tokens' phase's inputs into L2 at each CTA's start; --batched-back the
+one that builds the four back products' images at once behind one barrier.
 """
 
 from __future__ import annotations
@@ -29,6 +30,9 @@ def main(argv=None):
     parser.add_argument("--only", default="2048x12x1,8192x16x1,33x2x3-ragged")
     parser.add_argument(
         "--prefetch", action="store_true", help="the variant that prefetches the tokens' inputs"
+    )
+    parser.add_argument(
+        "--batched-back", action="store_true", help="the back products' images built at once"
     )
     options = parser.parse_args(argv)
 
@@ -47,7 +51,7 @@ def main(argv=None):
     shapes, _ = select(parse_only(options.only), ALL_SHAPES, [])
     scale = default_scale()
     core = jax.jit(sm90.chunk_core_kernel, static_argnums=(6, 7, 8, 9))
-    run = jax.jit(sm90.backend.decayed_tokens_bwd_stamps, static_argnums=(0, 7))
+    run = jax.jit(sm90.backend.decayed_tokens_bwd_stamps, static_argnums=(0, 7, 8))
     for shape in shapes:
         x = production_inputs(list(shape.lengths), shape.heads, seed=0)
         tokens = [jnp.asarray(a) for a in x[:5]]
@@ -69,7 +73,8 @@ def main(argv=None):
             random((*chunk, 128)),
             random((slots, shape.heads, 128), jnp.float32),
         )
-        call = (scale, tuple(tokens), cu, gamma, d_kk, d_attn, cotangents, options.prefetch)
+        call = (scale, tuple(tokens), cu, gamma, d_kk, d_attn, cotangents, options.prefetch,
+                options.batched_back)  # fmt: skip
         jax.block_until_ready(run(*call))  # compile, and a first run
         stamps = np.asarray(run(*call))
         print(format_table(shape.name, phase_table(stamps, DECAYED_PHASES)), flush=True)

@@ -1155,7 +1155,8 @@ def test_decayed_tokens_bwd_kernel_equals_the_two_kernels(case):
     against the two kernels it replaces run one after the other (each checked against XLA
     above) on the chunk core's gamma and random bf16 cotangents: dq, dk, dv element by element,
     dg and dbeta (float32 sums in another order, with cancellation) by the tokens kernel's bar
-    against the two kernels and against the XLA statement of the tokens' part; every
+    against the two kernels and against the XLA statement of the tokens' part (the opt-in
+    prefetch and batched_back variants against it bit for bit); every
     result in the tokens' rows NaN-poisoned, dbeta's two partial sums each, both anchors and
     the pairwise diagonal blocks in either half of the channels, ragged, empty and gap slots,
     no tokens at all, gates at the floor (the first chunk only, so that the other chunks keep
@@ -1195,16 +1196,22 @@ def test_decayed_tokens_bwd_kernel_equals_the_two_kernels(case):
         aliases = {len(inputs) + i: i for i in range(len(results))}
         return cute_call(artifact, [*inputs, *poison], results, aliases=aliases)
 
-    @jax.jit
-    def fused(token_inputs, cu, gamma, d_kk, d_attn, cotangents):
-        q, k, v, g, beta = token_inputs
-        d_rhs, d_beta_kk, d_qg, d_kd, d_decay = cotangents
-        inputs = [q.astype(jnp.bfloat16), k.astype(jnp.bfloat16), v.astype(jnp.bfloat16), g,
-                  beta, cu, gamma, d_kk, d_attn, d_rhs, d_qg, d_kd, d_decay, d_beta_kk]  # fmt: skip
-        results = [jax.ShapeDtypeStruct(q.shape, jnp.bfloat16)] * 3
-        results += [jax.ShapeDtypeStruct(q.shape, jnp.float32)]
-        results += [jax.ShapeDtypeStruct((2, *q.shape[:2]), jnp.float32)]
-        return poisoned(sm90.decayed_tokens_bwd_artifact(0.3), inputs, results)
+    def fused_with(artifact):
+        @jax.jit
+        def fused(token_inputs, cu, gamma, d_kk, d_attn, cotangents):
+            q, k, v, g, beta = token_inputs
+            d_rhs, d_beta_kk, d_qg, d_kd, d_decay = cotangents
+            inputs = [q.astype(jnp.bfloat16), k.astype(jnp.bfloat16), v.astype(jnp.bfloat16),
+                      g, beta, cu, gamma, d_kk, d_attn, d_rhs, d_qg, d_kd, d_decay,
+                      d_beta_kk]  # fmt: skip
+            results = [jax.ShapeDtypeStruct(q.shape, jnp.bfloat16)] * 3
+            results += [jax.ShapeDtypeStruct(q.shape, jnp.float32)]
+            results += [jax.ShapeDtypeStruct((2, *q.shape[:2]), jnp.float32)]
+            return poisoned(artifact, inputs, results)
+
+        return fused
+
+    fused = fused_with(sm90.decayed_tokens_bwd_artifact(0.3))
 
     @jax.jit
     def separate(token_inputs, cu, gamma, d_kk, d_attn, cotangents):
@@ -1272,6 +1279,14 @@ def test_decayed_tokens_bwd_kernel_equals_the_two_kernels(case):
     public = wrapper(0.3, token_inputs, cu, None, gamma, d_kk, d_attn, cotangents)
     for name, a, b in zip(names, public, sm90.tokens_bwd_results(ours), strict=True):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=name)
+    # the opt-in variants (the L2 prefetch of the tokens' inputs; the back products' images
+    # built at once): the same arithmetic, every result bit for bit, none NaN
+    for variant in ({"prefetch": True}, {"batched_back": True}):
+        other = fused_with(sm90.decayed_tokens_bwd_artifact(0.3, **variant))(*args)
+        for name, a, b in zip(names, other, ours, strict=True):
+            a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+            assert not np.isnan(a).any(), (variant, name)
+            np.testing.assert_array_equal(a, b, err_msg=f"{variant} {name}")
 
 
 def _training_case(data, seed):

@@ -290,12 +290,14 @@ def test_decayed_tokens_bwd_stamps_variant_exports_and_lowers():
     gamma = jnp.zeros((3, 2, 64, 128), jnp.float32)
     hlo = _lower(stamps, tokens, cu, gamma, pairs, pairs, cotangents)
     assert re.findall(r'prefix = "(\w+)"', hlo) == [artifact.prefix]
-    # the opt-in prefetch variant (not yet run on a GPU), plain and stamped: keys of their own
+    # the opt-in prefetch and batched_back variants (not yet run on a GPU), plain and stamped:
+    # keys of their own
     plain = sm90.decayed_tokens_bwd_artifact(0.3)
     for stamped in (False, True):
-        prefetch = sm90.decayed_tokens_bwd_artifact(0.3, stamped, True)
-        assert "_pf_" in prefetch.prefix and prefetch.key not in (plain.key, artifact.key)
-        assert len(prefetch.tensors) == 19 + stamped
+        for tag, variant in (("_pf_", (True, False)), ("_bb_", (False, True))):
+            other = sm90.decayed_tokens_bwd_artifact(0.3, stamped, *variant)
+            assert tag in other.prefix and other.key not in (plain.key, artifact.key)
+            assert len(other.tensors) == 19 + stamped
 
 
 def test_decayed_tokens_bwd_refuses_float32_cotangents():

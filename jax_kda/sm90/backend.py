@@ -1645,14 +1645,17 @@ def tokens_bwd_results(outputs):
 
 
 @functools.cache
-def decayed_tokens_bwd_artifact(scale: float, stamps: bool = False, prefetch: bool = False):
+def decayed_tokens_bwd_artifact(
+    scale: float, stamps: bool = False, prefetch: bool = False, batched_back: bool = False
+):
     """The exported decayed products' backward with the tokens' backward fused after it
     (kernels/kda_decayed_bwd_sm90.py, DecayedTokensBwdSm90) for this scale: the dense kernel's
     bf16 cotangents; tokens, heads, slots and sequences symbolic. stamps (a diagnostic): the
     variant that also writes each CTA's phase clocks (the kernel module's DECAYED_STAMPS;
     benchmarks/decayed_bwd_phases.py reads them). prefetch (opt-in, not yet run on a GPU):
     the tokens' phase's inputs asked into L2 at the CTA's start
-    (DecayedTokensBwdSm90.prefetch_tokens)."""
+    (DecayedTokensBwdSm90.prefetch_tokens). batched_back (opt-in, not yet run on a GPU): the
+    four back products' images built at once behind one barrier (_batched_back)."""
     import cutlass.cute as cute
     from cutlass import BFloat16, Float32, Int32
 
@@ -1680,10 +1683,13 @@ def decayed_tokens_bwd_artifact(scale: float, stamps: bool = False, prefetch: bo
     suffix = ""
     if prefetch:
         config["prefetch"] = True
-        suffix = "_pf"
+        suffix += "_pf"
+    if batched_back:
+        config["batched_back"] = True
+        suffix += "_bb"
     if not stamps:
         return export(
-            DecayedTokensBwdSm90(scale, prefetch=prefetch),
+            DecayedTokensBwdSm90(scale, prefetch=prefetch, batched_back=batched_back),
             fakes,
             prefix=f"kda_decayed_tokens_bwd_sm90{suffix}_{scale_tag}",
             config=config,
@@ -1697,7 +1703,7 @@ def decayed_tokens_bwd_artifact(scale: float, stamps: bool = False, prefetch: bo
     stamp_shape = (slots, heads, HALVES, len(DECAYED_STAMPS))
     fakes["stamps"] = row_major_fake(Int32, stamp_shape, align=4)
     return export(
-        DecayedTokensBwdStampsSm90(scale, prefetch),
+        DecayedTokensBwdStampsSm90(scale, prefetch, batched_back),
         fakes,
         prefix=f"kda_decayed_tokens_bwd_sm90_stamps{suffix}_{scale_tag}",
         config={**config, "stamps": True},
@@ -1737,10 +1743,12 @@ def decayed_tokens_bwd_kernel(scale, tokens, cu_seqlens, rows, gamma, d_kk, d_at
 
 
 def decayed_tokens_bwd_stamps(
-    scale, tokens, cu_seqlens, gamma, d_kk, d_attn, cotangents, prefetch=False
-):
+    scale, tokens, cu_seqlens, gamma, d_kk, d_attn, cotangents, prefetch=False,
+    batched_back=False,
+):  # fmt: skip
     """A diagnostic: the fused decayed and tokens' backward's stamps variant on these inputs
-    (decayed_tokens_bwd_kernel's, all of them given; with prefetch, of that variant), returning
+    (decayed_tokens_bwd_kernel's, all of them given; with prefetch or batched_back, of those
+    variants), returning
     only each (slot, head, half) CTA's clocks, int32 [slots, H, 2, len(DECAYED_STAMPS)] (the
     kernel module's DECAYED_STAMPS says what each holds)."""
     from jax_kda.sm90.ffi_call import cute_call
@@ -1762,7 +1770,7 @@ def decayed_tokens_bwd_stamps(
         *(x.astype(bf16) for x in (d_kk, d_attn, d_rhs, d_qg, d_kd)),
         *(x.astype(f32) for x in (d_decay, d_beta_kk)),
     ]
-    artifact = decayed_tokens_bwd_artifact(scale, True, prefetch)
+    artifact = decayed_tokens_bwd_artifact(scale, True, prefetch, batched_back)
     return cute_call(artifact, inputs, results)[-1]
 
 

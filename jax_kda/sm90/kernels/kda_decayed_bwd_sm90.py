@@ -84,6 +84,7 @@ SIDE = 2 * BLOCK  # K of a back product: block I's 16 rows for d_kk, then for d_
 # lie where R^T goes; after the products, the pairwise pass's float32 scratch.
 RT_BYTES = CH * 2 * PACKED * 2  # R^T image [64, 320] bf16 (hi | lo): 40 KiB
 BACK_B_BYTES = CH * 2 * SIDE * 2  # [kl | ql] image [64, 64] bf16 (hi | lo): 8 KiB
+assert 4 * (ROWS * SIDE * 2 + BACK_B_BYTES) <= RT_BYTES + ROWS * PACKED * 2, "batched_back"
 # The fused variant's float32 stages of dq, dk, dgamma [64, 64] (rows padded: the accumulator's
 # stores 2-way conflicted), then its per-half sums [2, 2, 64], in the region after the products.
 STAGE_ROW = CH + 4
@@ -143,6 +144,7 @@ class DecayedBwdSm90:
         self.qk_scale = float(config.qk_scale)
         self.stamps = False  # the fused kernel's diagnostic (DecayedTokensBwdStampsSm90)
         self.prefetch = False  # the fused kernel's opt-in L2 prefetch (DecayedTokensBwdSm90)
+        self.batched_back = False  # the fused kernel's opt-in back products (_batched_back)
 
     @cute.jit
     def __call__(
@@ -256,7 +258,7 @@ class DecayedBwdSm90:
         f_a = mma.make_fragment_A(thr.partition_A(s_back_a))
         f_b = mma.make_fragment_B(thr.partition_B(s_back_b))
         acc_sum.fill(0.0)
-        for b in cutlass.range_constexpr(BLOCKS):
+        for b in cutlass.range_constexpr(0 if self.batched_back else BLOCKS):
             # rows j < 16 (b + 1) only: the rows past them pair with nothing in block b, and the
             # epilogue below drops their outputs whatever the image held there
             # task (row j, K columns 8 q .. 8 q + 7): column c < 16 takes d_kk[16 b + c, j],
@@ -298,6 +300,8 @@ class DecayedBwdSm90:
                     s = exp_fast(s_gam[BLOCK * b + shift, ch] - s_gam[j, ch])
                     acc_sum[e] = acc_sum[e] + s * acc_x[e]
             cute.arch.sync_threads()  # the images are free for the next block
+        if cutlass.const_expr(self.batched_back):  # the loop above then runs no block
+            self._batched_back(shared, mma, thr, c_out, acc_x, acc_sum, pairwise, shift, g8, tid)
         self.stamp(mStamps, 2, tid)
 
         # ---- R^T: the anchors' right factors, packed, transposed (chunk64.py)
@@ -308,6 +312,9 @@ class DecayedBwdSm90:
         # (staged: dk waits in registers until the last product has read the region)
         r_dk = cute.make_rmem_tensor(acc_x.shape, Float32)
         s_st_dq, s_st_dk, s_st_dg = stages(s_region)
+        # row and column indices the branches below assign (the back loop's, where it ran)
+        i = Int32(0)
+        j = Int32(0)
         for which in cutlass.range_constexpr(2):
             s_dw = s_dkk if cutlass.const_expr(which == 0) else s_dqk
             # row i pairs only with its own block's packed rows; the rest of the image stays
@@ -428,10 +435,13 @@ class DecayedTokensBwdSm90(DecayedBwdSm90):
     128] float32, dbeta [2, T, H] float32 (two partial sums, one a half of the channels; the
     first holds d_beta_kk too)."""
 
-    def __init__(self, scale: float, stamps: bool = False, prefetch: bool = False):
+    def __init__(
+        self, scale: float, stamps: bool = False, prefetch: bool = False, batched_back: bool = False
+    ):
         super().__init__(DecayedBwdConfig(from_tokens=True, qk_scale=scale))
         self.stamps = stamps
         self.prefetch = prefetch  # opt-in, not yet run on a GPU: prefetch_tokens
+        self.batched_back = batched_back  # opt-in, not yet run on a GPU: _batched_back
 
     @cute.jit
     def __call__(
@@ -553,6 +563,74 @@ class DecayedTokensBwdSm90(DecayedBwdSm90):
         if cutlass.const_expr(self.stamps):
             if tid == 0:
                 mStamps[slot, h, half, len(DECAYED_STAMPS) - 1] = cute.arch.globaltimer_lo()
+
+    @cute.jit
+    def _batched_back(self, shared, mma, thr, c_out, acc_x, acc_sum, pairwise, shift, g8, tid):
+        """The batched_back variant of _products' back products (opt-in, not yet run on a GPU;
+        bf16 cotangents only): every block's two images built at once, each in a place of its
+        own in the region (A images [64, 32] at 4 KiB each from 0, the B images [64, 64] at 8
+        KiB each from 16 KiB), behind one barrier, then the four products and their epilogues
+        back to back with no barrier between them; the same arithmetic as the loop, element by
+        element, and the same order of the sums into acc_sum. The default loop spends 10-12k
+        cycles on them, a third of a CTA alone (H100: DECAYED_PHASES), four rounds of image
+        build, barrier, K = 32 product, epilogue and barrier. The B images reach into the
+        packed cotangent image's words [40, 48) KiB, which the load phase zeroed: zeroed again
+        here, behind a barrier either side."""
+        s_region, s_q, s_k, s_gam, s_dkk, s_dqk = shared[:6]
+        qk_scale = self.qk_scale
+        raw = s_region.iterator
+        a_bytes = back_a_bytes(False)
+        a_layout = image_layout(ROWS, SIDE)
+        b_layout = image_layout(CH, 2 * SIDE, mn_major=True)
+        b_base = BLOCKS * a_bytes
+        for b in cutlass.range_constexpr(BLOCKS):
+            s_back_a = view(raw, b * a_bytes, a_layout)
+            s_back_b = view(raw, b_base + b * BACK_B_BYTES, b_layout)
+            tasks = BLOCK * (b + 1) * SIDE // EIGHT
+            for t in cutlass.range_constexpr((tasks + NTHREADS - 1) // NTHREADS):
+                task = tid + t * NTHREADS
+                if task < tasks:
+                    j = task // (SIDE // EIGHT)
+                    c8 = EIGHT * (task % (SIDE // EIGHT))
+                    w = cute.make_rmem_tensor((EIGHT,), Float32)
+                    w.fill(0.0)
+                    if j < BLOCK * b or pairwise == Int32(0):
+                        if c8 < BLOCK:
+                            for x in cutlass.range_constexpr(EIGHT):
+                                w[x] = Float32(s_dkk[BLOCK * b + c8 + x, j])
+                        else:
+                            for x in cutlass.range_constexpr(EIGHT):
+                                w[x] = Float32(s_dqk[BLOCK * b + c8 - BLOCK + x, j])
+                    put_piece(s_back_a, j, c8, w.load(), False, SIDE, 1)
+            c = tid // (CH // EIGHT)
+            i = BLOCK * b + c
+            r = exp_fast(
+                load_f32(s_gam[i, None], g8, EIGHT)
+                - load_f32(s_gam[BLOCK * b + shift, None], g8, EIGHT)
+            )
+            ql = load_f32(s_q[i, None], g8, EIGHT) * r
+            if cutlass.const_expr(qk_scale != 1.0):
+                ql = ql * Float32(qk_scale)
+            put_piece(s_back_b, g8, c, load_f32(s_k[i, None], g8, EIGHT) * r, True, SIDE)
+            put_piece(s_back_b, g8, BLOCK + c, ql, True, SIDE)
+        cute.arch.fence_proxy("async.shared", space="cta")
+        cute.arch.sync_threads()
+        acc_sum.fill(0.0)
+        for b in cutlass.range_constexpr(BLOCKS):
+            f_a = mma.make_fragment_A(thr.partition_A(view(raw, b * a_bytes, a_layout)))
+            f_b = mma.make_fragment_B(
+                thr.partition_B(view(raw, b_base + b * BACK_B_BYTES, b_layout))
+            )
+            product_passes(mma, acc_x, f_a, f_b, SIDE // 16, False, 2)
+            for e in cutlass.range_constexpr(cute.size(acc_x)):
+                j, ch = c_out[e]
+                if j < BLOCK * b or (j < BLOCK * (b + 1) and pairwise == Int32(0)):
+                    s = exp_fast(s_gam[BLOCK * b + shift, ch] - s_gam[j, ch])
+                    acc_sum[e] = acc_sum[e] + s * acc_x[e]
+        cute.arch.sync_threads()  # every product has read its images
+        back_end = b_base + BLOCKS * BACK_B_BYTES
+        _zero_words(s_region, RT_BYTES // 4, (back_end - RT_BYTES) // 4, tid)
+        cute.arch.sync_threads()  # zero before R^T and the packed image are written
 
     @cute.jit
     def prefetch_tokens(self, mV, mG, m_rhs, m_qg, m_kd, h, c0, row0, count, tid):
@@ -810,8 +888,8 @@ class DecayedTokensBwdStampsSm90(DecayedTokensBwdSm90):
     """The fused kernel's stamps variant (a diagnostic): one more result after dbeta, stamps
     int32 [slots, H, 2, len(DECAYED_STAMPS)], each (slot, head, half) CTA's clocks."""
 
-    def __init__(self, scale: float, prefetch: bool = False):
-        super().__init__(scale, stamps=True, prefetch=prefetch)
+    def __init__(self, scale: float, prefetch: bool = False, batched_back: bool = False):
+        super().__init__(scale, stamps=True, prefetch=prefetch, batched_back=batched_back)
 
     @cute.jit
     def __call__(
