@@ -577,6 +577,8 @@ class DecayedTokensBwdSm90(DecayedBwdSm90):
         packed cotangent image's words [40, 48) KiB, which the load phase zeroed: zeroed again
         here, behind a barrier either side."""
         s_region, s_q, s_k, s_gam, s_dkk, s_dqk = shared[:6]
+        if cutlass.const_expr(split_cotangents(s_dkk.element_type)):
+            raise TypeError("batched_back takes bf16 cotangents (its images and passes are theirs)")
         qk_scale = self.qk_scale
         raw = s_region.iterator
         a_bytes = back_a_bytes(False)
