@@ -212,6 +212,48 @@ class DecayedBwdSm90:
                        mDgamma[slot, h, None, None], c0, tid)  # fmt: skip
 
     @cute.jit
+    def _back_images(self, shared, s_back_a, s_back_b, b: cutlass.Constexpr[int], pairwise, shift,
+                     g8, tid, a_passes: cutlass.Constexpr[int]):  # fmt: skip
+        """Block b's two back-product images: the cotangents' columns of its rows, [d_kk |
+        d_a](rows of b, j)^T, into s_back_a (rows j, K 32; by put_piece's rule for a_passes),
+        and [kl | ql] of its rows into s_back_b (channels, K 32 hi | 32 lo); no fence or
+        barrier (the caller's)."""
+        _, s_q, s_k, s_gam, s_dkk, s_dqk = shared[:6]
+        qk_scale = self.qk_scale
+        # rows j < 16 (b + 1) only: the rows past them pair with nothing in block b, and the
+        # epilogue below drops their outputs whatever the image held there
+        # task (row j, K columns 8 q .. 8 q + 7): column c < 16 takes d_kk[16 b + c, j],
+        # c >= 16 d_a[16 b + c - 16, j]; zero where j pairs with nothing here
+        tasks = BLOCK * (b + 1) * SIDE // EIGHT
+        for t in cutlass.range_constexpr((tasks + NTHREADS - 1) // NTHREADS):
+            task = tid + t * NTHREADS
+            if task < tasks:
+                j = task // (SIDE // EIGHT)
+                c8 = EIGHT * (task % (SIDE // EIGHT))
+                w = cute.make_rmem_tensor((EIGHT,), Float32)
+                w.fill(0.0)
+                if j < BLOCK * b or pairwise == Int32(0):
+                    if c8 < BLOCK:
+                        for x in cutlass.range_constexpr(EIGHT):
+                            w[x] = Float32(s_dkk[BLOCK * b + c8 + x, j])
+                    else:
+                        for x in cutlass.range_constexpr(EIGHT):
+                            w[x] = Float32(s_dqk[BLOCK * b + c8 - BLOCK + x, j])
+                put_piece(s_back_a, j, c8, w.load(), False, SIDE, a_passes)
+        # [kl | ql] of the block's rows: thread (row c, channels g8 .. g8 + 7)
+        c = tid // (CH // EIGHT)
+        i = BLOCK * b + c
+        r = exp_fast(
+            load_f32(s_gam[i, None], g8, EIGHT)
+            - load_f32(s_gam[BLOCK * b + shift, None], g8, EIGHT)
+        )
+        ql = load_f32(s_q[i, None], g8, EIGHT) * r
+        if cutlass.const_expr(qk_scale != 1.0):
+            ql = ql * Float32(qk_scale)
+        put_piece(s_back_b, g8, c, load_f32(s_k[i, None], g8, EIGHT) * r, True, SIDE)
+        put_piece(s_back_b, g8, BLOCK + c, ql, True, SIDE)
+
+    @cute.jit
     def stamp(self, mStamps, index: cutlass.Constexpr[int], tid):
         """The stamps variant's clock after a phase (thread 0's, raw): DECAYED_STAMPS."""
         if cutlass.const_expr(self.stamps):
@@ -259,38 +301,7 @@ class DecayedBwdSm90:
         f_b = mma.make_fragment_B(thr.partition_B(s_back_b))
         acc_sum.fill(0.0)
         for b in cutlass.range_constexpr(0 if self.batched_back else BLOCKS):
-            # rows j < 16 (b + 1) only: the rows past them pair with nothing in block b, and the
-            # epilogue below drops their outputs whatever the image held there
-            # task (row j, K columns 8 q .. 8 q + 7): column c < 16 takes d_kk[16 b + c, j],
-            # c >= 16 d_a[16 b + c - 16, j]; zero where j pairs with nothing here
-            tasks = BLOCK * (b + 1) * SIDE // EIGHT
-            for t in cutlass.range_constexpr((tasks + NTHREADS - 1) // NTHREADS):
-                task = tid + t * NTHREADS
-                if task < tasks:
-                    j = task // (SIDE // EIGHT)
-                    c8 = EIGHT * (task % (SIDE // EIGHT))
-                    w = cute.make_rmem_tensor((EIGHT,), Float32)
-                    w.fill(0.0)
-                    if j < BLOCK * b or pairwise == Int32(0):
-                        if c8 < BLOCK:
-                            for x in cutlass.range_constexpr(EIGHT):
-                                w[x] = Float32(s_dkk[BLOCK * b + c8 + x, j])
-                        else:
-                            for x in cutlass.range_constexpr(EIGHT):
-                                w[x] = Float32(s_dqk[BLOCK * b + c8 - BLOCK + x, j])
-                    put_piece(s_back_a, j, c8, w.load(), False, SIDE, a_passes)
-            # [kl | ql] of the block's rows: thread (row c, channels g8 .. g8 + 7)
-            c = tid // (CH // EIGHT)
-            i = BLOCK * b + c
-            r = exp_fast(
-                load_f32(s_gam[i, None], g8, EIGHT)
-                - load_f32(s_gam[BLOCK * b + shift, None], g8, EIGHT)
-            )
-            ql = load_f32(s_q[i, None], g8, EIGHT) * r
-            if cutlass.const_expr(qk_scale != 1.0):
-                ql = ql * Float32(qk_scale)
-            put_piece(s_back_b, g8, c, load_f32(s_k[i, None], g8, EIGHT) * r, True, SIDE)
-            put_piece(s_back_b, g8, BLOCK + c, ql, True, SIDE)
+            self._back_images(shared, s_back_a, s_back_b, b, pairwise, shift, g8, tid, a_passes)
             cute.arch.fence_proxy("async.shared", space="cta")
             cute.arch.sync_threads()
             product_passes(mma, acc_x, f_a, f_b, SIDE // 16, False, passes)
@@ -576,10 +587,9 @@ class DecayedTokensBwdSm90(DecayedBwdSm90):
         build, barrier, K = 32 product, epilogue and barrier. The B images reach into the
         packed cotangent image's words [40, 48) KiB, which the load phase zeroed: zeroed again
         here, behind a barrier either side."""
-        s_region, s_q, s_k, s_gam, s_dkk, s_dqk = shared[:6]
+        s_region, s_gam, s_dkk = shared[0], shared[3], shared[4]
         if cutlass.const_expr(split_cotangents(s_dkk.element_type)):
             raise TypeError("batched_back takes bf16 cotangents (its images and passes are theirs)")
-        qk_scale = self.qk_scale
         raw = s_region.iterator
         a_bytes = back_a_bytes(False)
         a_layout = image_layout(ROWS, SIDE)
@@ -588,33 +598,7 @@ class DecayedTokensBwdSm90(DecayedBwdSm90):
         for b in cutlass.range_constexpr(BLOCKS):
             s_back_a = view(raw, b * a_bytes, a_layout)
             s_back_b = view(raw, b_base + b * BACK_B_BYTES, b_layout)
-            tasks = BLOCK * (b + 1) * SIDE // EIGHT
-            for t in cutlass.range_constexpr((tasks + NTHREADS - 1) // NTHREADS):
-                task = tid + t * NTHREADS
-                if task < tasks:
-                    j = task // (SIDE // EIGHT)
-                    c8 = EIGHT * (task % (SIDE // EIGHT))
-                    w = cute.make_rmem_tensor((EIGHT,), Float32)
-                    w.fill(0.0)
-                    if j < BLOCK * b or pairwise == Int32(0):
-                        if c8 < BLOCK:
-                            for x in cutlass.range_constexpr(EIGHT):
-                                w[x] = Float32(s_dkk[BLOCK * b + c8 + x, j])
-                        else:
-                            for x in cutlass.range_constexpr(EIGHT):
-                                w[x] = Float32(s_dqk[BLOCK * b + c8 - BLOCK + x, j])
-                    put_piece(s_back_a, j, c8, w.load(), False, SIDE, 1)
-            c = tid // (CH // EIGHT)
-            i = BLOCK * b + c
-            r = exp_fast(
-                load_f32(s_gam[i, None], g8, EIGHT)
-                - load_f32(s_gam[BLOCK * b + shift, None], g8, EIGHT)
-            )
-            ql = load_f32(s_q[i, None], g8, EIGHT) * r
-            if cutlass.const_expr(qk_scale != 1.0):
-                ql = ql * Float32(qk_scale)
-            put_piece(s_back_b, g8, c, load_f32(s_k[i, None], g8, EIGHT) * r, True, SIDE)
-            put_piece(s_back_b, g8, BLOCK + c, ql, True, SIDE)
+            self._back_images(shared, s_back_a, s_back_b, b, pairwise, shift, g8, tid, 1)
         cute.arch.fence_proxy("async.shared", space="cta")
         cute.arch.sync_threads()
         acc_sum.fill(0.0)
