@@ -92,9 +92,8 @@ class Artifact:
     object_bytes: bytes
     header: str
     tensors: tuple[TensorAbi, ...]  # in launcher argument order (the stream comes last)
-    dtypes: tuple[
-        str, ...
-    ] = ()  # each tensor's element type as numpy names it (checked by cute_call)
+    # each tensor's element type as numpy names it (cute_call checks the buffers against it)
+    dtypes: tuple[str, ...] = ()
 
     @functools.cached_property
     def object_sha256(self) -> str:
