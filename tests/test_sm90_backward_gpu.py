@@ -1281,7 +1281,8 @@ def test_decayed_tokens_bwd_kernel_equals_the_two_kernels(case):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=name)
     # the opt-in variants (the L2 prefetch of the tokens' inputs; the back products' images
     # built at once): the same arithmetic, every result bit for bit, none NaN
-    for variant in ({"prefetch": True}, {"batched_back": True}):
+    both = {"prefetch": True, "batched_back": True}
+    for variant in ({"prefetch": True}, {"batched_back": True}, both):
         other = fused_with(sm90.decayed_tokens_bwd_artifact(0.3, **variant))(*args)
         for name, a, b in zip(names, other, ours, strict=True):
             a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)

@@ -72,10 +72,11 @@ def _main():
     gate_bound += [(heads, every) for heads in (2, 12, 16)]
     for heads, prep in gate_bound:
         sm90.forward_artifact(heads, default_scale(), prep)
-    for prefetch, batched in ((False, False), (True, False), (False, True)):
+    for prefetch, batched in ((False, False), (True, False), (False, True), (True, True)):
         # benchmarks/decayed_bwd_phases.py [--prefetch] [--batched-back]
         sm90.decayed_tokens_bwd_artifact(default_scale(), True, prefetch, batched)
-    sm90.decayed_tokens_bwd_artifact(0.3, False, False, True)  # its GPU test
+    for prefetch, batched in ((False, False), (True, False), (False, True), (True, True)):
+        sm90.decayed_tokens_bwd_artifact(0.3, False, prefetch, batched)  # its GPU test
     for residuals in (False, True):  # benchmarks/chunk_core_phases.py's diagnostic
         sm90.chunk_operands_artifact(default_scale(), 1, residuals, stamps=True)
     for scale in (0.3, default_scale()):

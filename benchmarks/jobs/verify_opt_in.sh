@@ -57,7 +57,7 @@ if [ "$mode" = quick ]; then
     "$t::test_decayed_tokens_bwd_kernel_equals_the_two_kernels" \
     > "$out/tests-decayed-variants.log" 2>&1
   echo "decayed backward variant tests rc=$?"; tail -2 "$out/tests-decayed-variants.log"
-  for variant in "" --prefetch --batched-back; do
+  for variant in "" --prefetch --batched-back "--prefetch --batched-back"; do
     timeout "$(limit 60)" python3 -m benchmarks.decayed_bwd_phases $variant \
       >> "$out/decayed-bwd-phases.log" 2>&1
     echo "decayed backward phases $variant rc=$?"
