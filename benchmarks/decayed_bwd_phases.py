@@ -12,7 +12,8 @@ prints, per shape, the median cycles of each phase and its share of a CTA, the C
 durations, how many ran at once on average and the kernel's span. Its inputs: the chunk core's
 Gamma of production-gate data (so the anchors are the ones a real step takes) and random
 cotangents (the kernel's work does not depend on their values). --prefetch times the opt-in
-variant that asks the tokens' phase's inputs into L2 at each CTA's start; --batched-back the
+variant that asks the tokens' phase's inputs into L2 at each CTA's start (and, as its products
+begin, the first loads of the CTA that starts about when it ends); --batched-back the
 one that builds the four back products' images at once behind one barrier.
 """
 

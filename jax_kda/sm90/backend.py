@@ -1654,7 +1654,8 @@ def decayed_tokens_bwd_artifact(
     variant that also writes each CTA's phase clocks (the kernel module's DECAYED_STAMPS;
     benchmarks/decayed_bwd_phases.py reads them). prefetch (opt-in, not yet run on a GPU):
     the tokens' phase's inputs asked into L2 at the CTA's start
-    (DecayedTokensBwdSm90.prefetch_tokens). batched_back (opt-in, not yet run on a GPU): the
+    (DecayedTokensBwdSm90.prefetch_tokens), and the first loads of the CTA that starts about
+    when this one ends (prefetch_ahead). batched_back (opt-in, not yet run on a GPU): the
     four back products' images built at once behind one barrier (_batched_back)."""
     import cutlass.cute as cute
     from cutlass import BFloat16, Float32, Int32

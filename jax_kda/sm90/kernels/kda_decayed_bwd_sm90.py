@@ -90,6 +90,10 @@ assert 4 * (ROWS * SIDE * 2 + BACK_B_BYTES) <= RT_BYTES + ROWS * PACKED * 2, "ba
 STAGE_ROW = CH + 4
 STAGE_BYTES = ROWS * STAGE_ROW * 4
 PART_BYTES = 2 * 2 * CH * 4
+AHEAD_CTAS = 2 * 132
+"""The prefetch variant's look-ahead in launch order (prefetch_ahead): two CTAs on each of an
+H100's or H200's 132 SMs, so about one CTA's lifetime ahead. A hint only: on another device it
+costs L2 traffic, never results."""
 DECAYED_PHASES = (
     "loads",
     "back products",
@@ -566,6 +570,8 @@ class DecayedTokensBwdSm90(DecayedBwdSm90):
         _zero_words(s_region, RT_BYTES // 4, w_bytes(False) // 4, tid)
         cute.arch.sync_threads()
         self.stamp(mStamps, 1, tid)
+        if cutlass.const_expr(self.prefetch):
+            self.prefetch_ahead(mQ, mK, mCu, mGamma, mDkk, mDqk, tid)
         self._products(shared, mma, None, None, None, c0, tid, True, mStamps)
         self._tokens(shared, mV, mG, mBeta, mDrhs[slot, h, None, None], mDqg[slot, h, None, None],
                      mDkd[slot, h, None, None], mDdecay[slot, h, None], mDbetaKk[slot, h, None],
@@ -641,6 +647,41 @@ class DecayedTokensBwdSm90(DecayedBwdSm90):
                 cute.arch.prefetch(v_at.to_llvm_ptr(), cache_level="L2")
                 cute.arch.prefetch(g_at.to_llvm_ptr(), cache_level="L2")
                 cute.arch.prefetch((g_at + CH // 2).to_llvm_ptr(), cache_level="L2")
+
+    @cute.jit
+    def prefetch_ahead(self, mQ, mK, mCu, mGamma, mDkk, mDqk, tid):
+        """The prefetch variant's second hint (opt-in, not yet run on a GPU): the first loads'
+        lines (_load_rows: q and k of the chunk's tokens, Gamma, d_kk and d_a) of the CTA
+        AHEAD_CTAS after this one in launch order, which starts about when this one ends, asked
+        into L2 as this one's products begin, so that HBM works while the SM computes (those
+        loads take 10-11k cycles at two CTAs an SM against 2.7k alone, H100: DECAYED_PHASES).
+        Thread (row i, part): q's or k's 128-byte line of row i's token, and Gamma's two lines
+        or d_kk's and d_a's line of row i."""
+        slot, h, half = cute.arch.block_idx()
+        slots = mGamma.shape[0]
+        heads = mGamma.shape[1]
+        item = slot + slots * (h + heads * half) + AHEAD_CTAS
+        if item < slots * heads * HALVES:
+            a_slot = item % slots
+            a_h = (item // slots) % heads
+            a_c0 = (item // (slots * heads)) * CH
+            row0, count = slot_rows(mCu, a_slot, mQ.shape[0], SCAN_CHUNK)
+            i = tid % ROWS
+            if tid < ROWS:
+                if i < count:
+                    at_q = mQ[row0 + i, a_h, None].iterator + a_c0
+                    cute.arch.prefetch(at_q.to_llvm_ptr(), cache_level="L2")
+                gam = mGamma[a_slot, a_h, i, None].iterator + a_c0  # 64 float32: two lines
+                cute.arch.prefetch(gam.to_llvm_ptr(), cache_level="L2")
+                cute.arch.prefetch((gam + CH // 2).to_llvm_ptr(), cache_level="L2")
+            else:
+                if i < count:
+                    at_k = mK[row0 + i, a_h, None].iterator + a_c0
+                    cute.arch.prefetch(at_k.to_llvm_ptr(), cache_level="L2")
+                at_kk = mDkk[a_slot, a_h, i, None].iterator
+                at_qk = mDqk[a_slot, a_h, i, None].iterator
+                cute.arch.prefetch(at_kk.to_llvm_ptr(), cache_level="L2")
+                cute.arch.prefetch(at_qk.to_llvm_ptr(), cache_level="L2")
 
     @cute.jit
     def _tokens(self, shared, mV, mG, mBeta, m_rhs, m_qg, m_kd, m_decay, m_beta_kk, mDq, mDk,
