@@ -727,6 +727,31 @@ def test_training_forward_lowers_to_the_tokens_bwd_kernel_unless_switched_off(to
 
 
 @pytest.mark.parametrize(
+    "trial, suffix", [("", "_"), ("prefetch", "_pf_"), ("prefetch,batched_back", "_pf_bb_")]
+)
+def test_decayed_bwd_trial_variable_picks_the_fused_kernels_variant(monkeypatch, trial, suffix):
+    """$JAX_KDA_DECAYED_BWD_TRIAL (a benchmarking knob) puts the named opt-in variant of the fused
+    decayed and tokens' backward into a training call's backward; a bad value is named."""
+    x = production_inputs([300, 0, 77], 2, seed=8)
+    monkeypatch.setenv(sm90.backend.DECAYED_BWD_TRIAL_ENV, trial)
+
+    def step(q, k, v, g, beta, cu, state):
+        def forward(q, k, v, g, beta, state):
+            return sm90.training_forward(q, k, v, g, beta, cu, state, 0.3)
+
+        out, pullback = jax.vjp(forward, q, k, v, g, beta, state)
+        return pullback(out)
+
+    prefixes = set(re.findall(r'prefix = "(kda_decayed_tokens_bwd_sm90\w+)"', _lower(step, *x)))
+    assert len(prefixes) == 1, prefixes
+    (prefix,) = prefixes
+    assert re.fullmatch(f"kda_decayed_tokens_bwd_sm90{suffix}[0-9a-f]+", prefix), prefix
+    monkeypatch.setenv(sm90.backend.DECAYED_BWD_TRIAL_ENV, "batched")
+    with pytest.raises(ValueError, match=r"\$JAX_KDA_DECAYED_BWD_TRIAL: got 'batched'"):
+        sm90.backend.decayed_bwd_trial()
+
+
+@pytest.mark.parametrize(
     "dense_precision, ops", [(None, None), ("bf16", None), ("bf16x3", 3), ("float32", None)]
 )
 def test_training_forward_dense_precision_lowers_to_its_bf16_passes(dense_precision, ops):

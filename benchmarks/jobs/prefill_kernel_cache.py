@@ -75,6 +75,8 @@ def _main():
     for prefetch, batched in ((False, False), (True, False), (False, True), (True, True)):
         # benchmarks/decayed_bwd_phases.py [--prefetch] [--batched-back]
         sm90.decayed_tokens_bwd_artifact(default_scale(), True, prefetch, batched)
+        # training's, under $JAX_KDA_DECAYED_BWD_TRIAL (sm90.backend.decayed_bwd_trial)
+        sm90.decayed_tokens_bwd_artifact(default_scale(), False, prefetch, batched)
     for prefetch, batched in ((False, False), (True, False), (False, True), (True, True)):
         sm90.decayed_tokens_bwd_artifact(0.3, False, prefetch, batched)  # its GPU test
     for residuals in (False, True):  # benchmarks/chunk_core_phases.py's diagnostic

@@ -1739,8 +1739,33 @@ def decayed_tokens_bwd_kernel(scale, tokens, cu_seqlens, rows, gamma, d_kk, d_at
         *(x.astype(bf16) for x in (d_kk, d_attn, d_rhs, d_qg, d_kd)),
         *(x.astype(f32) for x in (d_decay, d_beta_kk)),
     ]
-    out = cute_call(decayed_tokens_bwd_artifact(scale), inputs, results)
+    out = cute_call(
+        decayed_tokens_bwd_artifact(scale, False, *decayed_bwd_trial()), inputs, results
+    )
     return tokens_bwd_results(out)
+
+
+DECAYED_BWD_TRIAL_ENV = "JAX_KDA_DECAYED_BWD_TRIAL"
+_DECAYED_BWD_TRIALS = {
+    "": (False, False),
+    "prefetch": (True, False),
+    "batched_back": (False, True),
+    "prefetch,batched_back": (True, True),
+}
+
+
+def decayed_bwd_trial() -> tuple[bool, bool]:
+    """(prefetch, batched_back) of the fused decayed and tokens' backward that training runs:
+    the default kernel's, unless $JAX_KDA_DECAYED_BWD_TRIAL names opt-in variants to try in a
+    benchmark ("prefetch", "batched_back" or "prefetch,batched_back"; read when a call is
+    traced). A benchmarking knob for variants on their way to the GPU machine, not a setting."""
+    value = os.environ.get(DECAYED_BWD_TRIAL_ENV, "")
+    if value not in _DECAYED_BWD_TRIALS:
+        raise ValueError(
+            f"${DECAYED_BWD_TRIAL_ENV}: got {value!r}, expected one of "
+            f"{sorted(_DECAYED_BWD_TRIALS)}"
+        )
+    return _DECAYED_BWD_TRIALS[value]
 
 
 def decayed_tokens_bwd_stamps(
