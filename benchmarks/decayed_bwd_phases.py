@@ -11,10 +11,7 @@ at each phase's end (DECAYED_PHASES) and the global timer at the CTA's start and
 prints, per shape, the median cycles of each phase and its share of a CTA, the CTAs'
 durations, how many ran at once on average and the kernel's span. Its inputs: the chunk core's
 Gamma of production-gate data (so the anchors are the ones a real step takes) and random
-cotangents (the kernel's work does not depend on their values). --prefetch times the opt-in
-variant that asks the tokens' phase's inputs into L2 at each CTA's start (and, as its products
-begin, the first loads of the CTA that starts about when it ends); --batched-back the
-one that builds the four back products' images at once behind one barrier.
+cotangents (the kernel's work does not depend on their values).
 """
 
 from __future__ import annotations
@@ -29,12 +26,6 @@ from benchmarks.chunk_core_phases import format_table, phase_table
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--only", default="2048x12x1,8192x16x1,33x2x3-ragged")
-    parser.add_argument(
-        "--prefetch", action="store_true", help="the variant that prefetches the tokens' inputs"
-    )
-    parser.add_argument(
-        "--batched-back", action="store_true", help="the back products' images built at once"
-    )
     options = parser.parse_args(argv)
 
     import jax
@@ -52,7 +43,7 @@ def main(argv=None):
     shapes, _ = select(parse_only(options.only), ALL_SHAPES, [])
     scale = default_scale()
     core = jax.jit(sm90.chunk_core_kernel, static_argnums=(6, 7, 8, 9))
-    run = jax.jit(sm90.backend.decayed_tokens_bwd_stamps, static_argnums=(0, 7, 8))
+    run = jax.jit(sm90.backend.decayed_tokens_bwd_stamps, static_argnums=0)
     for shape in shapes:
         x = production_inputs(list(shape.lengths), shape.heads, seed=0)
         tokens = [jnp.asarray(a) for a in x[:5]]
@@ -74,8 +65,7 @@ def main(argv=None):
             random((*chunk, 128)),
             random((slots, shape.heads, 128), jnp.float32),
         )
-        call = (scale, tuple(tokens), cu, gamma, d_kk, d_attn, cotangents, options.prefetch,
-                options.batched_back)  # fmt: skip
+        call = (scale, tuple(tokens), cu, gamma, d_kk, d_attn, cotangents)
         jax.block_until_ready(run(*call))  # compile, and a first run
         stamps = np.asarray(run(*call))
         print(format_table(shape.name, phase_table(stamps, DECAYED_PHASES)), flush=True)

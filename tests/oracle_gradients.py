@@ -177,3 +177,59 @@ def prepared_check(x: RawInputs, lower_bound, bar, seed, **options):
         # ([300, 0, 77, 130], H = 2, HV = 4); a missed path is off by O(1).
         assert error <= (2 * bar if name == "dA_log" else bar), (name, error)
     return errors, np.asarray(o)
+
+
+PREPARATIONS = [
+    (norm, gate, beta, grouped)
+    for norm in (False, True)
+    for gate in (False, True)
+    for beta in (False, True)
+    for grouped in (False, True)
+    if norm or gate or beta or grouped
+]
+"""Every combination of the in-kernel preparations (qk_l2norm, gate, beta_logits, grouped_qk),
+none alone excepted: the flags' settings prefill can hand to the kernels."""
+
+
+def preparation_id(combination) -> str:
+    names = ("norm", "gate", "beta", "gva")
+    return "+".join(n for n, on in zip(names, combination, strict=True) if on)
+
+
+def preparation_case(x: RawInputs, combination, lower_bound):
+    """One combination of the in-kernel preparations on raw inputs x (groups = HV / H value
+    heads a q head): (InputPrep, the raw inputs the kernel takes (q, k, v, g or a, beta or its
+    logits), its (A_log, dt_bias [HV, 128]) or (None, None), and the inputs the plain kernels
+    take, prepared in XLA by jax_kda.gate, q and k repeated over the groups). What a
+    combination leaves out comes prepared: q and k normalised ahead, g the gate of a (the safe
+    form with lower_bound, else fla's softplus form), beta the sigmoid of its logits."""
+    from jax_kda import gate
+    from jax_kda.sm90.kernels.input_prep import InputPrep
+
+    norm, with_gate, logits, grouped = combination
+    groups = x.v.shape[1] // x.q.shape[1]
+    q, k, v, a, beta = (jnp.asarray(t) for t in (x.q, x.k, x.v, x.a, x.beta))
+    a_log = jnp.asarray(x.a_log)
+    dt_bias = jnp.asarray(x.dt_bias).reshape(x.v.shape[1], 128)
+    g = gate.kda_gate(a, a_log, dt_bias, lower_bound=lower_bound)
+    b = jax.nn.sigmoid(beta)
+    q_norm, k_norm = gate.l2_normalize(q), gate.l2_normalize(k)
+    prepared = (
+        *(jnp.repeat(t, groups, axis=1) for t in (q_norm, k_norm)),
+        v,
+        g,
+        b,
+    )
+    raw_q, raw_k = (q, k) if norm else (q_norm, k_norm)
+    if not grouped:
+        raw_q, raw_k = prepared[:2] if not norm else (jnp.repeat(t, groups, axis=1) for t in (q, k))
+    raw = (raw_q, raw_k, v, a if with_gate else g, beta if logits else b)
+    prep = InputPrep(
+        qk_l2norm=norm,
+        gate=with_gate,
+        lower_bound=lower_bound if with_gate else None,
+        beta_logits=logits,
+        grouped_qk=grouped,
+    )
+    params = (a_log, dt_bias) if with_gate else (None, None)
+    return prep, raw, params, prepared

@@ -13,7 +13,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from oracle_gradients import float64_gradients, loss_weights, prepared_check, raw_inputs
+from oracle_gradients import (
+    PREPARATIONS,
+    float64_gradients,
+    loss_weights,
+    preparation_id,
+    prepared_check,
+    raw_inputs,
+)
 from scan_cases import scan_operands
 from spec_cases import LONG_LENGTH, MANY_SEQUENCES, PACKED_LENGTHS, SINGLE_LENGTHS
 
@@ -989,6 +996,62 @@ def test_chunk_core_prepares_raw_inputs_as_the_xla_preparation(
     assert o_error <= RMS_RATIO_BAR and final_error <= RMS_RATIO_BAR, (o_error, final_error)
 
 
+CORE_PREPARATIONS = [
+    (combination, bound)
+    for combination in PREPARATIONS
+    for bound in ((None, LB) if combination[1] else (None,))
+]
+"""The chunk core's in-kernel preparations: every combination, the gate in fla's softplus form
+and in the safe form (a bound given with sm90_exact)."""
+
+
+@pytest.mark.parametrize(
+    "combination, lower_bound",
+    CORE_PREPARATIONS,
+    ids=[f"{preparation_id(c)}-lb={b}" for c, b in CORE_PREPARATIONS],
+)
+def test_chunk_core_prepares_every_combination(combination, lower_bound):
+    """Every combination of the forward-alone chunk core's in-kernel preparations
+    (oracle_gradients.preparation_case) on raw inputs, ragged with an empty and a 1-token
+    sequence: every output against the plain kernel on the inputs prepared in XLA (close: the
+    preparation's roundings may differ by an ulp), none NaN; then o and the final states
+    through the scan with the outputs (NaN-poisoned) against the float64 oracle of the
+    prepared inputs, from a non-zero initial state."""
+    from oracle_gradients import preparation_case
+
+    register()
+    groups = 2 if combination[3] else 1
+    lengths = [130, 0, 70, 1]
+    seed = SEED + 31 * sum(on << i for i, on in enumerate(combination)) + (lower_bound is None)
+    x = raw_inputs(lengths, 2, 2 * groups, seed=seed)
+    tokens = x.q.shape[0]
+    cu = jnp.asarray(x.cu_seqlens, jnp.int32)
+    num_slots = xla.chunk_slot_count(tokens, len(lengths))
+    prep, raw, params, prepared = preparation_case(x, combination, lower_bound)
+    core = jax.jit(sm90.chunk_core_kernel, static_argnums=(6, 7, 8, 9, 10, 11))
+    plain = core(*prepared, cu, num_slots, 0.3, 1, False, False, None)
+    fused = core(*raw, cu, num_slots, 0.3, 1, False, False, prep, *params)
+    label = f"{preparation_id(combination)} lb={lower_bound} seed={seed}"
+    names = ("w", "u", "qg", "attn", "kd", "decay")
+    for name, want, got in zip(names, plain[:6], fused[:6], strict=True):
+        want, got = np.asarray(want, np.float32), np.asarray(got, np.float32)
+        assert not np.isnan(got).any(), name
+        error = rms_ratio(got, want)
+        print(f"{label} {name}: {error:.1e}")
+        assert error <= 5e-3, (name, error)
+    y0 = jnp.swapaxes(jnp.asarray(x.initial_state, jnp.float32), -1, -2)
+    final, o = _scan_with_outputs(fused, cu, y0, tokens, SCAN_TC_V_SLICES[0], False)
+    with jax.enable_x64(True):
+        f64 = [np.asarray(t, np.float64) for t in prepared]
+        ref_o, ref_final = recurrent_oracle(
+            *f64, x.cu_seqlens, np.asarray(x.initial_state, np.float64), scale=0.3
+        )
+    o_error = rms_ratio(np.asarray(o, np.float32), np.asarray(ref_o))
+    final_error = rms_ratio(np.asarray(final), np.asarray(ref_final))
+    print(f"{label}: o {o_error:.1e}, final {final_error:.1e} (bar {RMS_RATIO_BAR})")
+    assert o_error <= RMS_RATIO_BAR and final_error <= RMS_RATIO_BAR, (o_error, final_error)
+
+
 def _scan_order(rows: int, cols: int) -> np.ndarray:
     """Flat offsets in the scan's operand order (chunk_io.scan_order_offset) of a [rows, cols]
     chunk array's elements, row-major."""
@@ -1155,8 +1218,7 @@ def test_decayed_tokens_bwd_kernel_equals_the_two_kernels(case):
     against the two kernels it replaces run one after the other (each checked against XLA
     above) on the chunk core's gamma and random bf16 cotangents: dq, dk, dv element by element,
     dg and dbeta (float32 sums in another order, with cancellation) by the tokens kernel's bar
-    against the two kernels and against the XLA statement of the tokens' part (the opt-in
-    prefetch and batched_back variants against it bit for bit); every
+    against the two kernels and against the XLA statement of the tokens' part; every
     result in the tokens' rows NaN-poisoned, dbeta's two partial sums each, both anchors and
     the pairwise diagonal blocks in either half of the channels, ragged, empty and gap slots,
     no tokens at all, gates at the floor (the first chunk only, so that the other chunks keep
@@ -1279,15 +1341,6 @@ def test_decayed_tokens_bwd_kernel_equals_the_two_kernels(case):
     public = wrapper(0.3, token_inputs, cu, None, gamma, d_kk, d_attn, cotangents)
     for name, a, b in zip(names, public, sm90.tokens_bwd_results(ours), strict=True):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=name)
-    # the opt-in variants (the L2 prefetch of the tokens' inputs; the back products' images
-    # built at once): the same arithmetic, every result bit for bit, none NaN
-    both = {"prefetch": True, "batched_back": True}
-    for variant in ({"prefetch": True}, {"batched_back": True}, both):
-        other = fused_with(sm90.decayed_tokens_bwd_artifact(0.3, **variant))(*args)
-        for name, a, b in zip(names, other, ours, strict=True):
-            a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
-            assert not np.isnan(a).any(), (variant, name)
-            np.testing.assert_array_equal(a, b, err_msg=f"{variant} {name}")
 
 
 def _training_case(data, seed):

@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from oracle_gradients import PREPARATIONS, preparation_id
 from spec_cases import LONG_LENGTH, MANY_SEQUENCES, PACKED_LENGTHS, SINGLE_LENGTHS
 
 import jax_kda
@@ -163,6 +164,59 @@ def test_gate_bound_forward_prepares_raw_inputs_as_the_xla_preparation(case):
         for s, n in enumerate(lengths):
             if n == 0:
                 np.testing.assert_array_equal(got_final[s], x.initial_state[s])
+
+
+@pytest.mark.parametrize("combination", PREPARATIONS, ids=preparation_id)
+def test_gate_bound_forward_prepares_every_combination(combination):
+    """Every combination of the gate-bound forward's in-kernel preparations (the L2 norm, the
+    safe gate, beta logits, grouped value heads; oracle_gradients.preparation_case) on raw
+    inputs, ragged with an empty and a 1-token sequence, from a non-zero initial state, o, the
+    final state and the workspace NaN-poisoned, planned and cut into FORCED_SPLIT segments:
+    against the plain kernel on the inputs prepared in XLA (close: the preparation's roundings
+    may differ by an ulp) and the float64 oracle of the prepared inputs; the empty sequence
+    keeps its initial state bit for bit."""
+    from oracle_gradients import preparation_case, raw_inputs
+
+    register()
+    groups = 2 if combination[3] else 1
+    lengths = [130, 0, 70, 1]
+    seed = SEED + 29 * sum(on << i for i, on in enumerate(combination))
+    x = raw_inputs(lengths, 2, 2 * groups, seed=seed)
+    heads = 2 * groups
+    prep, raw, params, prepared = preparation_case(x, combination, LB)
+    params = [p for p in params if p is not None]
+    cu = jnp.asarray(x.cu_seqlens, jnp.int32)
+    state = jnp.asarray(x.initial_state)
+    tokens = int(x.cu_seqlens[-1])
+    with jax.enable_x64(True):
+        f64 = [np.asarray(t, np.float64) for t in prepared]
+        ref_o, ref_final = recurrent_oracle(
+            *f64, x.cu_seqlens, np.asarray(x.initial_state, np.float64), scale=default_scale()
+        )
+    for forced in (None, FORCED_SPLIT):
+        results = sm90.result_shapes(tokens, heads, len(lengths), forced)
+        plain = functools.partial(
+            _poisoned_call, sm90.forward_artifact(heads, default_scale()), results
+        )
+        fused = functools.partial(
+            _poisoned_call, sm90.forward_artifact(heads, default_scale(), prep), results
+        )
+        want_o, want_final = jax.jit(plain)(*prepared, cu, state)
+        got_o, got_final = jax.jit(fused)(*raw, cu, *params, state)
+        got_o, got_final = np.asarray(got_o, np.float32), np.asarray(got_final)
+        assert not np.isnan(got_o).any() and not np.isnan(got_final).any()
+        errors = {
+            "final vs plain": rms_ratio(got_final, want_final),
+            "final vs float64": rms_ratio(got_final, ref_final),
+            "o vs plain": rms_ratio(got_o, want_o),
+            "o vs float64": rms_ratio(got_o, ref_o),
+        }
+        print(f"{preparation_id(combination)} seed={seed} segments={forced}: "
+              + ", ".join(f"{n} {e:.1e}" for n, e in errors.items()))  # fmt: skip
+        assert errors["final vs plain"] <= 5e-3 and errors["o vs plain"] <= 5e-3
+        assert errors["final vs float64"] <= RMS_RATIO_BAR
+        assert errors["o vs float64"] <= RMS_RATIO_BAR
+        np.testing.assert_array_equal(got_final[1], x.initial_state[1])
 
 
 def _prefill(backend):

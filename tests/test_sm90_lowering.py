@@ -290,14 +290,6 @@ def test_decayed_tokens_bwd_stamps_variant_exports_and_lowers():
     gamma = jnp.zeros((3, 2, 64, 128), jnp.float32)
     hlo = _lower(stamps, tokens, cu, gamma, pairs, pairs, cotangents)
     assert re.findall(r'prefix = "(\w+)"', hlo) == [artifact.prefix]
-    # the opt-in prefetch and batched_back variants (not yet run on a GPU), plain and stamped:
-    # keys of their own
-    plain = sm90.decayed_tokens_bwd_artifact(0.3)
-    for stamped in (False, True):
-        for tag, variant in (("_pf_", (True, False)), ("_bb_", (False, True))):
-            other = sm90.decayed_tokens_bwd_artifact(0.3, stamped, *variant)
-            assert tag in other.prefix and other.key not in (plain.key, artifact.key)
-            assert len(other.tensors) == 19 + stamped
 
 
 def test_decayed_tokens_bwd_refuses_float32_cotangents():
@@ -724,31 +716,6 @@ def test_training_forward_lowers_to_the_tokens_bwd_kernel_unless_switched_off(to
     assert "kda_state_cotangent_sm90_vs16" in set(re.findall(r'prefix = "(\w+)"', text))
     with pytest.raises(ValueError, match="needs dense_bwd=True"):
         sm90.training_forward(*x[:7], 0.3, dense_bwd=False, tokens_bwd=True)
-
-
-@pytest.mark.parametrize(
-    "trial, suffix", [("", "_"), ("prefetch", "_pf_"), ("prefetch,batched_back", "_pf_bb_")]
-)
-def test_decayed_bwd_trial_variable_picks_the_fused_kernels_variant(monkeypatch, trial, suffix):
-    """$JAX_KDA_DECAYED_BWD_TRIAL (a benchmarking knob) puts the named opt-in variant of the fused
-    decayed and tokens' backward into a training call's backward; a bad value is named."""
-    x = production_inputs([300, 0, 77], 2, seed=8)
-    monkeypatch.setenv(sm90.backend.DECAYED_BWD_TRIAL_ENV, trial)
-
-    def step(q, k, v, g, beta, cu, state):
-        def forward(q, k, v, g, beta, state):
-            return sm90.training_forward(q, k, v, g, beta, cu, state, 0.3)
-
-        out, pullback = jax.vjp(forward, q, k, v, g, beta, state)
-        return pullback(out)
-
-    prefixes = set(re.findall(r'prefix = "(kda_decayed_tokens_bwd_sm90\w+)"', _lower(step, *x)))
-    assert len(prefixes) == 1, prefixes
-    (prefix,) = prefixes
-    assert re.fullmatch(f"kda_decayed_tokens_bwd_sm90{suffix}[0-9a-f]+", prefix), prefix
-    monkeypatch.setenv(sm90.backend.DECAYED_BWD_TRIAL_ENV, "batched")
-    with pytest.raises(ValueError, match=r"\$JAX_KDA_DECAYED_BWD_TRIAL: got 'batched'"):
-        sm90.backend.decayed_bwd_trial()
 
 
 @pytest.mark.parametrize(

@@ -72,13 +72,18 @@ def _main():
     gate_bound += [(heads, every) for heads in (2, 12, 16)]
     for heads, prep in gate_bound:
         sm90.forward_artifact(heads, default_scale(), prep)
-    for prefetch, batched in ((False, False), (True, False), (False, True), (True, True)):
-        # benchmarks/decayed_bwd_phases.py [--prefetch] [--batched-back]
-        sm90.decayed_tokens_bwd_artifact(default_scale(), True, prefetch, batched)
-        # training's, under $JAX_KDA_DECAYED_BWD_TRIAL (sm90.backend.decayed_bwd_trial)
-        sm90.decayed_tokens_bwd_artifact(default_scale(), False, prefetch, batched)
-    for prefetch, batched in ((False, False), (True, False), (False, True), (True, True)):
-        sm90.decayed_tokens_bwd_artifact(0.3, False, prefetch, batched)  # its GPU test
+    # every combination of the preparations (tests/oracle_gradients.py, PREPARATIONS): the
+    # gate-bound forward's at 2 q heads, the chunk core's with either gate form
+    for norm, gate, logits, grouped in itertools.product((False, True), repeat=4):
+        if not (norm or gate or logits or grouped):
+            continue
+        for bound in (-5.0, None) if gate else (None,):
+            prep = InputPrep(norm, gate, bound, logits, grouped)
+            sm90.chunk_operands_artifact(0.3, 1, False, False, prep)
+        prep = InputPrep(norm, gate, -5.0 if gate else None, logits, grouped)
+        sm90.forward_artifact(4 if grouped else 2, default_scale(), prep)
+    sm90.decayed_tokens_bwd_artifact(default_scale(), True)  # benchmarks/decayed_bwd_phases.py
+    sm90.decayed_tokens_bwd_artifact(0.3)  # its GPU test
     for residuals in (False, True):  # benchmarks/chunk_core_phases.py's diagnostic
         sm90.chunk_operands_artifact(default_scale(), 1, residuals, stamps=True)
     for scale in (0.3, default_scale()):

@@ -1645,18 +1645,12 @@ def tokens_bwd_results(outputs):
 
 
 @functools.cache
-def decayed_tokens_bwd_artifact(
-    scale: float, stamps: bool = False, prefetch: bool = False, batched_back: bool = False
-):
+def decayed_tokens_bwd_artifact(scale: float, stamps: bool = False):
     """The exported decayed products' backward with the tokens' backward fused after it
     (kernels/kda_decayed_bwd_sm90.py, DecayedTokensBwdSm90) for this scale: the dense kernel's
     bf16 cotangents; tokens, heads, slots and sequences symbolic. stamps (a diagnostic): the
     variant that also writes each CTA's phase clocks (the kernel module's DECAYED_STAMPS;
-    benchmarks/decayed_bwd_phases.py reads them). prefetch (opt-in, not yet run on a GPU):
-    the tokens' phase's inputs asked into L2 at the CTA's start
-    (DecayedTokensBwdSm90.prefetch_tokens), and the first loads of the CTA that starts about
-    when this one ends (prefetch_ahead). batched_back (opt-in, not yet run on a GPU): the
-    four back products' images built at once behind one barrier (_batched_back)."""
+    benchmarks/decayed_bwd_phases.py reads them)."""
     import cutlass.cute as cute
     from cutlass import BFloat16, Float32, Int32
 
@@ -1681,18 +1675,11 @@ def decayed_tokens_bwd_artifact(
     }
     scale_tag = hashlib.sha256(repr(scale).encode()).hexdigest()[:8]
     config = {"scale": repr(scale)}
-    suffix = ""
-    if prefetch:
-        config["prefetch"] = True
-        suffix += "_pf"
-    if batched_back:
-        config["batched_back"] = True
-        suffix += "_bb"
     if not stamps:
         return export(
-            DecayedTokensBwdSm90(scale, prefetch=prefetch, batched_back=batched_back),
+            DecayedTokensBwdSm90(scale),
             fakes,
-            prefix=f"kda_decayed_tokens_bwd_sm90{suffix}_{scale_tag}",
+            prefix=f"kda_decayed_tokens_bwd_sm90_{scale_tag}",
             config=config,
         )
     from jax_kda.sm90.kernels.kda_decayed_bwd_sm90 import (
@@ -1704,9 +1691,9 @@ def decayed_tokens_bwd_artifact(
     stamp_shape = (slots, heads, HALVES, len(DECAYED_STAMPS))
     fakes["stamps"] = row_major_fake(Int32, stamp_shape, align=4)
     return export(
-        DecayedTokensBwdStampsSm90(scale, prefetch, batched_back),
+        DecayedTokensBwdStampsSm90(scale),
         fakes,
-        prefix=f"kda_decayed_tokens_bwd_sm90_stamps{suffix}_{scale_tag}",
+        prefix=f"kda_decayed_tokens_bwd_sm90_stamps_{scale_tag}",
         config={**config, "stamps": True},
     )
 
@@ -1739,43 +1726,15 @@ def decayed_tokens_bwd_kernel(scale, tokens, cu_seqlens, rows, gamma, d_kk, d_at
         *(x.astype(bf16) for x in (d_kk, d_attn, d_rhs, d_qg, d_kd)),
         *(x.astype(f32) for x in (d_decay, d_beta_kk)),
     ]
-    out = cute_call(
-        decayed_tokens_bwd_artifact(scale, False, *decayed_bwd_trial()), inputs, results
-    )
+    out = cute_call(decayed_tokens_bwd_artifact(scale), inputs, results)
     return tokens_bwd_results(out)
 
 
-DECAYED_BWD_TRIAL_ENV = "JAX_KDA_DECAYED_BWD_TRIAL"
-_DECAYED_BWD_TRIALS = {
-    "": (False, False),
-    "prefetch": (True, False),
-    "batched_back": (False, True),
-    "prefetch,batched_back": (True, True),
-}
-
-
-def decayed_bwd_trial() -> tuple[bool, bool]:
-    """(prefetch, batched_back) of the fused decayed and tokens' backward that training runs:
-    the default kernel's, unless $JAX_KDA_DECAYED_BWD_TRIAL names opt-in variants to try in a
-    benchmark ("prefetch", "batched_back" or "prefetch,batched_back"; read when a call is
-    traced). A benchmarking knob for variants on their way to the GPU machine, not a setting."""
-    value = os.environ.get(DECAYED_BWD_TRIAL_ENV, "")
-    if value not in _DECAYED_BWD_TRIALS:
-        raise ValueError(
-            f"${DECAYED_BWD_TRIAL_ENV}: got {value!r}, expected one of "
-            f"{sorted(_DECAYED_BWD_TRIALS)}"
-        )
-    return _DECAYED_BWD_TRIALS[value]
-
-
-def decayed_tokens_bwd_stamps(
-    scale, tokens, cu_seqlens, gamma, d_kk, d_attn, cotangents, prefetch=False,
-    batched_back=False,
-):  # fmt: skip
+def decayed_tokens_bwd_stamps(scale, tokens, cu_seqlens, gamma, d_kk, d_attn, cotangents):
     """A diagnostic: the fused decayed and tokens' backward's stamps variant on these inputs
-    (decayed_tokens_bwd_kernel's, all of them given; with prefetch or batched_back, of those
-    variants), returning only each (slot, head, half) CTA's clocks, int32 [slots, H, 2,
-    len(DECAYED_STAMPS)] (the kernel module's DECAYED_STAMPS says what each holds)."""
+    (decayed_tokens_bwd_kernel's, all of them given), returning only each (slot, head, half)
+    CTA's clocks, int32 [slots, H, 2, len(DECAYED_STAMPS)] (the kernel module's DECAYED_STAMPS
+    says what each holds)."""
     from jax_kda.sm90.ffi_call import cute_call
     from jax_kda.sm90.kernels.kda_decayed_bwd_sm90 import DECAYED_STAMPS, HALVES
 
@@ -1795,7 +1754,7 @@ def decayed_tokens_bwd_stamps(
         *(x.astype(bf16) for x in (d_kk, d_attn, d_rhs, d_qg, d_kd)),
         *(x.astype(f32) for x in (d_decay, d_beta_kk)),
     ]
-    artifact = decayed_tokens_bwd_artifact(scale, True, prefetch, batched_back)
+    artifact = decayed_tokens_bwd_artifact(scale, True)
     return cute_call(artifact, inputs, results)[-1]
 
 

@@ -84,16 +84,12 @@ SIDE = 2 * BLOCK  # K of a back product: block I's 16 rows for d_kk, then for d_
 # lie where R^T goes; after the products, the pairwise pass's float32 scratch.
 RT_BYTES = CH * 2 * PACKED * 2  # R^T image [64, 320] bf16 (hi | lo): 40 KiB
 BACK_B_BYTES = CH * 2 * SIDE * 2  # [kl | ql] image [64, 64] bf16 (hi | lo): 8 KiB
-assert 4 * (ROWS * SIDE * 2 + BACK_B_BYTES) <= RT_BYTES + ROWS * PACKED * 2, "batched_back"
+assert 4 * (ROWS * SIDE * 2 + BACK_B_BYTES) <= RT_BYTES + ROWS * PACKED * 2, "_batched_back"
 # The fused variant's float32 stages of dq, dk, dgamma [64, 64] (rows padded: the accumulator's
 # stores 2-way conflicted), then its per-half sums [2, 2, 64], in the region after the products.
 STAGE_ROW = CH + 4
 STAGE_BYTES = ROWS * STAGE_ROW * 4
 PART_BYTES = 2 * 2 * CH * 4
-AHEAD_CTAS = 2 * 132
-"""The prefetch variant's look-ahead in launch order (prefetch_ahead): two CTAs on each of an
-H100's or H200's 132 SMs, so about one CTA's lifetime ahead. A hint only: on another device it
-costs L2 traffic, never results."""
 DECAYED_PHASES = (
     "loads",
     "back products",
@@ -147,8 +143,7 @@ class DecayedBwdSm90:
         self.from_tokens = config.from_tokens
         self.qk_scale = float(config.qk_scale)
         self.stamps = False  # the fused kernel's diagnostic (DecayedTokensBwdStampsSm90)
-        self.prefetch = False  # the fused kernel's opt-in L2 prefetch (DecayedTokensBwdSm90)
-        self.batched_back = False  # the fused kernel's opt-in back products (_batched_back)
+        self.batched_back = False  # the fused kernel's back products (_batched_back)
 
     @cute.jit
     def __call__(
@@ -441,7 +436,8 @@ class DecayedTokensBwdSm90(DecayedBwdSm90):
     contract and math) fused after it: the CTA's dq_c, dk_c and dgamma_c [64 rows, 64 channels]
     stay in shared memory, and the element-wise terms, dg's reverse cumsum and dbeta's partial
     sum over the CTA's channels go straight into the tokens' rows. q and k from the tokens'
-    rows, the cotangents d_kk and d_a bfloat16 (the dense kernel's), qk_scale = scale.
+    rows, the cotangents d_kk and d_a bfloat16 (the dense kernel's), qk_scale = scale; the
+    back products batched (_batched_back).
 
     Inputs: q, k, v [T, H, 128] bfloat16, g [T, H, 128] and beta [T, H] float32, cu_seqlens
     [N + 1] int32, gamma [slots, H, 64, 128] float32, d_kk, d_a [slots, H, 64, 64] bfloat16,
@@ -450,13 +446,10 @@ class DecayedTokensBwdSm90(DecayedBwdSm90):
     128] float32, dbeta [2, T, H] float32 (two partial sums, one a half of the channels; the
     first holds d_beta_kk too)."""
 
-    def __init__(
-        self, scale: float, stamps: bool = False, prefetch: bool = False, batched_back: bool = False
-    ):
+    def __init__(self, scale: float, stamps: bool = False):
         super().__init__(DecayedBwdConfig(from_tokens=True, qk_scale=scale))
         self.stamps = stamps
-        self.prefetch = prefetch  # opt-in, not yet run on a GPU: prefetch_tokens
-        self.batched_back = batched_back  # opt-in, not yet run on a GPU: _batched_back
+        self.batched_back = True  # _batched_back
 
     @cute.jit
     def __call__(
@@ -561,17 +554,12 @@ class DecayedTokensBwdSm90(DecayedBwdSm90):
             s_flag[0] = Int32(0)
         tokens = mQ.shape[0]
         row0, count = slot_rows(mCu, slot, tokens, SCAN_CHUNK)
-        if cutlass.const_expr(self.prefetch):
-            self.prefetch_tokens(mV, mG, mDrhs[slot, h, None, None], mDqg[slot, h, None, None],
-                                 mDkd[slot, h, None, None], h, c0, row0, count, tid)  # fmt: skip
         _load_rows(s_q, s_k, s_gam, mQ[None, h, None], mK[None, h, None],
                    mGamma[slot, h, None, None], mDkk[slot, h, None, None],
                    mDqk[slot, h, None, None], s_dkk, s_dqk, row0, count, c0, tid)  # fmt: skip
         _zero_words(s_region, RT_BYTES // 4, w_bytes(False) // 4, tid)
         cute.arch.sync_threads()
         self.stamp(mStamps, 1, tid)
-        if cutlass.const_expr(self.prefetch):
-            self.prefetch_ahead(mQ, mK, mCu, mGamma, mDkk, mDqk, tid)
         self._products(shared, mma, None, None, None, c0, tid, True, mStamps)
         self._tokens(shared, mV, mG, mBeta, mDrhs[slot, h, None, None], mDqg[slot, h, None, None],
                      mDkd[slot, h, None, None], mDdecay[slot, h, None], mDbetaKk[slot, h, None],
@@ -583,16 +571,16 @@ class DecayedTokensBwdSm90(DecayedBwdSm90):
 
     @cute.jit
     def _batched_back(self, shared, mma, thr, c_out, acc_x, acc_sum, pairwise, shift, g8, tid):
-        """The batched_back variant of _products' back products (opt-in, not yet run on a GPU;
-        bf16 cotangents only): every block's two images built at once, each in a place of its
-        own in the region (A images [64, 32] at 4 KiB each from 0, the B images [64, 64] at 8
-        KiB each from 16 KiB), behind one barrier, then the four products and their epilogues
-        back to back with no barrier between them; the same arithmetic as the loop, element by
-        element, and the same order of the sums into acc_sum. The default loop spends 10-12k
-        cycles on them, a third of a CTA alone (H100: DECAYED_PHASES), four rounds of image
-        build, barrier, K = 32 product, epilogue and barrier. The B images reach into the
-        packed cotangent image's words [40, 48) KiB, which the load phase zeroed: zeroed again
-        here, behind a barrier either side."""
+        """_products' back products in the fused kernel (bf16 cotangents only): every block's
+        two images built at once, each in a place of its own in the region (A images [64, 32]
+        at 4 KiB each from 0, the B images [64, 64] at 8 KiB each from 16 KiB), behind one
+        barrier, then the four products and their epilogues back to back with no barrier
+        between them; the same arithmetic as the loop, element by element, and the same order
+        of the sums into acc_sum (H100, 2026-12-07: bit for bit the loop's results; the back
+        products 11.4k cycles a CTA against the loop's 11.9k, the kernel's span 97.0 against
+        98.0 us at 2048x12x1 and 488.8 against 492.8 at 8192x16x1). The B images reach into
+        the packed cotangent image's words [40, 48) KiB, which the load phase zeroed: zeroed
+        again here, behind a barrier either side."""
         s_region, s_gam, s_dkk = shared[0], shared[3], shared[4]
         if cutlass.const_expr(split_cotangents(s_dkk.element_type)):
             raise TypeError("batched_back takes bf16 cotangents (its images and passes are theirs)")
@@ -623,65 +611,6 @@ class DecayedTokensBwdSm90(DecayedBwdSm90):
         back_end = b_base + BLOCKS * BACK_B_BYTES
         _zero_words(s_region, RT_BYTES // 4, (back_end - RT_BYTES) // 4, tid)
         cute.arch.sync_threads()  # zero before R^T and the packed image are written
-
-    @cute.jit
-    def prefetch_tokens(self, mV, mG, m_rhs, m_qg, m_kd, h, c0, row0, count, tid):
-        """The prefetch variant (opt-in, not yet run on a GPU): the tokens' phase's inputs of
-        the CTA's channels into L2 at its start, so that the loads _tokens issues only after
-        the products (12-15k cycles at two CTAs an SM against 4.9k alone, H100: DECAYED_PHASES)
-        find them there: thread (row i, part) asks for the 128-byte lines of d_rhs's W and U
-        halves, d_qg and d_kd of row i, and of v and g (two lines) of its token. A hint: no
-        registers or shared memory held, nothing waits on it."""
-        i = tid % ROWS
-        if tid < ROWS:
-            cute.arch.prefetch((m_rhs[i, None].iterator + c0).to_llvm_ptr(), cache_level="L2")
-            cute.arch.prefetch((m_qg[i, None].iterator + c0).to_llvm_ptr(), cache_level="L2")
-            cute.arch.prefetch((m_kd[i, None].iterator + c0).to_llvm_ptr(), cache_level="L2")
-        else:
-            u_half = m_rhs[i, None].iterator + HEAD_DIM + c0
-            cute.arch.prefetch(u_half.to_llvm_ptr(), cache_level="L2")
-            if i < count:
-                token = row0 + i
-                v_at = mV[token, h, None].iterator + c0
-                g_at = mG[token, h, None].iterator + c0  # 64 float32: two lines
-                cute.arch.prefetch(v_at.to_llvm_ptr(), cache_level="L2")
-                cute.arch.prefetch(g_at.to_llvm_ptr(), cache_level="L2")
-                cute.arch.prefetch((g_at + CH // 2).to_llvm_ptr(), cache_level="L2")
-
-    @cute.jit
-    def prefetch_ahead(self, mQ, mK, mCu, mGamma, mDkk, mDqk, tid):
-        """The prefetch variant's second hint (opt-in, not yet run on a GPU): the first loads'
-        lines (_load_rows: q and k of the chunk's tokens, Gamma, d_kk and d_a) of the CTA
-        AHEAD_CTAS after this one in launch order, which starts about when this one ends, asked
-        into L2 as this one's products begin, so that HBM works while the SM computes (those
-        loads take 10-11k cycles at two CTAs an SM against 2.7k alone, H100: DECAYED_PHASES).
-        Thread (row i, part): q's or k's 128-byte line of row i's token, and Gamma's two lines
-        or d_kk's and d_a's line of row i."""
-        slot, h, half = cute.arch.block_idx()
-        slots = mGamma.shape[0]
-        heads = mGamma.shape[1]
-        item = slot + slots * (h + heads * half) + AHEAD_CTAS
-        if item < slots * heads * HALVES:
-            a_slot = item % slots
-            a_h = (item // slots) % heads
-            a_c0 = (item // (slots * heads)) * CH
-            row0, count = slot_rows(mCu, a_slot, mQ.shape[0], SCAN_CHUNK)
-            i = tid % ROWS
-            if tid < ROWS:
-                if i < count:
-                    at_q = mQ[row0 + i, a_h, None].iterator + a_c0
-                    cute.arch.prefetch(at_q.to_llvm_ptr(), cache_level="L2")
-                gam = mGamma[a_slot, a_h, i, None].iterator + a_c0  # 64 float32: two lines
-                cute.arch.prefetch(gam.to_llvm_ptr(), cache_level="L2")
-                cute.arch.prefetch((gam + CH // 2).to_llvm_ptr(), cache_level="L2")
-            else:
-                if i < count:
-                    at_k = mK[row0 + i, a_h, None].iterator + a_c0
-                    cute.arch.prefetch(at_k.to_llvm_ptr(), cache_level="L2")
-                at_kk = mDkk[a_slot, a_h, i, None].iterator
-                at_qk = mDqk[a_slot, a_h, i, None].iterator
-                cute.arch.prefetch(at_kk.to_llvm_ptr(), cache_level="L2")
-                cute.arch.prefetch(at_qk.to_llvm_ptr(), cache_level="L2")
 
     @cute.jit
     def _tokens(self, shared, mV, mG, mBeta, m_rhs, m_qg, m_kd, m_decay, m_beta_kk, mDq, mDk,
@@ -915,8 +844,8 @@ class DecayedTokensBwdStampsSm90(DecayedTokensBwdSm90):
     """The fused kernel's stamps variant (a diagnostic): one more result after dbeta, stamps
     int32 [slots, H, 2, len(DECAYED_STAMPS)], each (slot, head, half) CTA's clocks."""
 
-    def __init__(self, scale: float, prefetch: bool = False, batched_back: bool = False):
-        super().__init__(scale, stamps=True, prefetch=prefetch, batched_back=batched_back)
+    def __init__(self, scale: float):
+        super().__init__(scale, stamps=True)
 
     @cute.jit
     def __call__(
