@@ -943,9 +943,6 @@ def test_chunk_core_prepares_raw_inputs_as_the_xla_preparation(
     register()
     seed = SEED + 13 * len(lengths) + only_norm + 5 * groups
     x = raw_inputs(lengths, 3, 3 * groups, seed=seed)
-    tokens = x.q.shape[0]
-    cu = jnp.asarray(x.cu_seqlens, jnp.int32)
-    num_slots = xla.chunk_slot_count(tokens, len(lengths))
     q, k, v, a, beta = (jnp.asarray(t) for t in (x.q, x.k, x.v, x.a, x.beta))
     a_log, dt_bias = jnp.asarray(x.a_log), jnp.asarray(x.dt_bias)
     grouped = groups > 1
@@ -969,6 +966,18 @@ def test_chunk_core_prepares_raw_inputs_as_the_xla_preparation(
         q_ready, k_ready = (repeated(gate.l2_normalize(x)) for x in (q, k))
         prepared = (q_ready, k_ready, v, g, jax.nn.sigmoid(beta))
         raw, params = (q, k, v, a, beta), (a_log, dt_bias)
+    label = f"prep {lengths} lb={lower_bound} norm-only={only_norm}"
+    _check_chunk_core_prep(label, x, prep, raw, params, prepared)
+
+
+def _check_chunk_core_prep(label, x, prep, raw, params, prepared):
+    """The forward-alone chunk core with preparation `prep` on the raw inputs (A_log and
+    dt_bias in params, or None): every output against the plain kernel on the inputs prepared
+    in XLA, none NaN; then o and the final states through the scan with the outputs
+    (NaN-poisoned) against the float64 oracle of the prepared inputs."""
+    tokens = x.q.shape[0]
+    cu = jnp.asarray(x.cu_seqlens, jnp.int32)
+    num_slots = xla.chunk_slot_count(tokens, len(x.cu_seqlens) - 1)
     core = jax.jit(sm90.chunk_core_kernel, static_argnums=(6, 7, 8, 9, 10, 11))
     plain = core(*prepared, cu, num_slots, 0.3, 1, False, False, None)
     fused = core(*raw, cu, num_slots, 0.3, 1, False, False, prep, *params)
@@ -979,7 +988,7 @@ def test_chunk_core_prepares_raw_inputs_as_the_xla_preparation(
         # the preparation's roundings (an ulp of a normalised bf16 q or k, of a gate) move
         # the products by about bf16's 2^-9 where they differ at all
         error = rms_ratio(got, want)
-        print(f"prep {lengths} lb={lower_bound} norm-only={only_norm} {name}: {error:.1e}")
+        print(f"{label} {name}: {error:.1e}")
         assert error <= 5e-3, (name, error)
     if not tokens:
         return
@@ -992,7 +1001,7 @@ def test_chunk_core_prepares_raw_inputs_as_the_xla_preparation(
         )
     o_error = rms_ratio(np.asarray(o, np.float32), np.asarray(ref_o))
     final_error = rms_ratio(np.asarray(final), np.asarray(ref_final))
-    print(f"prep {lengths}: o {o_error:.1e}, final {final_error:.1e} (bar {RMS_RATIO_BAR})")
+    print(f"{label}: o {o_error:.1e}, final {final_error:.1e} (bar {RMS_RATIO_BAR})")
     assert o_error <= RMS_RATIO_BAR and final_error <= RMS_RATIO_BAR, (o_error, final_error)
 
 
@@ -1024,32 +1033,9 @@ def test_chunk_core_prepares_every_combination(combination, lower_bound):
     lengths = [130, 0, 70, 1]
     seed = SEED + 31 * sum(on << i for i, on in enumerate(combination)) + (lower_bound is None)
     x = raw_inputs(lengths, 2, 2 * groups, seed=seed)
-    tokens = x.q.shape[0]
-    cu = jnp.asarray(x.cu_seqlens, jnp.int32)
-    num_slots = xla.chunk_slot_count(tokens, len(lengths))
     prep, raw, params, prepared = preparation_case(x, combination, lower_bound)
-    core = jax.jit(sm90.chunk_core_kernel, static_argnums=(6, 7, 8, 9, 10, 11))
-    plain = core(*prepared, cu, num_slots, 0.3, 1, False, False, None)
-    fused = core(*raw, cu, num_slots, 0.3, 1, False, False, prep, *params)
     label = f"{preparation_id(combination)} lb={lower_bound} seed={seed}"
-    names = ("w", "u", "qg", "attn", "kd", "decay")
-    for name, want, got in zip(names, plain[:6], fused[:6], strict=True):
-        want, got = np.asarray(want, np.float32), np.asarray(got, np.float32)
-        assert not np.isnan(got).any(), name
-        error = rms_ratio(got, want)
-        print(f"{label} {name}: {error:.1e}")
-        assert error <= 5e-3, (name, error)
-    y0 = jnp.swapaxes(jnp.asarray(x.initial_state, jnp.float32), -1, -2)
-    final, o = _scan_with_outputs(fused, cu, y0, tokens, SCAN_TC_V_SLICES[0], False)
-    with jax.enable_x64(True):
-        f64 = [np.asarray(t, np.float64) for t in prepared]
-        ref_o, ref_final = recurrent_oracle(
-            *f64, x.cu_seqlens, np.asarray(x.initial_state, np.float64), scale=0.3
-        )
-    o_error = rms_ratio(np.asarray(o, np.float32), np.asarray(ref_o))
-    final_error = rms_ratio(np.asarray(final), np.asarray(ref_final))
-    print(f"{label}: o {o_error:.1e}, final {final_error:.1e} (bar {RMS_RATIO_BAR})")
-    assert o_error <= RMS_RATIO_BAR and final_error <= RMS_RATIO_BAR, (o_error, final_error)
+    _check_chunk_core_prep(label, x, prep, raw, params, prepared)
 
 
 def _scan_order(rows: int, cols: int) -> np.ndarray:
