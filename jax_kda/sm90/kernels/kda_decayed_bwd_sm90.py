@@ -653,20 +653,6 @@ class DecayedTokensBwdSm90(DecayedBwdSm90):
                 token = cutlass.max(cutlass.min(row0 + i, tokens - 1), 0)
                 r_v[t, None].store(row_piece(mV[token, h, None], c0 + c8, EIGHT).load())
                 r_b[t] = mBeta[token, h]
-        # the dg part's loads too (g for the gate-floor rule, the chunk decay's cotangent) and
-        # d_beta_kk: in flight with the rest, not a round trip each behind the barriers below
-        r_bkk = cute.make_rmem_tensor((tasks,), Float32)
-        for t in cutlass.range_constexpr(tasks):
-            r_bkk[t] = m_beta_kk[tid // lanes + (NTHREADS // lanes) * t]
-        d = tid % CH
-        p = tid // CH
-        span = ROWS // 2
-        r_g = cute.make_rmem_tensor((span,), Float32)
-        for r in cutlass.range_constexpr(span):
-            r_g[r] = Float32(0.0)
-            if p * span + r < count:
-                r_g[r] = mG[row0 + p * span + r, h, c0 + d]
-        decay_d = m_decay[c0 + d]
         gam_last = load_f32(s_gam[ROWS - 1, None], c8, EIGHT)
         for t in cutlass.range_constexpr(tasks):
             i = tid // lanes + (NTHREADS // lanes) * t
@@ -717,14 +703,22 @@ class DecayedTokensBwdSm90(DecayedBwdSm90):
                 if c8 == 0:
                     total = row_sum
                     if half == 0:
-                        total = total + r_bkk[t]
+                        total = total + m_beta_kk[i]
                     mDbeta[half, token, h] = total
         cute.arch.sync_threads()
         self.stamp(mStamps, 7, tid)
 
         # dg: thread (p, d) = channel d over rows [32 p, 32 p + 32): the reverse cumsum within
         # its rows, then the later half's sum and the last row's terms (every row's kd dKd and
-        # the chunk decay's a dA) onto every row; then through the gate floor (r_g)
+        # the chunk decay's a dA) onto every row; then through the gate floor
+        d = tid % CH
+        p = tid // CH
+        span = ROWS // 2
+        r_g = cute.make_rmem_tensor((span,), Float32)
+        for r in cutlass.range_constexpr(span):
+            r_g[r] = Float32(0.0)
+            if p * span + r < count:
+                r_g[r] = mG[row0 + p * span + r, h, c0 + d]
         run = Float32(0.0)
         kd_sum = Float32(0.0)
         for r in cutlass.range_constexpr(span):
@@ -735,7 +729,7 @@ class DecayedTokensBwdSm90(DecayedBwdSm90):
         s_part[p, 0, d] = run
         s_part[p, 1, d] = kd_sum
         cute.arch.sync_threads()
-        last = exp_fast(s_gam[ROWS - 1, d]) * decay_d + s_part[0, 1, d] + s_part[1, 1, d]
+        last = exp_fast(s_gam[ROWS - 1, d]) * m_decay[c0 + d] + s_part[0, 1, d] + s_part[1, 1, d]
         if p == 0:
             last = last + s_part[1, 0, d]
         for r in cutlass.range_constexpr(span):
