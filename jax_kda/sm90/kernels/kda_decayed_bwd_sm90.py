@@ -553,13 +553,10 @@ class DecayedTokensBwdSm90(DecayedBwdSm90):
         if tid == 0:
             s_flag[0] = Int32(0)
         tokens = mQ.shape[0]
-        # Gamma, d_kk and d_a first: their loads need no cu_seqlens, so they are in flight
-        # while slot_rows reads it (otherwise a second round trip behind its loads)
-        m_gam, m_kk, m_qk = (m[slot, h, None, None] for m in (mGamma, mDkk, mDqk))
-        slot_loads = _slot_loads(m_gam, m_kk, m_qk, c0, tid)
         row0, count = slot_rows(mCu, slot, tokens, SCAN_CHUNK)
-        _load_rows(s_q, s_k, s_gam, mQ[None, h, None], mK[None, h, None], m_gam, m_kk, m_qk,
-                   s_dkk, s_dqk, row0, count, c0, tid, slot_loads)  # fmt: skip
+        _load_rows(s_q, s_k, s_gam, mQ[None, h, None], mK[None, h, None],
+                   mGamma[slot, h, None, None], mDkk[slot, h, None, None],
+                   mDqk[slot, h, None, None], s_dkk, s_dqk, row0, count, c0, tid)  # fmt: skip
         _zero_words(s_region, RT_BYTES // 4, w_bytes(False) // 4, tid)
         cute.arch.sync_threads()
         self.stamp(mStamps, 1, tid)
@@ -776,19 +773,23 @@ def _allocate(cotangent: cutlass.Constexpr):
 
 @cute.jit
 def _load_rows(s_q, s_k, s_gam, m_q, m_k, m_gam, m_kk, m_qk, s_dkk, s_dqk, row0, count, c0,
-               tid, slot_loads=None):  # fmt: skip
+               tid):  # fmt: skip
     """The chunk into shared memory: channels c0 .. c0 + 63 of rows i < count of q and k from
     rows row0 + i of m_q, m_k ([rows, 128] bf16; the other rows zero) and of Gamma from m_gam
     [64, 128]; d_kk and d_a ([64, 64], float32 or bfloat16, both the same) whole, in their
     dtype, for j <= i only (zero above the diagonal). Every thread issues all of its 16-byte
-    loads before its first store; slot_loads: Gamma's, d_kk's and d_a's, issued already
-    (_slot_loads: before row0 and count were known)."""
+    loads before its first store."""
     per_bf = 8  # bf16 elements in 16 bytes
+    per_f = 4  # float32 elements in 16 bytes
     per_w = 128 // m_kk.element_type.width  # cotangent elements in 16 bytes
     tok_passes = ROWS * CH // (NTHREADS * per_bf)
+    gam_passes = ROWS * CH // (NTHREADS * per_f)
     pair_passes = ROWS * ROWS // (NTHREADS * per_w)
     r_q = cute.make_rmem_tensor((tok_passes, per_bf), BFloat16)
     r_k = cute.make_rmem_tensor((tok_passes, per_bf), BFloat16)
+    r_gam = cute.make_rmem_tensor((gam_passes, per_f), Float32)
+    r_kk = cute.make_rmem_tensor((pair_passes, per_w), m_kk.element_type)
+    r_qk = cute.make_rmem_tensor((pair_passes, per_w), m_kk.element_type)
     for p in cutlass.range_constexpr(tok_passes):
         e = (p * NTHREADS + tid) * per_bf
         i = e // CH
@@ -798,11 +799,13 @@ def _load_rows(s_q, s_k, s_gam, m_q, m_k, m_gam, m_kk, m_qk, s_dkk, s_dqk, row0,
         if i < count:
             r_q[p, None].store(row_piece(m_q[row0 + i, None], c0 + c, per_bf).load())
             r_k[p, None].store(row_piece(m_k[row0 + i, None], c0 + c, per_bf).load())
-    if cutlass.const_expr(slot_loads is None):
-        slot_loads = _slot_loads(m_gam, m_kk, m_qk, c0, tid)
-    r_gam, r_kk, r_qk = slot_loads
-    per_f = 4  # float32 elements in 16 bytes
-    gam_passes = ROWS * CH // (NTHREADS * per_f)
+    for p in cutlass.range_constexpr(gam_passes):
+        e = (p * NTHREADS + tid) * per_f
+        r_gam[p, None].store(vec4(m_gam[e // CH, None].iterator + c0 + e % CH).load())
+    for p in cutlass.range_constexpr(pair_passes):
+        e = (p * NTHREADS + tid) * per_w
+        r_kk[p, None].store(row_piece(m_kk[e // ROWS, None], e % ROWS, per_w).load())
+        r_qk[p, None].store(row_piece(m_qk[e // ROWS, None], e % ROWS, per_w).load())
     for p in cutlass.range_constexpr(tok_passes):
         e = (p * NTHREADS + tid) * per_bf
         row_piece(s_q[e // CH, None], e % CH, per_bf).store(r_q[p, None].load())
@@ -823,27 +826,6 @@ def _load_rows(s_q, s_k, s_gam, m_q, m_k, m_gam, m_kk, m_qk, s_dkk, s_dqk, row0,
                 w_qk[x] = r_qk[p, x]
         row_piece(s_dkk[i, None], e % ROWS, per_w).store(w_kk.load())
         row_piece(s_dqk[i, None], e % ROWS, per_w).store(w_qk.load())
-
-
-@cute.jit
-def _slot_loads(m_gam, m_kk, m_qk, c0, tid):
-    """_load_rows' loads that the chunk slot alone places (Gamma's channels c0 .. c0 + 63, d_kk
-    and d_a whole), issued into registers: (r_gam, r_kk, r_qk)."""
-    per_f = 4  # float32 elements in 16 bytes
-    per_w = 128 // m_kk.element_type.width  # cotangent elements in 16 bytes
-    gam_passes = ROWS * CH // (NTHREADS * per_f)
-    pair_passes = ROWS * ROWS // (NTHREADS * per_w)
-    r_gam = cute.make_rmem_tensor((gam_passes, per_f), Float32)
-    r_kk = cute.make_rmem_tensor((pair_passes, per_w), m_kk.element_type)
-    r_qk = cute.make_rmem_tensor((pair_passes, per_w), m_kk.element_type)
-    for p in cutlass.range_constexpr(gam_passes):
-        e = (p * NTHREADS + tid) * per_f
-        r_gam[p, None].store(vec4(m_gam[e // CH, None].iterator + c0 + e % CH).load())
-    for p in cutlass.range_constexpr(pair_passes):
-        e = (p * NTHREADS + tid) * per_w
-        r_kk[p, None].store(row_piece(m_kk[e // ROWS, None], e % ROWS, per_w).load())
-        r_qk[p, None].store(row_piece(m_qk[e // ROWS, None], e % ROWS, per_w).load())
-    return r_gam, r_kk, r_qk
 
 
 @cute.jit
