@@ -492,7 +492,8 @@ def test_prefill_hands_raw_inputs_to_the_kernels_only_where_the_route_is_on(
     prep variant on the raw inputs and to no XLA preparation: the chunk core's without a gate
     bound, the gate-bound forward's with the safe gate (its bound picks those kernels);
     differentiated, to the XLA preparation before the plain kernels; with the route off, to
-    the XLA preparation and the plain kernels."""
+    the XLA preparation and the plain kernels. Every combination takes the route (grouped heads
+    alone; the gate and beta without the norm)."""
     from oracle_gradients import prepared_prefill, raw_inputs
 
     x = raw_inputs([100, 0, 30], 2, 4, seed=6)
@@ -523,9 +524,9 @@ def test_prefill_hands_raw_inputs_to_the_kernels_only_where_the_route_is_on(
         prefixes, xla_prep = lowered(jax.grad(loss, argnums=range(8)))
         assert not any("_prep" in p for p in prefixes) and xla_prep, prefixes
         assert "kda_dense_bwd_sm90" in prefixes, prefixes  # the sm90 backward
-    # a combination whose kernels have not run on a GPU (sm90.backend.IN_KERNEL_PREPS): grouped
-    # value heads alone, or the safe gate and beta logits without the norm, take the XLA
-    # preparation (q and k repeated) before the plain kernels
+    # every other combination goes to the kernels too: grouped value heads alone (the chunk
+    # core, softplus gate prepared ahead), the safe gate and beta logits without the norm (the
+    # gate-bound forward); no preparation at all, to the plain kernels
     q, k = (jnp.asarray(t, jnp.bfloat16) for t in x[:2])
     g = -jax.nn.softplus(jnp.asarray(x.a))
     plain = functools.partial(
@@ -534,17 +535,24 @@ def test_prefill_hands_raw_inputs_to_the_kernels_only_where_the_route_is_on(
     prefixes = set(re.findall(r'prefix = "(\w+)"', _lower(
         lambda *a: plain(*a)[0], q, k, x.v, g, jax.nn.sigmoid(jnp.asarray(x.beta))
     )))  # fmt: skip
-    assert prefixes and not any("_prep" in p for p in prefixes), prefixes
+    prep_core = [p for p in prefixes if "_prep" in p]
+    assert len(prep_core) == 1, prefixes
+    assert prep_core[0].startswith("kda_chunk_operands_sm90_x1_fwd_prepgv_"), prefixes
     gate_only = functools.partial(
         plain, use_gate_in_kernel=True, A_log=x.a_log, lower_bound=-5.0,
         use_beta_sigmoid_in_kernel=True,
     )  # fmt: skip
     hlo = _lower(lambda *a: gate_only(*a)[0], q, k, x.v, x.a, x.beta)
     prefixes = set(re.findall(r'prefix = "(\w+)"', hlo))
+    assert any(p.startswith("kda_fwd_sm90_h4_preplbgv_") for p in prefixes), prefixes
+    assert "stablehlo.logistic" not in hlo and "stablehlo.rsqrt" not in hlo
+    same_heads = jnp.repeat(q, 2, axis=1), jnp.repeat(k, 2, axis=1)
+    prefixes = set(re.findall(r'prefix = "(\w+)"', _lower(
+        lambda *a: plain(*a)[0], *same_heads, x.v, g, jax.nn.sigmoid(jnp.asarray(x.beta))
+    )))  # fmt: skip
     assert prefixes and not any("_prep" in p for p in prefixes), prefixes
-    assert any(p.startswith("kda_fwd_sm90_h4_") for p in prefixes), prefixes  # gate-bound
-    assert not sm90.backend.in_kernel_prep(False, True, True, False)
-    assert not sm90.backend.in_kernel_prep(False, False, False, True)
+    assert len(sm90.backend.IN_KERNEL_PREPS) == 15
+    assert not sm90.backend.in_kernel_prep(False, False, False, False)
 
 
 def test_chunk_core_stamps_variant_exports_and_lowers():

@@ -1932,25 +1932,26 @@ IN_KERNEL_PREP = True
 """Whether prefill runs a call that is not differentiated with its use_*_in_kernel
 preparations in the kernels as they load the inputs (jax_kda/api.py's route): with a gate
 bound (the safe gate's included) in the gate-bound forward's PREP (forward's prep), without
-one in the chunk core (prepared_forward); for the combinations in IN_KERNEL_PREPS only. False
-takes the XLA preparation before the plain kernels for every call (a diagnostic)."""
+one in the chunk core (prepared_forward); for every combination (IN_KERNEL_PREPS). False takes
+the XLA preparation before the plain kernels for every call (a diagnostic)."""
 
-IN_KERNEL_PREPS = frozenset({
-    (True, True, True, False),
-    (True, True, True, True),
-    (True, False, False, False),
-})  # fmt: skip
+IN_KERNEL_PREPS = frozenset(
+    (norm, gate, logits, grouped)
+    for norm in (False, True)
+    for gate in (False, True)
+    for logits in (False, True)
+    for grouped in (False, True)
+    if norm or gate or logits or grouped
+)
 """The preparations (qk_l2norm, gate, beta_logits, grouped_qk) prefill does in the kernels:
-those whose kernels passed their GPU tests on both forwards (H100, 2026-12-06:
-test_chunk_core_prepares_raw_inputs_as_the_xla_preparation,
-test_gate_bound_forward_prepares_raw_inputs_as_the_xla_preparation and the in-kernel settings
-of test_prepared_inputs_and_grouped_heads_match_float64; results/2026-12-06-h100-e-tests-prep.log):
-fla's three flags, with and without grouped value heads, and the L2 norm alone. Any other
-combination (say the gate without the norm, or grouped heads alone) runs the XLA preparation
-before the plain kernels until its kernel has run on a GPU. In the kernels they cost less than
-in XLA (benchmarks/prep_cost.py, H100, GPU time a call, fla's three flags: the softplus gate
-114.1 against 124.1 us at 2048x12x1 and 454.7 against 528.2 at 8192x16x1; the safe gate 133.4
-against 138.3, 450.6 against 475.4, and 23.3 against 39.5 at 33x2x3-ragged)."""
+every combination, each of whose kernels passed its GPU tests on both forwards (H100,
+2026-12-07: test_gate_bound_forward_prepares_every_combination and
+test_chunk_core_prepares_every_combination, 38 cases against the plain kernels on
+XLA-prepared inputs and the float64 oracle; results/2026-12-07-h100-b-tests-preparations.log).
+In the kernels they cost less than in XLA (benchmarks/prep_cost.py, H100, GPU time a call,
+fla's three flags: the softplus gate 114.1 against 124.1 us at 2048x12x1 and 454.7 against
+528.2 at 8192x16x1; the safe gate 133.4 against 138.3, 450.6 against 475.4, and 23.3 against
+39.5 at 33x2x3-ragged)."""
 
 
 def in_kernel_prep(qk_l2norm, gate, beta_logits, grouped_qk) -> bool:
