@@ -95,8 +95,9 @@ def default_artifacts():
         lambda: sm90.chunk_operands_artifact(scale, 1),
         lambda: sm90.chunk_operands_artifact(scale, 1, False),
     ]
-    # the forward-alone core preparing the raw inputs (IN_KERNEL_PREPS' combinations): fla's
-    # three flags with the softplus gate, with and without grouped value heads; the norm alone
+    # the forward-alone core preparing the raw inputs (a sample of IN_KERNEL_PREPS'
+    # combinations): fla's three flags with the softplus gate, with and without grouped value
+    # heads; the norm alone
     for prep in (
         InputPrep(True, True, None, True, False),
         InputPrep(True, True, None, True, True),
