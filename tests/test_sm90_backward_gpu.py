@@ -1204,9 +1204,10 @@ def test_decayed_tokens_bwd_kernel_equals_the_two_kernels(case):
     against the two kernels it replaces run one after the other (each checked against XLA
     above) on the chunk core's gamma and random bf16 cotangents: dq, dk, dv element by element,
     dg and dbeta (float32 sums in another order, with cancellation) by the tokens kernel's bar
-    against the two kernels and against the XLA statement of the tokens' part; every
-    result in the tokens' rows NaN-poisoned, dbeta's two partial sums each, both anchors and
-    the pairwise diagonal blocks in either half of the channels, ragged, empty and gap slots,
+    against the two kernels and against the XLA statement of the tokens' part (the opt-in
+    pair_halves launch order against it bit for bit); every result in the tokens' rows
+    NaN-poisoned, dbeta's two partial sums each, both anchors and the pairwise diagonal
+    blocks in either half of the channels, ragged, empty and gap slots,
     no tokens at all, gates at the floor (the first chunk only, so that the other chunks keep
     middle anchors) and at -inf; the public wrapper too."""
     register()
@@ -1327,6 +1328,13 @@ def test_decayed_tokens_bwd_kernel_equals_the_two_kernels(case):
     public = wrapper(0.3, token_inputs, cu, None, gamma, d_kk, d_attn, cotangents)
     for name, a, b in zip(names, public, sm90.tokens_bwd_results(ours), strict=True):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=name)
+    # the opt-in launch order (a (slot, head)'s two CTAs side by side): the same arithmetic,
+    # every result bit for bit, none NaN
+    other = fused_with(sm90.decayed_tokens_bwd_artifact(0.3, pair_halves=True))(*args)
+    for name, a, b in zip(names, other, ours, strict=True):
+        a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+        assert not np.isnan(a).any(), ("pair_halves", name)
+        np.testing.assert_array_equal(a, b, err_msg=f"pair_halves {name}")
 
 
 def _training_case(data, seed):

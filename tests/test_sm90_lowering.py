@@ -290,6 +290,13 @@ def test_decayed_tokens_bwd_stamps_variant_exports_and_lowers():
     gamma = jnp.zeros((3, 2, 64, 128), jnp.float32)
     hlo = _lower(stamps, tokens, cu, gamma, pairs, pairs, cotangents)
     assert re.findall(r'prefix = "(\w+)"', hlo) == [artifact.prefix]
+    # the opt-in pair_halves launch order (not yet run on a GPU), plain and stamped: keys of
+    # their own
+    plain = sm90.decayed_tokens_bwd_artifact(0.3)
+    for stamped in (False, True):
+        other = sm90.decayed_tokens_bwd_artifact(0.3, stamped, True)
+        assert "_ph_" in other.prefix and other.key not in (plain.key, artifact.key)
+        assert len(other.tensors) == 19 + stamped
 
 
 def test_decayed_tokens_bwd_refuses_float32_cotangents():

@@ -56,8 +56,12 @@ if [ "$mode" = quick ]; then
     "$t::test_decayed_tokens_bwd_kernel_equals_the_two_kernels" \
     > "$out/tests-decayed-variants.log" 2>&1
   echo "decayed backward variant tests rc=$?"; tail -2 "$out/tests-decayed-variants.log"
-  timeout "$(limit 60)" python3 -m benchmarks.decayed_bwd_phases > "$out/decayed-bwd-phases.log" 2>&1
-  echo "decayed backward phases rc=$?"
+  # the default and the opt-in launch order with a (slot, head)'s two CTAs side by side
+  for variant in "" --pair-halves; do
+    timeout "$(limit 60)" python3 -m benchmarks.decayed_bwd_phases $variant \
+      >> "$out/decayed-bwd-phases.log" 2>&1
+    echo "decayed backward phases $variant rc=$?"
+  done
   cat "$out/decayed-bwd-phases.log"
 fi
 if [ "$mode" = tests ] || [ "$mode" = all ]; then

@@ -144,6 +144,7 @@ class DecayedBwdSm90:
         self.qk_scale = float(config.qk_scale)
         self.stamps = False  # the fused kernel's diagnostic (DecayedTokensBwdStampsSm90)
         self.batched_back = False  # the fused kernel's back products (_batched_back)
+        self.pair_halves = False  # the fused kernel's opt-in launch order (cta)
 
     @cute.jit
     def __call__(
@@ -253,11 +254,20 @@ class DecayedBwdSm90:
         put_piece(s_back_b, g8, BLOCK + c, ql, True, SIDE)
 
     @cute.jit
+    def cta(self):
+        """This CTA's (chunk slot, head, half of the channels): the grid's (x, y, z), or with
+        pair_halves (the fused kernel's opt-in launch order) x = 2 slot + half."""
+        x, y, z = cute.arch.block_idx()
+        if cutlass.const_expr(self.pair_halves):
+            return x // HALVES, y, x % HALVES
+        return x, y, z
+
+    @cute.jit
     def stamp(self, mStamps, index: cutlass.Constexpr[int], tid):
         """The stamps variant's clock after a phase (thread 0's, raw): DECAYED_STAMPS."""
         if cutlass.const_expr(self.stamps):
             if tid == 0:
-                slot, h, half = cute.arch.block_idx()
+                slot, h, half = self.cta()
                 mStamps[slot, h, half, index] = cute.arch.clock()
 
     @cute.jit
@@ -446,10 +456,17 @@ class DecayedTokensBwdSm90(DecayedBwdSm90):
     128] float32, dbeta [2, T, H] float32 (two partial sums, one a half of the channels; the
     first holds d_beta_kk too)."""
 
-    def __init__(self, scale: float, stamps: bool = False):
+    def __init__(self, scale: float, stamps: bool = False, pair_halves: bool = False):
         super().__init__(DecayedBwdConfig(from_tokens=True, qk_scale=scale))
         self.stamps = stamps
         self.batched_back = True  # _batched_back
+        # opt-in, not yet run on a GPU: the two CTAs of a (slot, head), one a half of the
+        # channels, next to each other in launch order (grid [2 slots, H]) instead of a whole
+        # grid of slots and heads apart, so that they run at about the same time and read the
+        # same rows' other halves (q, k, v, Gamma, d_rhs, d_qg, d_kd, g: 128 or 256 of a row's
+        # 256 or 512 bytes each) and d_kk, d_a whole from DRAM once between them (L2 serves the
+        # second), where the default order has L2 evict them in between
+        self.pair_halves = pair_halves
 
     @cute.jit
     def __call__(
@@ -512,9 +529,15 @@ class DecayedTokensBwdSm90(DecayedBwdSm90):
             q, k, v, g, beta, cu_seqlens, gamma, d_kk, d_qk, d_rhs, d_qg, d_kd, d_decay,
             d_beta_kk, dq, dk, dv, dg, dbeta, mma, stamps,
         ).launch(
-            grid=[gamma.shape[0], gamma.shape[1], HALVES], block=[NTHREADS, 1, 1],
+            grid=self.grid(gamma.shape[0], gamma.shape[1]), block=[NTHREADS, 1, 1],
             stream=stream, min_blocks_per_mp=2, preferred_smem_carveout=100,
         )  # fmt: skip
+
+    def grid(self, n_slots, heads):
+        """The launch grid for n_slots chunk slots and `heads` heads (cta's inverse)."""
+        if self.pair_halves:
+            return [HALVES * n_slots, heads, 1]
+        return [n_slots, heads, HALVES]
 
     @cute.kernel
     def fused_kernel(
@@ -542,7 +565,7 @@ class DecayedTokensBwdSm90(DecayedBwdSm90):
         mStamps: cute.Tensor | None = None,
     ):
         tid, _, _ = cute.arch.thread_idx()
-        slot, h, half = cute.arch.block_idx()
+        slot, h, half = self.cta()
         if cutlass.const_expr(self.stamps):
             if tid == 0:
                 mStamps[slot, h, half, len(DECAYED_STAMPS) - 2] = cute.arch.globaltimer_lo()
@@ -844,8 +867,8 @@ class DecayedTokensBwdStampsSm90(DecayedTokensBwdSm90):
     """The fused kernel's stamps variant (a diagnostic): one more result after dbeta, stamps
     int32 [slots, H, 2, len(DECAYED_STAMPS)], each (slot, head, half) CTA's clocks."""
 
-    def __init__(self, scale: float):
-        super().__init__(scale, stamps=True)
+    def __init__(self, scale: float, pair_halves: bool = False):
+        super().__init__(scale, stamps=True, pair_halves=pair_halves)
 
     @cute.jit
     def __call__(
