@@ -1204,8 +1204,9 @@ def test_decayed_tokens_bwd_kernel_equals_the_two_kernels(case):
     against the two kernels it replaces run one after the other (each checked against XLA
     above) on the chunk core's gamma and random bf16 cotangents: dq, dk, dv element by element,
     dg and dbeta (float32 sums in another order, with cancellation) by the tokens kernel's bar
-    against the two kernels and against the XLA statement of the tokens' part (the opt-in
-    pair_halves launch order against it bit for bit); every result in the tokens' rows
+    against the two kernels and against the XLA statement of the tokens' part, and the opt-in
+    pair_halves launch order against the default fused kernel bit for bit; every result in the
+    tokens' rows
     NaN-poisoned, dbeta's two partial sums each, both anchors and the pairwise diagonal
     blocks in either half of the channels, ragged, empty and gap slots,
     no tokens at all, gates at the floor (the first chunk only, so that the other chunks keep

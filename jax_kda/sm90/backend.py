@@ -1740,9 +1740,8 @@ def decayed_tokens_bwd_stamps(
 ):
     """A diagnostic: the fused decayed and tokens' backward's stamps variant on these inputs
     (decayed_tokens_bwd_kernel's, all of them given; pair_halves: of that variant), returning
-    only each (slot, head, half)
-    CTA's clocks, int32 [slots, H, 2, len(DECAYED_STAMPS)] (the kernel module's DECAYED_STAMPS
-    says what each holds)."""
+    only each (slot, head, half) CTA's clocks, int32 [slots, H, 2, len(DECAYED_STAMPS)] (the
+    kernel module's DECAYED_STAMPS says what each holds)."""
     from jax_kda.sm90.ffi_call import cute_call
     from jax_kda.sm90.kernels.kda_decayed_bwd_sm90 import DECAYED_STAMPS, HALVES
 

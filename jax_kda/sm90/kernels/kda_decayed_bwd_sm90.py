@@ -462,10 +462,11 @@ class DecayedTokensBwdSm90(DecayedBwdSm90):
         self.batched_back = True  # _batched_back
         # opt-in, not yet run on a GPU: the two CTAs of a (slot, head), one a half of the
         # channels, next to each other in launch order (grid [2 slots, H]) instead of a whole
-        # grid of slots and heads apart, so that they run at about the same time and read the
-        # same rows' other halves (q, k, v, Gamma, d_rhs, d_qg, d_kd, g: 128 or 256 of a row's
-        # 256 or 512 bytes each) and d_kk, d_a whole from DRAM once between them (L2 serves the
-        # second), where the default order has L2 evict them in between
+        # grid of slots and heads apart, so that they run at about the same time: d_kk and d_a,
+        # which both read whole (16 of a CTA's about 104 KiB of reads), then come from DRAM
+        # once between them (L2 serves the second), where the default order has L2 evict them
+        # in between; the rows they split (q, k, v, Gamma, d_rhs, d_qg, d_kd, g) are whole
+        # lines a CTA either way, at most adjacent DRAM pages
         self.pair_halves = pair_halves
 
     @cute.jit
