@@ -1,6 +1,7 @@
 """Float64 gradients of the recurrent oracle: the one reference every gradient test compares to."""
 
 import hashlib
+import itertools
 from typing import NamedTuple
 
 import jax
@@ -179,14 +180,7 @@ def prepared_check(x: RawInputs, lower_bound, bar, seed, **options):
     return errors, np.asarray(o)
 
 
-PREPARATIONS = [
-    (norm, gate, beta, grouped)
-    for norm in (False, True)
-    for gate in (False, True)
-    for beta in (False, True)
-    for grouped in (False, True)
-    if norm or gate or beta or grouped
-]
+PREPARATIONS = [flags for flags in itertools.product((False, True), repeat=4) if any(flags)]
 """Every combination of the in-kernel preparations (qk_l2norm, gate, beta_logits, grouped_qk),
 none alone excepted: the flags' settings prefill can hand to the kernels."""
 
