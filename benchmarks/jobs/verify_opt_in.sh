@@ -25,7 +25,9 @@
 #                                                  GPU minutes: the phase tables of the
 #                                                  chunk core (forward-alone, training) and
 #                                                  of the fused decayed and tokens'
-#                                                  backward on three shapes
+#                                                  backward on three shapes, its GPU
+#                                                  test and its opt-in pair_halves
+#                                                  launch order (test and phases)
 # Logs under $OUT. Each step has its own time limit, so a hang (a wrong barrier) ends its step,
 # not the call.
 set -u
