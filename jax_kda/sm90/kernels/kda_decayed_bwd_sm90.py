@@ -92,7 +92,8 @@ STAGE_BYTES = ROWS * STAGE_ROW * 4
 PART_BYTES = 2 * 2 * CH * 4
 DECAYED_PHASES = (
     "loads",
-    "back products",
+    "back products' images",
+    "back products and epilogues",
     "R^T images",
     "P(d_kk) and dk",
     "P(d_a), dq and dgamma",
@@ -321,12 +322,13 @@ class DecayedBwdSm90:
                     acc_sum[e] = acc_sum[e] + s * acc_x[e]
             cute.arch.sync_threads()  # the images are free for the next block
         if cutlass.const_expr(self.batched_back):  # the loop above then runs no block
-            self._batched_back(shared, mma, thr, c_out, acc_x, acc_sum, pairwise, shift, g8, tid)
-        self.stamp(mStamps, 2, tid)
+            self._batched_back(shared, mma, thr, c_out, acc_x, acc_sum, pairwise, shift, g8, tid,
+                               mStamps)  # fmt: skip
+        self.stamp(mStamps, 3, tid)
 
         # ---- R^T: the anchors' right factors, packed, transposed (chunk64.py)
         put_right_factors(s_rt, s_k, s_gam, tid, shift, pairwise, True, 3, CH)
-        self.stamp(mStamps, 3, tid)
+        self.stamp(mStamps, 4, tid)
 
         # ---- P(d_kk, k) and P(d_a, k): the cotangent in the packing of R, times R, times r_i
         # (staged: dk waits in registers until the last product has read the region)
@@ -389,7 +391,7 @@ class DecayedBwdSm90:
                     pair_at(mDq[i, None], c0 + ch).store(out_a.load())
                     pair_at(mDgamma[i, None], c0 + ch).store(out_b.load())
             cute.arch.sync_threads()  # every wgmma read of the images is done
-            self.stamp(mStamps, 4 + which, tid)
+            self.stamp(mStamps, 5 + which, tid)
 
         # ---- the diagonal blocks pair by pair where the chunk's decay forbids middle anchors:
         # thread d = channel c0 + d adds them onto the rows the products wrote (the global
@@ -438,7 +440,7 @@ class DecayedBwdSm90:
                         mDgamma[j, c0 + d] = mDgamma[j, c0 + d] - k_j * back
             if cutlass.const_expr(staged):
                 cute.arch.sync_threads()
-        self.stamp(mStamps, 6, tid)
+        self.stamp(mStamps, 7, tid)
 
 
 class DecayedTokensBwdSm90(DecayedBwdSm90):
@@ -588,13 +590,14 @@ class DecayedTokensBwdSm90(DecayedBwdSm90):
         self._tokens(shared, mV, mG, mBeta, mDrhs[slot, h, None, None], mDqg[slot, h, None, None],
                      mDkd[slot, h, None, None], mDdecay[slot, h, None], mDbetaKk[slot, h, None],
                      mDq, mDk, mDv, mDg, mDbeta, h, half, row0, count, tid, mStamps)  # fmt: skip
-        self.stamp(mStamps, 8, tid)
+        self.stamp(mStamps, 9, tid)
         if cutlass.const_expr(self.stamps):
             if tid == 0:
                 mStamps[slot, h, half, len(DECAYED_STAMPS) - 1] = cute.arch.globaltimer_lo()
 
     @cute.jit
-    def _batched_back(self, shared, mma, thr, c_out, acc_x, acc_sum, pairwise, shift, g8, tid):
+    def _batched_back(self, shared, mma, thr, c_out, acc_x, acc_sum, pairwise, shift, g8, tid,
+                      mStamps=None):  # fmt: skip
         """_products' back products in the fused kernel (bf16 cotangents only): every block's
         two images built at once, each in a place of its own in the region (A images [64, 32]
         at 4 KiB each from 0, the B images [64, 64] at 8 KiB each from 16 KiB), behind one
@@ -619,6 +622,7 @@ class DecayedTokensBwdSm90(DecayedBwdSm90):
             self._back_images(shared, s_back_a, s_back_b, b, pairwise, shift, g8, tid, 1)
         cute.arch.fence_proxy("async.shared", space="cta")
         cute.arch.sync_threads()
+        self.stamp(mStamps, 2, tid)
         acc_sum.fill(0.0)
         for b in cutlass.range_constexpr(BLOCKS):
             f_a = mma.make_fragment_A(thr.partition_A(view(raw, b * a_bytes, a_layout)))
@@ -727,7 +731,7 @@ class DecayedTokensBwdSm90(DecayedBwdSm90):
                         total = total + m_beta_kk[i]
                     mDbeta[half, token, h] = total
         cute.arch.sync_threads()
-        self.stamp(mStamps, 7, tid)
+        self.stamp(mStamps, 8, tid)
 
         # dg: thread (p, d) = channel d over rows [32 p, 32 p + 32): the reverse cumsum within
         # its rows, then the later half's sum and the last row's terms (every row's kd dKd and
