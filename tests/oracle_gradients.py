@@ -215,8 +215,8 @@ def preparation_case(x: RawInputs, combination, lower_bound):
         b,
     )
     raw_q, raw_k = (q, k) if norm else (q_norm, k_norm)
-    if not grouped:
-        raw_q, raw_k = prepared[:2] if not norm else (jnp.repeat(t, groups, axis=1) for t in (q, k))
+    if not grouped:  # the kernel reads q and k at every value head: repeated ahead
+        raw_q, raw_k = (jnp.repeat(t, groups, axis=1) for t in (raw_q, raw_k))
     raw = (raw_q, raw_k, v, a if with_gate else g, beta if logits else b)
     prep = InputPrep(
         qk_l2norm=norm,
