@@ -9,8 +9,8 @@ of a training step's backward (H100, 2026-12-06: 107.6 of 311.4 us at 2048x12x1,
 (sm90.backend.decayed_tokens_bwd_stamps) has thread 0 of every CTA read the SM's cycle counter
 at each phase's end (DECAYED_PHASES) and the global timer at the CTA's start and end; this
 prints, per shape, the median cycles of each phase and its share of a CTA, the CTAs'
-durations, how many ran at once on average and the kernel's span. Its inputs: the chunk core's
-Gamma of production-gate data (so the anchors are the ones a real step takes) and random
+durations, how many ran at once on average and the kernel's span. Its inputs: production-gate data
+(the kernel sums g into Gamma itself, so the anchors are the ones a real step takes) and random
 cotangents (the kernel's work does not depend on their values). --pair-halves times the opt-in
 variant whose (slot, head)'s two CTAs are launched next to each other.
 """
@@ -48,14 +48,12 @@ def main(argv=None):
     register()
     shapes, _ = select(parse_only(options.only), ALL_SHAPES, [])
     scale = default_scale()
-    core = jax.jit(sm90.chunk_core_kernel, static_argnums=(6, 7, 8, 9))
-    run = jax.jit(sm90.backend.decayed_tokens_bwd_stamps, static_argnums=(0, 7))
+    run = jax.jit(sm90.backend.decayed_tokens_bwd_stamps, static_argnums=(0, 6))
     for shape in shapes:
         x = production_inputs(list(shape.lengths), shape.heads, seed=0)
         tokens = [jnp.asarray(a) for a in x[:5]]
         cu = jnp.asarray(x.cu_seqlens)
         slots = xla.chunk_slot_count(x.q.shape[0], len(shape.lengths))
-        gamma = core(*tokens, cu, slots, scale, 1, True)[6]
         rng = np.random.default_rng(0)
         chunk = (slots, shape.heads, 64)
 
@@ -71,7 +69,7 @@ def main(argv=None):
             random((*chunk, 128)),
             random((slots, shape.heads, 128), jnp.float32),
         )
-        call = (scale, tuple(tokens), cu, gamma, d_kk, d_attn, cotangents, options.pair_halves)
+        call = (scale, tuple(tokens), cu, d_kk, d_attn, cotangents, options.pair_halves)
         jax.block_until_ready(run(*call))  # compile, and a first run
         stamps = np.asarray(run(*call))
         print(format_table(shape.name, phase_table(stamps, DECAYED_PHASES)), flush=True)

@@ -1249,10 +1249,11 @@ def test_decayed_tokens_bwd_kernel_equals_the_two_kernels(case):
     def fused_with(artifact):
         @jax.jit
         def fused(token_inputs, cu, gamma, d_kk, d_attn, cotangents):
+            del gamma  # the fused kernel sums g itself, as the chunk core does
             q, k, v, g, beta = token_inputs
             d_rhs, d_beta_kk, d_qg, d_kd, d_decay = cotangents
             inputs = [q.astype(jnp.bfloat16), k.astype(jnp.bfloat16), v.astype(jnp.bfloat16),
-                      g, beta, cu, gamma, d_kk, d_attn, d_rhs, d_qg, d_kd, d_decay,
+                      g, beta, cu, d_kk, d_attn, d_rhs, d_qg, d_kd, d_decay,
                       d_beta_kk]  # fmt: skip
             results = [jax.ShapeDtypeStruct(q.shape, jnp.bfloat16)] * 3
             results += [jax.ShapeDtypeStruct(q.shape, jnp.float32)]
@@ -1326,7 +1327,7 @@ def test_decayed_tokens_bwd_kernel_equals_the_two_kernels(case):
             print(f"decayed+tokens bwd {case} dbeta: rms_ratio {error:.1e} to the XLA statement")
             assert error <= 1e-5, (name, error)
     wrapper = jax.jit(sm90.decayed_tokens_bwd_kernel, static_argnums=0)
-    public = wrapper(0.3, token_inputs, cu, None, gamma, d_kk, d_attn, cotangents)
+    public = wrapper(0.3, token_inputs, cu, None, d_kk, d_attn, cotangents)
     for name, a, b in zip(names, public, sm90.tokens_bwd_results(ours), strict=True):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=name)
     # the opt-in launch order (a (slot, head)'s two CTAs side by side): the same arithmetic,

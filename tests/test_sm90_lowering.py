@@ -258,7 +258,8 @@ def test_decayed_tokens_bwd_exports_for_sm90a():
     artifact = sm90.decayed_tokens_bwd_artifact(0.3)
     assert artifact.object_bytes[:4] == b"\x7fELF"
     assert artifact.prefix.startswith("kda_decayed_tokens_bwd_sm90_")
-    assert len(artifact.tensors) == 19  # 14 inputs and 5 results
+    # 13 inputs (no gamma: the kernel sums g itself) and 5 results
+    assert len(artifact.tensors) == 18
     assert artifact.tensors[-1].rank == 3  # dbeta's partial sums [2, T, H], one a half
     assert sm90.decayed_tokens_bwd_artifact(128**-0.5).key != artifact.key
 
@@ -273,7 +274,7 @@ def test_decayed_tokens_bwd_stamps_variant_exports_and_lowers():
     assert len(DECAYED_STAMPS) == len(DECAYED_PHASES) + 3
     artifact = sm90.decayed_tokens_bwd_artifact(0.3, True)
     assert artifact.prefix.startswith("kda_decayed_tokens_bwd_sm90_stamps_")
-    assert len(artifact.tensors) == 20 and artifact.tensors[-1].rank == 4
+    assert len(artifact.tensors) == 19 and artifact.tensors[-1].rank == 4
     assert artifact.key != sm90.decayed_tokens_bwd_artifact(0.3).key
     tokens = tuple(jnp.zeros((70, 2, 128), t) for t in [jnp.bfloat16] * 3 + [jnp.float32])
     tokens += (jnp.zeros((70, 2), jnp.float32),)
@@ -283,12 +284,10 @@ def test_decayed_tokens_bwd_stamps_variant_exports_and_lowers():
                   jnp.zeros((3, 2, 128)))  # fmt: skip
     cu = jnp.asarray([0, 70], jnp.int32)
 
-    def stamps(tokens, cu, gamma, d_kk, d_attn, cotangents):
-        return sm90.backend.decayed_tokens_bwd_stamps(0.3, tokens, cu, gamma, d_kk, d_attn,
-                                                      cotangents)  # fmt: skip
+    def stamps(tokens, cu, d_kk, d_attn, cotangents):
+        return sm90.backend.decayed_tokens_bwd_stamps(0.3, tokens, cu, d_kk, d_attn, cotangents)
 
-    gamma = jnp.zeros((3, 2, 64, 128), jnp.float32)
-    hlo = _lower(stamps, tokens, cu, gamma, pairs, pairs, cotangents)
+    hlo = _lower(stamps, tokens, cu, pairs, pairs, cotangents)
     assert re.findall(r'prefix = "(\w+)"', hlo) == [artifact.prefix]
     # the opt-in pair_halves launch order (not yet run on a GPU), plain and stamped: keys of
     # their own
@@ -296,7 +295,7 @@ def test_decayed_tokens_bwd_stamps_variant_exports_and_lowers():
     for stamped in (False, True):
         other = sm90.decayed_tokens_bwd_artifact(0.3, stamped, True)
         assert "_ph_" in other.prefix and other.key not in (plain.key, artifact.key)
-        assert len(other.tensors) == 19 + stamped
+        assert len(other.tensors) == 18 + stamped
 
 
 def test_decayed_tokens_bwd_refuses_float32_cotangents():
@@ -309,7 +308,7 @@ def test_decayed_tokens_bwd_refuses_float32_cotangents():
     cotangents = (jnp.zeros((3, 2, 64, 256)), chunk[..., 0, :64], chunk, chunk, chunk[:, :, 0])
     with pytest.raises(TypeError, match="bfloat16"):
         sm90.decayed_tokens_bwd_kernel(
-            0.3, tokens, jnp.asarray([0, 70], jnp.int32), None, chunk, pairs, pairs, cotangents
+            0.3, tokens, jnp.asarray([0, 70], jnp.int32), None, pairs, pairs, cotangents
         )
 
 

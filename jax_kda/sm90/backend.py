@@ -1109,7 +1109,7 @@ def xla_chunk_bwd(
     )
     cotangents = (d_rhs, d_beta_kk, d_qg, d_kd, d_decay)
     if decayed_tokens_bwd is not None:
-        return decayed_tokens_bwd(scale, tokens, cu_seqlens, rows, gamma, d_kk, d_attn, cotangents)
+        return decayed_tokens_bwd(scale, tokens, cu_seqlens, rows, d_kk, d_attn, cotangents)
     # both read the cotangents for j <= i only
     decayed = decayed_bwd or xla_decayed_bwd_tokens
     d_decayed = decayed(scale, tokens[0], tokens[1], cu_seqlens, rows, gamma, d_kk, d_attn)
@@ -1664,7 +1664,6 @@ def decayed_tokens_bwd_artifact(scale: float, stamps: bool = False, pair_halves:
     token_inputs, token_results = _token_rows_fakes(tokens, heads)
     fakes = {
         **token_inputs,
-        "gamma": row_major_fake(Float32, chunk),
         "d_kk": row_major_fake(BFloat16, pairs),
         "d_qk": row_major_fake(BFloat16, pairs),
         "d_rhs": row_major_fake(BFloat16, (slots, heads, SCAN_CHUNK, 2 * HEAD_DIM)),
@@ -1703,16 +1702,17 @@ def decayed_tokens_bwd_artifact(scale: float, stamps: bool = False, pair_halves:
     )
 
 
-def decayed_tokens_bwd_kernel(scale, tokens, cu_seqlens, rows, gamma, d_kk, d_attn, cotangents):
+def decayed_tokens_bwd_kernel(scale, tokens, cu_seqlens, rows, d_kk, d_attn, cotangents):
     """decayed_bwd_tokens_kernel, then tokens_bwd_kernel, in one kernel (their contracts
     composed; rows unused): tokens = (q, k, v, g, beta), the cotangents (d_rhs, d_beta_kk, d_qg,
-    d_kd, d_decay) and d_kk, d_attn as the dense kernel gives them (taken as bf16). Returns (dq,
-    dk, dv, dg, dbeta) in the tokens' rows, dq, dk, dv bfloat16."""
+    d_kd, d_decay) and d_kk, d_attn as the dense kernel gives them (taken as bf16). Gamma is no
+    input: the kernel sums g as the chunk core does, and gets its gamma bit for bit. Returns
+    (dq, dk, dv, dg, dbeta) in the tokens' rows, dq, dk, dv bfloat16."""
     from jax_kda.sm90.ffi_call import cute_call
 
     del rows
     q, k, v, g, beta = tokens
-    if gamma.shape[0] == 0:  # no slots: no tokens either
+    if d_kk.shape[0] == 0:  # no slots: no tokens either
         return tokens_bwd_results([jnp.zeros(r.shape, r.dtype) for r in token_grad_results(q)])
     d_rhs, d_beta_kk, d_qg, d_kd, d_decay = cotangents
     f32, bf16 = jnp.float32, jnp.bfloat16
@@ -1727,7 +1727,6 @@ def decayed_tokens_bwd_kernel(scale, tokens, cu_seqlens, rows, gamma, d_kk, d_at
         g.astype(f32),
         beta.astype(f32),
         jnp.asarray(cu_seqlens, jnp.int32),
-        gamma.astype(f32),
         *(x.astype(bf16) for x in (d_kk, d_attn, d_rhs, d_qg, d_kd)),
         *(x.astype(f32) for x in (d_decay, d_beta_kk)),
     ]
@@ -1736,7 +1735,7 @@ def decayed_tokens_bwd_kernel(scale, tokens, cu_seqlens, rows, gamma, d_kk, d_at
 
 
 def decayed_tokens_bwd_stamps(
-    scale, tokens, cu_seqlens, gamma, d_kk, d_attn, cotangents, pair_halves=False
+    scale, tokens, cu_seqlens, d_kk, d_attn, cotangents, pair_halves=False
 ):
     """A diagnostic: the fused decayed and tokens' backward's stamps variant on these inputs
     (decayed_tokens_bwd_kernel's, all of them given; pair_halves: of that variant), returning
@@ -1747,17 +1746,16 @@ def decayed_tokens_bwd_stamps(
 
     q, k, v, g, beta = tokens
     d_rhs, d_beta_kk, d_qg, d_kd, d_decay = cotangents
-    if gamma.shape[0] == 0:
+    if d_kk.shape[0] == 0:
         raise ValueError("decayed_tokens_bwd_stamps: wants chunk slots")
     f32, bf16 = jnp.float32, jnp.bfloat16
-    stamp_shape = (*gamma.shape[:2], HALVES, len(DECAYED_STAMPS))
+    stamp_shape = (*d_kk.shape[:2], HALVES, len(DECAYED_STAMPS))
     results = [*token_grad_results(q), jax.ShapeDtypeStruct(stamp_shape, jnp.int32)]
     inputs = [
         *(x.astype(bf16) for x in (q, k, v)),
         g.astype(f32),
         beta.astype(f32),
         jnp.asarray(cu_seqlens, jnp.int32),
-        gamma.astype(f32),
         *(x.astype(bf16) for x in (d_kk, d_attn, d_rhs, d_qg, d_kd)),
         *(x.astype(f32) for x in (d_decay, d_beta_kk)),
     ]

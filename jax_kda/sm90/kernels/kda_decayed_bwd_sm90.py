@@ -480,7 +480,6 @@ class DecayedTokensBwdSm90(DecayedBwdSm90):
         g: cute.Tensor,
         beta: cute.Tensor,
         cu_seqlens: cute.Tensor,
-        gamma: cute.Tensor,
         d_kk: cute.Tensor,
         d_qk: cute.Tensor,
         d_rhs: cute.Tensor,
@@ -496,8 +495,8 @@ class DecayedTokensBwdSm90(DecayedBwdSm90):
         stream: cuda.CUstream,
     ):
         self.launch(
-            q, k, v, g, beta, cu_seqlens, gamma, d_kk, d_qk, d_rhs, d_qg, d_kd, d_decay,
-            d_beta_kk, dq, dk, dv, dg, dbeta, None, stream,
+            q, k, v, g, beta, cu_seqlens, d_kk, d_qk, d_rhs, d_qg, d_kd, d_decay, d_beta_kk,
+            dq, dk, dv, dg, dbeta, None, stream,
         )  # fmt: skip
 
     @cute.jit
@@ -509,7 +508,6 @@ class DecayedTokensBwdSm90(DecayedBwdSm90):
         g: cute.Tensor,
         beta: cute.Tensor,
         cu_seqlens: cute.Tensor,
-        gamma: cute.Tensor,
         d_kk: cute.Tensor,
         d_qk: cute.Tensor,
         d_rhs: cute.Tensor,
@@ -529,10 +527,10 @@ class DecayedTokensBwdSm90(DecayedBwdSm90):
             raise TypeError("the fused kernel takes bf16 cotangents (the dense kernel's)")
         mma = bf16_tiled_mma((ROWS, CH), warpgroup.OperandSource.SMEM, b_mn_major=True)
         self.fused_kernel(
-            q, k, v, g, beta, cu_seqlens, gamma, d_kk, d_qk, d_rhs, d_qg, d_kd, d_decay,
-            d_beta_kk, dq, dk, dv, dg, dbeta, mma, stamps,
+            q, k, v, g, beta, cu_seqlens, d_kk, d_qk, d_rhs, d_qg, d_kd, d_decay, d_beta_kk,
+            dq, dk, dv, dg, dbeta, mma, stamps,
         ).launch(
-            grid=self.grid(gamma.shape[0], gamma.shape[1]), block=[NTHREADS, 1, 1],
+            grid=self.grid(d_kk.shape[0], d_kk.shape[1]), block=[NTHREADS, 1, 1],
             stream=stream, min_blocks_per_mp=2, preferred_smem_carveout=100,
         )  # fmt: skip
 
@@ -551,7 +549,6 @@ class DecayedTokensBwdSm90(DecayedBwdSm90):
         mG: cute.Tensor,
         mBeta: cute.Tensor,
         mCu: cute.Tensor,
-        mGamma: cute.Tensor,
         mDkk: cute.Tensor,
         mDqk: cute.Tensor,
         mDrhs: cute.Tensor,
@@ -580,16 +577,19 @@ class DecayedTokensBwdSm90(DecayedBwdSm90):
             s_flag[0] = Int32(0)
         tokens = mQ.shape[0]
         row0, count = slot_rows(mCu, slot, tokens, SCAN_CHUNK)
-        _load_rows(s_q, s_k, s_gam, mQ[None, h, None], mK[None, h, None],
-                   mGamma[slot, h, None, None], mDkk[slot, h, None, None],
-                   mDqk[slot, h, None, None], s_dkk, s_dqk, row0, count, c0, tid)  # fmt: skip
+        # g's rows in place of Gamma (whose in-chunk cumsum follows, as the chunk core sums it)
+        _load_rows(s_q, s_k, s_gam, mQ[None, h, None], mK[None, h, None], mG[None, h, None],
+                   mDkk[slot, h, None, None], mDqk[slot, h, None, None], s_dkk, s_dqk, row0,
+                   count, c0, tid, True)  # fmt: skip
         _zero_words(s_region, RT_BYTES // 4, w_bytes(False) // 4, tid)
         cute.arch.sync_threads()
+        at_floor, above_floor = _gate_cumsum(s_gam, tid)
         self.stamp(mStamps, 1, tid)
         self._products(shared, mma, None, None, None, c0, tid, True, mStamps)
-        self._tokens(shared, mV, mG, mBeta, mDrhs[slot, h, None, None], mDqg[slot, h, None, None],
+        self._tokens(shared, mV, mBeta, mDrhs[slot, h, None, None], mDqg[slot, h, None, None],
                      mDkd[slot, h, None, None], mDdecay[slot, h, None], mDbetaKk[slot, h, None],
-                     mDq, mDk, mDv, mDg, mDbeta, h, half, row0, count, tid, mStamps)  # fmt: skip
+                     mDq, mDk, mDv, mDg, mDbeta, h, half, row0, count, at_floor, above_floor,
+                     tid, mStamps)  # fmt: skip
         self.stamp(mStamps, 9, tid)
         if cutlass.const_expr(self.stamps):
             if tid == 0:
@@ -641,8 +641,9 @@ class DecayedTokensBwdSm90(DecayedBwdSm90):
         cute.arch.sync_threads()  # zero before R^T and the packed image are written
 
     @cute.jit
-    def _tokens(self, shared, mV, mG, mBeta, m_rhs, m_qg, m_kd, m_decay, m_beta_kk, mDq, mDk,
-                mDv, mDg, mDbeta, h, half, row0, count, tid, mStamps=None):  # fmt: skip
+    def _tokens(self, shared, mV, mBeta, m_rhs, m_qg, m_kd, m_decay, m_beta_kk, mDq, mDk, mDv,
+                mDg, mDbeta, h, half, row0, count, at_floor, above_floor, tid,
+                mStamps=None):  # fmt: skip
         """kda_tokens_bwd_sm90's terms for the CTA's 64 channels of the chunk, from the staged
         dq_c, dk_c, dgamma_c (_products(staged=True), visible to all): thread (row i = tid / 8
         + 16 t, channels c8 .. c8 + 7) for the element-wise terms, 16 bytes a load or store,
@@ -735,15 +736,11 @@ class DecayedTokensBwdSm90(DecayedBwdSm90):
 
         # dg: thread (p, d) = channel d over rows [32 p, 32 p + 32): the reverse cumsum within
         # its rows, then the later half's sum and the last row's terms (every row's kd dKd and
-        # the chunk decay's a dA) onto every row; then through the gate floor
+        # the chunk decay's a dA) onto every row; then through the gate floor (the flags
+        # _gate_cumsum took for this thread's rows)
         d = tid % CH
         p = tid // CH
         span = ROWS // 2
-        r_g = cute.make_rmem_tensor((span,), Float32)
-        for r in cutlass.range_constexpr(span):
-            r_g[r] = Float32(0.0)
-            if p * span + r < count:
-                r_g[r] = mG[row0 + p * span + r, h, c0 + d]
         run = Float32(0.0)
         kd_sum = Float32(0.0)
         for r in cutlass.range_constexpr(span):
@@ -762,9 +759,9 @@ class DecayedTokensBwdSm90(DecayedBwdSm90):
             if i < count:
                 total_dg = s_dgc[i, d] + last
                 floored = Float32(0.0)
-                if r_g[r] == Float32(GATE_FLOOR):
+                if (at_floor >> r) & Int32(1) != Int32(0):
                     floored = Float32(0.5) * total_dg
-                if r_g[r] > Float32(GATE_FLOOR):
+                if (above_floor >> r) & Int32(1) != Int32(0):
                     floored = total_dg
                 mDg[row0 + i, h, c0 + d] = floored
 
@@ -801,12 +798,13 @@ def _allocate(cotangent: cutlass.Constexpr):
 
 @cute.jit
 def _load_rows(s_q, s_k, s_gam, m_q, m_k, m_gam, m_kk, m_qk, s_dkk, s_dqk, row0, count, c0,
-               tid):  # fmt: skip
+               tid, gates: cutlass.Constexpr[bool] = False):  # fmt: skip
     """The chunk into shared memory: channels c0 .. c0 + 63 of rows i < count of q and k from
     rows row0 + i of m_q, m_k ([rows, 128] bf16; the other rows zero) and of Gamma from m_gam
-    [64, 128]; d_kk and d_a ([64, 64], float32 or bfloat16, both the same) whole, in their
-    dtype, for j <= i only (zero above the diagonal). Every thread issues all of its 16-byte
-    loads before its first store."""
+    [64, 128] (gates: of g as given, from rows row0 + i of m_gam [rows, 128] float32, the
+    other rows zero, for _gate_cumsum); d_kk and d_a ([64, 64], float32 or bfloat16, both the
+    same) whole, in their dtype, for j <= i only (zero above the diagonal). Every thread
+    issues all of its 16-byte loads before its first store."""
     per_bf = 8  # bf16 elements in 16 bytes
     per_f = 4  # float32 elements in 16 bytes
     per_w = 128 // m_kk.element_type.width  # cotangent elements in 16 bytes
@@ -829,7 +827,14 @@ def _load_rows(s_q, s_k, s_gam, m_q, m_k, m_gam, m_kk, m_qk, s_dkk, s_dqk, row0,
             r_k[p, None].store(row_piece(m_k[row0 + i, None], c0 + c, per_bf).load())
     for p in cutlass.range_constexpr(gam_passes):
         e = (p * NTHREADS + tid) * per_f
-        r_gam[p, None].store(vec4(m_gam[e // CH, None].iterator + c0 + e % CH).load())
+        if cutlass.const_expr(gates):
+            r_gam[p, None].fill(0.0)
+            if e // CH < count:
+                r_gam[p, None].store(
+                    vec4(m_gam[row0 + e // CH, None].iterator + c0 + e % CH).load()
+                )
+        else:
+            r_gam[p, None].store(vec4(m_gam[e // CH, None].iterator + c0 + e % CH).load())
     for p in cutlass.range_constexpr(pair_passes):
         e = (p * NTHREADS + tid) * per_w
         r_kk[p, None].store(row_piece(m_kk[e // ROWS, None], e % ROWS, per_w).load())
@@ -854,6 +859,45 @@ def _load_rows(s_q, s_k, s_gam, m_q, m_k, m_gam, m_kk, m_qk, s_dkk, s_dqk, row0,
                 w_qk[x] = r_qk[p, x]
         row_piece(s_dkk[i, None], e % ROWS, per_w).store(w_kk.load())
         row_piece(s_dqk[i, None], e % ROWS, per_w).store(w_qk.load())
+
+
+@cute.jit
+def _gate_cumsum(s_gam, tid):
+    """Gamma = the in-chunk cumsum of g, in place in s_gam (which holds g's rows as given, the
+    rows past the chunk's end zero): gates below constants.GATE_FLOOR taken as it (NaN stays
+    NaN), and each channel summed as the chunk core sums it (kda_chunk_operands_sm90: thread
+    (p, d) over rows [32 p, 32 p + 32) from zero, then the first half's total added onto the
+    second half's rows), so that Gamma is the chunk core's bit for bit. Returns thread (p,
+    d)'s gate-floor flags, bit r for row 32 p + r: (g == the floor, g > the floor), which dg's
+    rule takes. Barriers inside; s_gam visible to all on return."""
+    d = tid % CH
+    p = tid // CH
+    span = ROWS // 2
+    r_run = cute.make_rmem_tensor((span,), Float32)
+    for r in cutlass.range_constexpr(span):
+        r_run[r] = s_gam[p * span + r, d]
+    at_floor = Int32(0)
+    above_floor = Int32(0)
+    gam = Float32(0.0)
+    for r in cutlass.range_constexpr(span):
+        gv = r_run[r]
+        bit = Int32(1) << r
+        if gv == Float32(GATE_FLOOR):
+            at_floor = at_floor | bit
+        if gv > Float32(GATE_FLOOR):
+            above_floor = above_floor | bit
+        if gv < Float32(GATE_FLOOR):
+            gv = Float32(GATE_FLOOR)
+        gam = gam + gv
+        s_gam[p * span + r, d] = gam
+    cute.arch.sync_threads()
+    g_before = Float32(0.0) + s_gam[span - 1, d]  # the chunk core's sum, from zero
+    cute.arch.sync_threads()
+    if p > 0:
+        for r in cutlass.range_constexpr(span):
+            s_gam[p * span + r, d] = s_gam[p * span + r, d] + g_before
+    cute.arch.sync_threads()
+    return at_floor, above_floor
 
 
 @cute.jit
@@ -884,7 +928,6 @@ class DecayedTokensBwdStampsSm90(DecayedTokensBwdSm90):
         g: cute.Tensor,
         beta: cute.Tensor,
         cu_seqlens: cute.Tensor,
-        gamma: cute.Tensor,
         d_kk: cute.Tensor,
         d_qk: cute.Tensor,
         d_rhs: cute.Tensor,
@@ -901,6 +944,6 @@ class DecayedTokensBwdStampsSm90(DecayedTokensBwdSm90):
         stream: cuda.CUstream,
     ):
         self.launch(
-            q, k, v, g, beta, cu_seqlens, gamma, d_kk, d_qk, d_rhs, d_qg, d_kd, d_decay,
-            d_beta_kk, dq, dk, dv, dg, dbeta, stamps, stream,
+            q, k, v, g, beta, cu_seqlens, d_kk, d_qk, d_rhs, d_qg, d_kd, d_decay, d_beta_kk,
+            dq, dk, dv, dg, dbeta, stamps, stream,
         )  # fmt: skip
