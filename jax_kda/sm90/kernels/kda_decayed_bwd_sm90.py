@@ -85,6 +85,11 @@ SIDE = 2 * BLOCK  # K of a back product: block I's 16 rows for d_kk, then for d_
 RT_BYTES = CH * 2 * PACKED * 2  # R^T image [64, 320] bf16 (hi | lo): 40 KiB
 BACK_B_BYTES = CH * 2 * SIDE * 2  # [kl | ql] image [64, 64] bf16 (hi | lo): 8 KiB
 assert 4 * (ROWS * SIDE * 2 + BACK_B_BYTES) <= RT_BYTES + ROWS * PACKED * 2, "_batched_back"
+# The fused kernel's bf16 cotangents d_kk and d_a as M-major operand images [64 j, 64 i]
+# (128-byte swizzle: row i of the cotangent is 128 contiguous bytes of j): the back products'
+# A operands (rows j, K = i) are their 16-row blocks in place, 2 KiB each
+PAIRS_BYTES = ROWS * ROWS * 2
+A_BLOCK_BYTES = BLOCK * ROWS * 2
 # The fused variant's float32 stages of dq, dk, dgamma [64, 64] (rows padded: the accumulator's
 # stores 2-way conflicted), then its per-half sums [2, 2, 64], in the region after the products.
 STAGE_ROW = CH + 4
@@ -219,8 +224,7 @@ class DecayedBwdSm90:
         d_a](rows of b, j)^T, into s_back_a (rows j, K 32; by put_piece's rule for a_passes),
         and [kl | ql] of its rows into s_back_b (channels, K 32 hi | 32 lo); no fence or
         barrier (the caller's)."""
-        _, s_q, s_k, s_gam, s_dkk, s_dqk = shared[:6]
-        qk_scale = self.qk_scale
+        s_dkk, s_dqk = shared[4:6]
         # rows j < 16 (b + 1) only: the rows past them pair with nothing in block b, and the
         # epilogue below drops their outputs whatever the image held there
         # task (row j, K columns 8 q .. 8 q + 7): column c < 16 takes d_kk[16 b + c, j],
@@ -241,6 +245,14 @@ class DecayedBwdSm90:
                         for x in cutlass.range_constexpr(EIGHT):
                             w[x] = Float32(s_dqk[BLOCK * b + c8 - BLOCK + x, j])
                 put_piece(s_back_a, j, c8, w.load(), False, SIDE, a_passes)
+        self._back_b_image(shared, s_back_b, b, shift, g8, tid)
+
+    @cute.jit
+    def _back_b_image(self, shared, s_back_b, b: cutlass.Constexpr[int], shift, g8, tid):
+        """Block b's B image of the back products: [kl | ql] of its rows into s_back_b
+        (channels, K 32 hi | 32 lo); no fence or barrier (the caller's)."""
+        s_q, s_k, s_gam = shared[1:4]
+        qk_scale = self.qk_scale
         # [kl | ql] of the block's rows: thread (row c, channels g8 .. g8 + 7)
         c = tid // (CH // EIGHT)
         i = BLOCK * b + c
@@ -273,7 +285,8 @@ class DecayedBwdSm90:
 
     @cute.jit
     def _products(self, shared, mma: cute.TiledMma, mDq, mDk, mDgamma, c0, tid,
-                  staged: cutlass.Constexpr[bool] = False, mStamps=None):  # fmt: skip
+                  staged: cutlass.Constexpr[bool] = False, mStamps=None, mma_back=None,
+                  s_pairs=None):  # fmt: skip
         """dq, dk, dgamma [64, 128] of the chunk in `shared` (_allocate; q, k, Gamma of channels
         c0 .. c0 + 63 and the cotangents in place and visible to all) into those channels of
         mDq, mDk, mDgamma; staged: into the float32 stages of the region instead (stages(),
@@ -322,8 +335,8 @@ class DecayedBwdSm90:
                     acc_sum[e] = acc_sum[e] + s * acc_x[e]
             cute.arch.sync_threads()  # the images are free for the next block
         if cutlass.const_expr(self.batched_back):  # the loop above then runs no block
-            self._batched_back(shared, mma, thr, c_out, acc_x, acc_sum, pairwise, shift, g8, tid,
-                               mStamps)  # fmt: skip
+            self._batched_back(shared, mma_back, s_pairs, c_out, acc_x, acc_sum, pairwise, shift,
+                               g8, tid, mStamps)  # fmt: skip
         self.stamp(mStamps, 3, tid)
 
         # ---- R^T: the anchors' right factors, packed, transposed (chunk64.py)
@@ -351,7 +364,12 @@ class DecayedBwdSm90:
                     w = cute.make_rmem_tensor((EIGHT,), Float32)
                     w.fill(0.0)
                     if j < BLOCK * b or pairwise == Int32(0):
-                        w.store(load_f32(s_dw[i, None], j, EIGHT))
+                        if cutlass.const_expr(s_pairs is None):
+                            w.store(load_f32(s_dw[i, None], j, EIGHT))
+                        else:  # the swizzled images: 16 contiguous bytes all the same
+                            piece = cute.make_rmem_tensor((EIGHT,), BFloat16)
+                            cute.autovec_copy(_row_piece_of(s_dw, i, j, EIGHT), piece)
+                            w.store(piece.load().to(Float32))
                     put_piece(s_w, i, block_offset(b) + j, w.load(), False, PACKED, a_passes)
             cute.arch.fence_proxy("async.shared", space="cta")
             cute.arch.sync_threads()
@@ -526,9 +544,13 @@ class DecayedTokensBwdSm90(DecayedBwdSm90):
         if cutlass.const_expr(split_cotangents(d_kk.element_type)):
             raise TypeError("the fused kernel takes bf16 cotangents (the dense kernel's)")
         mma = bf16_tiled_mma((ROWS, CH), warpgroup.OperandSource.SMEM, b_mn_major=True)
+        # the back products: A the cotangents' blocks in place (M-major images)
+        mma_back = bf16_tiled_mma(
+            (ROWS, CH), warpgroup.OperandSource.SMEM, b_mn_major=True, a_mn_major=True
+        )
         self.fused_kernel(
             q, k, v, g, beta, cu_seqlens, d_kk, d_qk, d_rhs, d_qg, d_kd, d_decay, d_beta_kk,
-            dq, dk, dv, dg, dbeta, mma, stamps,
+            dq, dk, dv, dg, dbeta, mma, mma_back, stamps,
         ).launch(
             grid=self.grid(d_kk.shape[0], d_kk.shape[1]), block=[NTHREADS, 1, 1],
             stream=stream, min_blocks_per_mp=2, preferred_smem_carveout=100,
@@ -562,6 +584,7 @@ class DecayedTokensBwdSm90(DecayedBwdSm90):
         mDg: cute.Tensor,
         mDbeta: cute.Tensor,
         mma: cute.TiledMma,
+        mma_back: cute.TiledMma,
         mStamps: cute.Tensor | None = None,
     ):
         tid, _, _ = cute.arch.thread_idx()
@@ -571,7 +594,7 @@ class DecayedTokensBwdSm90(DecayedBwdSm90):
                 mStamps[slot, h, half, len(DECAYED_STAMPS) - 2] = cute.arch.globaltimer_lo()
                 mStamps[slot, h, half, 0] = cute.arch.clock()
         c0 = half * CH
-        shared = _allocate(mDkk.element_type)
+        shared, s_pairs = _allocate_images()
         s_region, s_q, s_k, s_gam, s_dkk, s_dqk, s_flag = shared
         if tid == 0:
             s_flag[0] = Int32(0)
@@ -580,12 +603,12 @@ class DecayedTokensBwdSm90(DecayedBwdSm90):
         # g's rows in place of Gamma (whose in-chunk cumsum follows, as the chunk core sums it)
         _load_rows(s_q, s_k, s_gam, mQ[None, h, None], mK[None, h, None], mG[None, h, None],
                    mDkk[slot, h, None, None], mDqk[slot, h, None, None], s_dkk, s_dqk, row0,
-                   count, c0, tid, True)  # fmt: skip
+                   count, c0, tid, True, True)  # fmt: skip
         _zero_words(s_region, RT_BYTES // 4, w_bytes(False) // 4, tid)
         cute.arch.sync_threads()
         at_floor, above_floor = _gate_cumsum(s_gam, tid)
         self.stamp(mStamps, 1, tid)
-        self._products(shared, mma, None, None, None, c0, tid, True, mStamps)
+        self._products(shared, mma, None, None, None, c0, tid, True, mStamps, mma_back, s_pairs)
         self._tokens(shared, mV, mBeta, mDrhs[slot, h, None, None], mDqg[slot, h, None, None],
                      mDkd[slot, h, None, None], mDdecay[slot, h, None], mDbetaKk[slot, h, None],
                      mDq, mDk, mDv, mDg, mDbeta, h, half, row0, count, at_floor, above_floor,
@@ -596,49 +619,57 @@ class DecayedTokensBwdSm90(DecayedBwdSm90):
                 mStamps[slot, h, half, len(DECAYED_STAMPS) - 1] = cute.arch.globaltimer_lo()
 
     @cute.jit
-    def _batched_back(self, shared, mma, thr, c_out, acc_x, acc_sum, pairwise, shift, g8, tid,
-                      mStamps=None):  # fmt: skip
-        """_products' back products in the fused kernel (bf16 cotangents only): every block's
-        two images built at once, each in a place of its own in the region (A images [64, 32]
-        at 4 KiB each from 0, the B images [64, 64] at 8 KiB each from 16 KiB), behind one
-        barrier, then the four products and their epilogues back to back with no barrier
-        between them; the same arithmetic as the loop, element by element, and the same order
-        of the sums into acc_sum (H100, 2026-12-07: bit for bit the loop's results; the back
-        products 11.4k cycles a CTA against the loop's 11.9k, the kernel's span 97.0 against
-        98.0 us at 2048x12x1 and 488.8 against 492.8 at 8192x16x1). The B images reach into
-        the packed cotangent image's words [40, 48) KiB, which the load phase zeroed: zeroed
-        again here, behind a barrier either side."""
+    def _batched_back(self, shared, mma_back, s_pairs, c_out, acc_x, acc_sum, pairwise, shift,
+                      g8, tid, mStamps=None):  # fmt: skip
+        """_products' back products in the fused kernel (bf16 cotangents only): the A operand
+        of block b's product, [d_kk | d_a](rows of b, j)^T, is no image of its own but the
+        cotangents' M-major images in place (s_pairs, _allocate_images: rows 16 b .. 16 b +
+        15 of each, K 16 + 16); every block's B image ([kl | ql], 8 KiB each from the region's
+        start) built at once behind one barrier, then the four products (mma_back, A M-major)
+        and their epilogues back to back. The same arithmetic as the loop, element by element
+        and in the same order (A_kk B_kl_hi, A_kk B_kl_lo, A_a B_ql_hi, A_a B_ql_lo, as
+        product_passes took the image's two K-blocks), for every output row the epilogue keeps:
+        the rows it drops (j past the block, or in it where the diagonal blocks go pair by
+        pair) are the only ones whose A rows differ from the loop's zeroed image. Before
+        (H100, 2026-12-07), the A images built here from scalar transposed reads: bit for bit
+        the loop's results, the back products 11.4k cycles a CTA against the loop's 11.9k."""
         s_region, s_gam, s_dkk = shared[0], shared[3], shared[4]
         if cutlass.const_expr(split_cotangents(s_dkk.element_type)):
             raise TypeError("batched_back takes bf16 cotangents (its images and passes are theirs)")
         raw = s_region.iterator
-        a_bytes = back_a_bytes(False)
-        a_layout = image_layout(ROWS, SIDE)
+        pairs = s_pairs.iterator
+        a_layout = image_layout(ROWS, BLOCK, mn_major=True)
         b_layout = image_layout(CH, 2 * SIDE, mn_major=True)
-        b_base = BLOCKS * a_bytes
         for b in cutlass.range_constexpr(BLOCKS):
-            s_back_a = view(raw, b * a_bytes, a_layout)
-            s_back_b = view(raw, b_base + b * BACK_B_BYTES, b_layout)
-            self._back_images(shared, s_back_a, s_back_b, b, pairwise, shift, g8, tid, 1)
+            self._back_b_image(shared, view(raw, b * BACK_B_BYTES, b_layout), b, shift, g8, tid)
         cute.arch.fence_proxy("async.shared", space="cta")
         cute.arch.sync_threads()
         self.stamp(mStamps, 2, tid)
+        thr = mma_back.get_slice(tid)
         acc_sum.fill(0.0)
         for b in cutlass.range_constexpr(BLOCKS):
-            f_a = mma.make_fragment_A(thr.partition_A(view(raw, b * a_bytes, a_layout)))
-            f_b = mma.make_fragment_B(
-                thr.partition_B(view(raw, b_base + b * BACK_B_BYTES, b_layout))
+            f_kk = mma_back.make_fragment_A(
+                thr.partition_A(view(pairs, b * A_BLOCK_BYTES, a_layout))
             )
-            product_passes(mma, acc_x, f_a, f_b, SIDE // 16, False, 2)
+            f_a = mma_back.make_fragment_A(
+                thr.partition_A(view(pairs, PAIRS_BYTES + b * A_BLOCK_BYTES, a_layout))
+            )
+            f_b = mma_back.make_fragment_B(thr.partition_B(view(raw, b * BACK_B_BYTES, b_layout)))
+            acc_x.fill(0.0)
+            cute.nvgpu.warpgroup.fence()
+            mma_back.set(warpgroup.Field.ACCUMULATE, True)
+            for part, f_part in ((0, f_kk), (1, f_a)):  # K-blocks: kl, ql hi; then their lo
+                cute.gemm(mma_back, acc_x, f_part[None, None, 0], f_b[None, None, part], acc_x)
+                cute.gemm(mma_back, acc_x, f_part[None, None, 0], f_b[None, None, 2 + part], acc_x)
+            cute.nvgpu.warpgroup.commit_group()
+            cute.nvgpu.warpgroup.wait_group(0)
             for e in cutlass.range_constexpr(cute.size(acc_x)):
                 j, ch = c_out[e]
                 if j < BLOCK * b or (j < BLOCK * (b + 1) and pairwise == Int32(0)):
                     s = exp_fast(s_gam[BLOCK * b + shift, ch] - s_gam[j, ch])
                     acc_sum[e] = acc_sum[e] + s * acc_x[e]
-        cute.arch.sync_threads()  # every product has read its images
-        back_end = b_base + BLOCKS * BACK_B_BYTES
-        _zero_words(s_region, RT_BYTES // 4, (back_end - RT_BYTES) // 4, tid)
-        cute.arch.sync_threads()  # zero before R^T and the packed image are written
+        # every product has read its images before R^T (which covers the B images) is written
+        cute.arch.sync_threads()
 
     @cute.jit
     def _tokens(self, shared, mV, mBeta, m_rhs, m_qg, m_kd, m_decay, m_beta_kk, mDq, mDk, mDv,
@@ -796,15 +827,46 @@ def _allocate(cotangent: cutlass.Constexpr):
     return s_region, s_q, s_k, s_gam, s_dkk, s_dqk, s_flag
 
 
+def _allocate_images():
+    """The fused kernel's shared memory: _allocate's for bf16 cotangents, with d_kk and d_a as
+    M-major operand images (PAIRS_BYTES each, one after the other, 1024-byte aligned), viewed
+    (i, j) as the other kernels' plain arrays are; and those images' raw words (Int32), which
+    the back products take their A operands from."""
+    smem = SmemAllocator()
+    rows = cute.make_layout((ROWS, CH), stride=(CH, 1))
+    s_region = smem.allocate_tensor(Int32, cute.make_layout((RT_BYTES + w_bytes(False)) // 4), 1024)
+    s_q = smem.allocate_tensor(BFloat16, rows, 16)
+    s_k = smem.allocate_tensor(BFloat16, rows, 16)
+    s_gam = smem.allocate_tensor(Float32, cute.make_layout((ROWS, CH), stride=(GAM_ROW, 1)), 16)
+    s_pairs = smem.allocate_tensor(Int32, cute.make_layout(2 * PAIRS_BYTES // 4), 1024)
+    image = image_layout(ROWS, ROWS, mn_major=True)  # (j, i)
+    s_dkk, s_dqk = (_transposed(view(s_pairs.iterator, at, image)) for at in (0, PAIRS_BYTES))
+    s_flag = smem.allocate_tensor(Int32, cute.make_layout(1), 4)
+    return (s_region, s_q, s_k, s_gam, s_dkk, s_dqk, s_flag), s_pairs
+
+
+def _transposed(t: cute.Tensor) -> cute.Tensor:
+    """t with its two modes swapped (the same elements, coordinates (b, a) for (a, b))."""
+    return cute.make_tensor(t.iterator, cute.select(t.layout, mode=[1, 0]))
+
+
+def _row_piece_of(s_pairs_view: cute.Tensor, i, j, n: int) -> cute.Tensor:
+    """Elements j .. j + n - 1 of row i of a cotangent's (i, j) image view (j a multiple of
+    n <= 8): contiguous under the swizzle, one vector access."""
+    return cute.local_tile(s_pairs_view, (1, n), (i, j // n))[0, None]
+
+
 @cute.jit
 def _load_rows(s_q, s_k, s_gam, m_q, m_k, m_gam, m_kk, m_qk, s_dkk, s_dqk, row0, count, c0,
-               tid, gates: cutlass.Constexpr[bool] = False):  # fmt: skip
+               tid, gates: cutlass.Constexpr[bool] = False,
+               images: cutlass.Constexpr[bool] = False):  # fmt: skip
     """The chunk into shared memory: channels c0 .. c0 + 63 of rows i < count of q and k from
     rows row0 + i of m_q, m_k ([rows, 128] bf16; the other rows zero) and of Gamma from m_gam
     [64, 128] (gates: of g as given, from rows row0 + i of m_gam [rows, 128] float32, the
     other rows zero, for _gate_cumsum); d_kk and d_a ([64, 64], float32 or bfloat16, both the
-    same) whole, in their dtype, for j <= i only (zero above the diagonal). Every thread
-    issues all of its 16-byte loads before its first store."""
+    same) whole, in their dtype, for j <= i only (zero above the diagonal; images: s_dkk and
+    s_dqk are _allocate_images' swizzled views). Every thread issues all of its 16-byte loads
+    before its first store."""
     per_bf = 8  # bf16 elements in 16 bytes
     per_f = 4  # float32 elements in 16 bytes
     per_w = 128 // m_kk.element_type.width  # cotangent elements in 16 bytes
@@ -857,8 +919,12 @@ def _load_rows(s_q, s_k, s_gam, m_q, m_k, m_gam, m_kk, m_qk, s_dkk, s_dqk, row0,
             if e % ROWS + x <= i:
                 w_kk[x] = r_kk[p, x]
                 w_qk[x] = r_qk[p, x]
-        row_piece(s_dkk[i, None], e % ROWS, per_w).store(w_kk.load())
-        row_piece(s_dqk[i, None], e % ROWS, per_w).store(w_qk.load())
+        if cutlass.const_expr(images):
+            cute.autovec_copy(w_kk, _row_piece_of(s_dkk, i, e % ROWS, per_w))
+            cute.autovec_copy(w_qk, _row_piece_of(s_dqk, i, e % ROWS, per_w))
+        else:
+            row_piece(s_dkk[i, None], e % ROWS, per_w).store(w_kk.load())
+            row_piece(s_dqk[i, None], e % ROWS, per_w).store(w_qk.load())
 
 
 @cute.jit
