@@ -11,8 +11,7 @@ at each phase's end (DECAYED_PHASES) and the global timer at the CTA's start and
 prints, per shape, the median cycles of each phase and its share of a CTA, the CTAs'
 durations, how many ran at once on average and the kernel's span. Its inputs: production-gate data
 (the kernel sums g into Gamma itself, so the anchors are the ones a real step takes) and random
-cotangents (the kernel's work does not depend on their values). --pair-halves times the opt-in
-variant whose (slot, head)'s two CTAs are launched next to each other.
+cotangents (the kernel's work does not depend on their values).
 """
 
 from __future__ import annotations
@@ -27,11 +26,6 @@ from benchmarks.chunk_core_phases import format_table, phase_table
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--only", default="2048x12x1,8192x16x1,33x2x3-ragged")
-    parser.add_argument(
-        "--pair-halves",
-        action="store_true",
-        help="the opt-in variant that launches a (slot, head)'s two CTAs next to each other",
-    )
     options = parser.parse_args(argv)
 
     import jax
@@ -48,7 +42,7 @@ def main(argv=None):
     register()
     shapes, _ = select(parse_only(options.only), ALL_SHAPES, [])
     scale = default_scale()
-    run = jax.jit(sm90.backend.decayed_tokens_bwd_stamps, static_argnums=(0, 6))
+    run = jax.jit(sm90.backend.decayed_tokens_bwd_stamps, static_argnums=0)
     for shape in shapes:
         x = production_inputs(list(shape.lengths), shape.heads, seed=0)
         tokens = [jnp.asarray(a) for a in x[:5]]
@@ -69,7 +63,7 @@ def main(argv=None):
             random((*chunk, 128)),
             random((slots, shape.heads, 128), jnp.float32),
         )
-        call = (scale, tuple(tokens), cu, d_kk, d_attn, cotangents, options.pair_halves)
+        call = (scale, tuple(tokens), cu, d_kk, d_attn, cotangents)
         jax.block_until_ready(run(*call))  # compile, and a first run
         stamps = np.asarray(run(*call))
         print(format_table(shape.name, phase_table(stamps, DECAYED_PHASES)), flush=True)

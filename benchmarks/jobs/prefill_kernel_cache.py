@@ -82,10 +82,9 @@ def _main():
             sm90.chunk_operands_artifact(0.3, 1, False, False, prep)
         prep = InputPrep(norm, gate, -5.0 if gate else None, logits, grouped)
         sm90.forward_artifact(4 if grouped else 2, default_scale(), prep)
-    for pair_halves in (False, True):
-        # benchmarks/decayed_bwd_phases.py [--pair-halves], and its GPU test
-        sm90.decayed_tokens_bwd_artifact(default_scale(), True, pair_halves)
-        sm90.decayed_tokens_bwd_artifact(0.3, False, pair_halves)
+    # benchmarks/decayed_bwd_phases.py, and the fused backward's GPU test
+    sm90.decayed_tokens_bwd_artifact(default_scale(), True)
+    sm90.decayed_tokens_bwd_artifact(0.3)
     for residuals in (False, True):  # benchmarks/chunk_core_phases.py's diagnostic
         sm90.chunk_operands_artifact(default_scale(), 1, residuals, stamps=True)
     for scale in (0.3, default_scale()):

@@ -25,9 +25,8 @@
 #                                                  GPU minutes: the phase tables of the
 #                                                  chunk core (forward-alone, training) and
 #                                                  of the fused decayed and tokens'
-#                                                  backward on three shapes, its GPU
-#                                                  test and its opt-in pair_halves
-#                                                  launch order (test and phases)
+#                                                  backward on three shapes, and its
+#                                                  GPU test
 # Logs under $OUT. Each step has its own time limit, so a hang (a wrong barrier) ends its step,
 # not the call.
 set -u
@@ -58,12 +57,9 @@ if [ "$mode" = quick ]; then
     "$t::test_decayed_tokens_bwd_kernel_equals_the_two_kernels" \
     > "$out/tests-decayed-variants.log" 2>&1
   echo "decayed backward variant tests rc=$?"; tail -2 "$out/tests-decayed-variants.log"
-  # the default and the opt-in launch order with a (slot, head)'s two CTAs side by side
-  for variant in "" --pair-halves; do
-    timeout "$(limit 60)" python3 -m benchmarks.decayed_bwd_phases $variant \
-      >> "$out/decayed-bwd-phases.log" 2>&1
-    echo "decayed backward phases $variant rc=$?"
-  done
+  timeout "$(limit 60)" python3 -m benchmarks.decayed_bwd_phases \
+    > "$out/decayed-bwd-phases.log" 2>&1
+  echo "decayed backward phases rc=$?"
   cat "$out/decayed-bwd-phases.log"
 fi
 if [ "$mode" = tests ] || [ "$mode" = all ]; then

@@ -1645,13 +1645,12 @@ def tokens_bwd_results(outputs):
 
 
 @functools.cache
-def decayed_tokens_bwd_artifact(scale: float, stamps: bool = False, pair_halves: bool = False):
+def decayed_tokens_bwd_artifact(scale: float, stamps: bool = False):
     """The exported decayed products' backward with the tokens' backward fused after it
     (kernels/kda_decayed_bwd_sm90.py, DecayedTokensBwdSm90) for this scale: the dense kernel's
     bf16 cotangents; tokens, heads, slots and sequences symbolic. stamps (a diagnostic): the
     variant that also writes each CTA's phase clocks (the kernel module's DECAYED_STAMPS;
-    benchmarks/decayed_bwd_phases.py reads them). pair_halves (opt-in, not yet run on a GPU):
-    a (slot, head)'s two CTAs next to each other in launch order (DecayedTokensBwdSm90.cta)."""
+    benchmarks/decayed_bwd_phases.py reads them)."""
     import cutlass.cute as cute
     from cutlass import BFloat16, Float32, Int32
 
@@ -1675,15 +1674,11 @@ def decayed_tokens_bwd_artifact(scale: float, stamps: bool = False, pair_halves:
     }
     scale_tag = hashlib.sha256(repr(scale).encode()).hexdigest()[:8]
     config = {"scale": repr(scale)}
-    suffix = ""
-    if pair_halves:
-        config["pair_halves"] = True
-        suffix = "_ph"
     if not stamps:
         return export(
-            DecayedTokensBwdSm90(scale, pair_halves=pair_halves),
+            DecayedTokensBwdSm90(scale),
             fakes,
-            prefix=f"kda_decayed_tokens_bwd_sm90{suffix}_{scale_tag}",
+            prefix=f"kda_decayed_tokens_bwd_sm90_{scale_tag}",
             config=config,
         )
     from jax_kda.sm90.kernels.kda_decayed_bwd_sm90 import (
@@ -1695,9 +1690,9 @@ def decayed_tokens_bwd_artifact(scale: float, stamps: bool = False, pair_halves:
     stamp_shape = (slots, heads, HALVES, len(DECAYED_STAMPS))
     fakes["stamps"] = row_major_fake(Int32, stamp_shape, align=4)
     return export(
-        DecayedTokensBwdStampsSm90(scale, pair_halves),
+        DecayedTokensBwdStampsSm90(scale),
         fakes,
-        prefix=f"kda_decayed_tokens_bwd_sm90_stamps{suffix}_{scale_tag}",
+        prefix=f"kda_decayed_tokens_bwd_sm90_stamps_{scale_tag}",
         config={**config, "stamps": True},
     )
 
@@ -1734,11 +1729,9 @@ def decayed_tokens_bwd_kernel(scale, tokens, cu_seqlens, rows, d_kk, d_attn, cot
     return tokens_bwd_results(out)
 
 
-def decayed_tokens_bwd_stamps(
-    scale, tokens, cu_seqlens, d_kk, d_attn, cotangents, pair_halves=False
-):
+def decayed_tokens_bwd_stamps(scale, tokens, cu_seqlens, d_kk, d_attn, cotangents):
     """A diagnostic: the fused decayed and tokens' backward's stamps variant on these inputs
-    (decayed_tokens_bwd_kernel's, all of them given; pair_halves: of that variant), returning
+    (decayed_tokens_bwd_kernel's, all of them given), returning
     only each (slot, head, half) CTA's clocks, int32 [slots, H, 2, len(DECAYED_STAMPS)] (the
     kernel module's DECAYED_STAMPS says what each holds)."""
     from jax_kda.sm90.ffi_call import cute_call
@@ -1759,7 +1752,7 @@ def decayed_tokens_bwd_stamps(
         *(x.astype(bf16) for x in (d_kk, d_attn, d_rhs, d_qg, d_kd)),
         *(x.astype(f32) for x in (d_decay, d_beta_kk)),
     ]
-    artifact = decayed_tokens_bwd_artifact(scale, True, pair_halves)
+    artifact = decayed_tokens_bwd_artifact(scale, True)
     return cute_call(artifact, inputs, results)[-1]
 
 

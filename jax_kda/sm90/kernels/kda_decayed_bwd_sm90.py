@@ -34,7 +34,15 @@ DecayedTokensBwdSm90 runs the tokens' backward (kda_tokens_bwd_sm90.py's contrac
 after the products in the same CTA: dq_c, dk_c and dgamma_c of its 64 channels stay in shared
 memory (float32 stages in the operand region, once the last product has read it) and leave
 only as the tokens' gradients, which saves writing and reading them back (96 KiB a slot and
-head) and a launch.
+head) and a launch. It reads g's rows in place of Gamma and sums them as the chunk core does
+(_gate_cumsum: its Gamma bit for bit, so the chunk core need not store it for this kernel), and
+keeps the gate-floor flags dg's rule needs in registers (g was read twice before); its d_kk
+and d_a lie in shared memory as M-major operand images, which the back products take as their
+A operands in place; a (slot, head)'s two CTAs are next to each other in launch order (cta).
+H100, 2026-12-07 (results/2026-12-07-h100-c-*), the kernel's span at 2048x12x1 / 8192x16x1:
+97.0 / 490.1 us before, 93.7 / 478.3 with Gamma summed here, then 91.2 / 455.5 with the
+paired launch order or 91.4 / 461.9 with the in-place A operands (each bit for bit the two
+kernels' results in its GPU test).
 """
 
 from __future__ import annotations
@@ -96,7 +104,7 @@ STAGE_ROW = CH + 4
 STAGE_BYTES = ROWS * STAGE_ROW * 4
 PART_BYTES = 2 * 2 * CH * 4
 DECAYED_PHASES = (
-    "loads",
+    "loads, Gamma's cumsum",
     "back products' images",
     "back products and epilogues",
     "R^T images",
@@ -150,7 +158,6 @@ class DecayedBwdSm90:
         self.qk_scale = float(config.qk_scale)
         self.stamps = False  # the fused kernel's diagnostic (DecayedTokensBwdStampsSm90)
         self.batched_back = False  # the fused kernel's back products (_batched_back)
-        self.pair_halves = False  # the fused kernel's opt-in launch order (cta)
 
     @cute.jit
     def __call__(
@@ -268,12 +275,8 @@ class DecayedBwdSm90:
 
     @cute.jit
     def cta(self):
-        """This CTA's (chunk slot, head, half of the channels): the grid's (x, y, z), or with
-        pair_halves (the fused kernel's opt-in launch order) x = 2 slot + half."""
-        x, y, z = cute.arch.block_idx()
-        if cutlass.const_expr(self.pair_halves):
-            return x // HALVES, y, x % HALVES
-        return x, y, z
+        """This CTA's (chunk slot, head, half of the channels): the grid's (x, y, z)."""
+        return cute.arch.block_idx()
 
     @cute.jit
     def stamp(self, mStamps, index: cutlass.Constexpr[int], tid):
@@ -467,27 +470,30 @@ class DecayedTokensBwdSm90(DecayedBwdSm90):
     stay in shared memory, and the element-wise terms, dg's reverse cumsum and dbeta's partial
     sum over the CTA's channels go straight into the tokens' rows. q and k from the tokens'
     rows, the cotangents d_kk and d_a bfloat16 (the dense kernel's), qk_scale = scale; the
-    back products batched (_batched_back).
+    back products batched (_batched_back); Gamma summed from g in the kernel (_gate_cumsum).
 
     Inputs: q, k, v [T, H, 128] bfloat16, g [T, H, 128] and beta [T, H] float32, cu_seqlens
-    [N + 1] int32, gamma [slots, H, 64, 128] float32, d_kk, d_a [slots, H, 64, 64] bfloat16,
+    [N + 1] int32, d_kk, d_a [slots, H, 64, 64] bfloat16,
     d_rhs [slots, H, 64, 256], d_qg, d_kd [slots, H, 64, 128] bfloat16, d_decay [slots, H, 128]
     and d_beta_kk [slots, H, 64] float32. Outputs: dq, dk, dv [T, H, 128] bfloat16, dg [T, H,
     128] float32, dbeta [2, T, H] float32 (two partial sums, one a half of the channels; the
     first holds d_beta_kk too)."""
 
-    def __init__(self, scale: float, stamps: bool = False, pair_halves: bool = False):
+    def __init__(self, scale: float, stamps: bool = False):
         super().__init__(DecayedBwdConfig(from_tokens=True, qk_scale=scale))
         self.stamps = stamps
         self.batched_back = True  # _batched_back
-        # opt-in, not yet run on a GPU: the two CTAs of a (slot, head), one a half of the
-        # channels, next to each other in launch order (grid [2 slots, H]) instead of a whole
-        # grid of slots and heads apart, so that they run at about the same time: d_kk and d_a,
-        # which both read whole (16 of a CTA's about 104 KiB of reads), then come from DRAM
-        # once between them (L2 serves the second), where the default order has L2 evict them
-        # in between; the rows they split (q, k, v, Gamma, d_rhs, d_qg, d_kd, g) are whole
-        # lines a CTA either way, at most adjacent DRAM pages
-        self.pair_halves = pair_halves
+
+    @cute.jit
+    def cta(self):
+        """This CTA's (chunk slot, head, half of the channels): a (slot, head)'s two CTAs, one
+        a half of the channels, are next to each other in launch order (grid [2 slots, H]), so
+        that they run at about the same time and d_kk and d_a, which both read whole, come from
+        DRAM once between them (L2 serves the second). H100, 2026-12-07, against the grid
+        [slots, H, 2] (results/2026-12-07-h100-c-decayed-bwd-phases.log): bit for bit the same
+        results, the span 93.7 -> 91.2 us at 2048x12x1 and 478.3 -> 455.5 at 8192x16x1."""
+        x, y, _ = cute.arch.block_idx()
+        return x // HALVES, y, x % HALVES
 
     @cute.jit
     def __call__(
@@ -558,9 +564,7 @@ class DecayedTokensBwdSm90(DecayedBwdSm90):
 
     def grid(self, n_slots, heads):
         """The launch grid for n_slots chunk slots and `heads` heads (cta's inverse)."""
-        if self.pair_halves:
-            return [HALVES * n_slots, heads, 1]
-        return [n_slots, heads, HALVES]
+        return [HALVES * n_slots, heads, 1]
 
     @cute.kernel
     def fused_kernel(
@@ -982,8 +986,8 @@ class DecayedTokensBwdStampsSm90(DecayedTokensBwdSm90):
     """The fused kernel's stamps variant (a diagnostic): one more result after dbeta, stamps
     int32 [slots, H, 2, len(DECAYED_STAMPS)], each (slot, head, half) CTA's clocks."""
 
-    def __init__(self, scale: float, pair_halves: bool = False):
-        super().__init__(scale, stamps=True, pair_halves=pair_halves)
+    def __init__(self, scale: float):
+        super().__init__(scale, stamps=True)
 
     @cute.jit
     def __call__(
