@@ -1138,7 +1138,7 @@ def xla_tokens_bwd(scale, tokens, cu_seqlens, rows, gamma, d_decayed, cotangents
 @functools.cache
 def chunk_operands_artifact(
     scale: float, passes: int = 3, residuals: bool = True, images: bool = False, prep=None,
-    stamps: bool = False,
+    stamps: bool = False, keep_gamma: bool = True,
 ):  # fmt: skip
     """The exported exact 64-token chunk core (kernels/kda_chunk_operands_sm90.py) for this
     scale; tokens, heads, slots and sequences symbolic; `passes` bf16 passes a product (3:
@@ -1150,7 +1150,9 @@ def chunk_operands_artifact(
     kernel as they load (l2-normalised q and k, the gate from its raw projection, beta from
     logits; chunk_core_kernel says what it takes then). stamps (a
     diagnostic, with prep None): a variant that also writes each CTA's phase clocks
-    (kernels' STAMPS, benchmarks/chunk_core_phases.py reads them)."""
+    (kernels' STAMPS, benchmarks/chunk_core_phases.py reads them). keep_gamma=False (with
+    residuals): gamma is left unwritten too (the training path's: its fused backward sums g
+    into Gamma itself)."""
     import cutlass.cute as cute
     from cutlass import BFloat16, Float32, Int32
 
@@ -1171,6 +1173,8 @@ def chunk_operands_artifact(
 
     if images and (residuals or passes != 1):
         raise ValueError("images=True is a variant of the one-pass forward-alone chunk core")
+    if not keep_gamma and not residuals:
+        raise ValueError("keep_gamma=False is a variant of the chunk core with residuals")
     tokens, heads, slots = cute.sym_int32(), cute.sym_int32(), cute.sym_int32()
     token_shape = (tokens, heads, HEAD_DIM)
     chunk = (slots, heads, SCAN_CHUNK, HEAD_DIM)
@@ -1210,6 +1214,9 @@ def chunk_operands_artifact(
     config = {"scale": repr(scale)} if passes == 3 else {"scale": repr(scale), "passes": passes}
     if not residuals:
         config["residuals"] = False
+    if not keep_gamma:
+        config["gamma"] = False
+        suffix += "_ng"
     if images:
         config["images"] = True
     if prep is not None:
@@ -1224,6 +1231,7 @@ def chunk_operands_artifact(
         suffix += "_stamps"
     core_config = ChunkOperandsConfig(
         scale=scale, passes=passes, residuals=residuals, images=images, prep=prep, stamps=stamps,
+        gamma=keep_gamma,
     )  # fmt: skip
     launcher = ChunkOperandsGateSm90 if prep is not None and prep.gate else ChunkOperandsSm90
     if stamps:
@@ -1251,7 +1259,7 @@ def chunk_core_results(num_slots: int, heads: int, images: bool = False):
 
 def chunk_core_kernel(
     q, k, v, g, beta, cu_seqlens, num_slots, scale, passes=3, residuals=True, images=False,
-    prep=None, a_log=None, dt_bias=None,
+    prep=None, a_log=None, dt_bias=None, keep_gamma=True,
 ):  # fmt: skip
     """The chunk-core kernel: (w, u, qg, attn, kd, decay, gamma, kk, tinv) from the packed
     tokens, xla_chunk_core's contract with tinv = T^-1, T = I + strictLower(beta kk), and
@@ -1267,7 +1275,8 @@ def chunk_core_kernel(
     gate projection a (cast to float32) where prep.gate, with a_log [HV] and dt_bias
     [HV, 128] or [HV * 128] (None: zeros, fla's defaults of amplitude 1 and no bias); beta
     logits where prep.beta_logits; the results are those of the prepared inputs (gate.py
-    states each preparation)."""
+    states each preparation). keep_gamma=False (with residuals): gamma is not written either
+    and comes back as None (for decayed_tokens_bwd_kernel, which sums g into it itself)."""
     from jax_kda.sm90.ffi_call import cute_call
     from jax_kda.sm90.kernels.input_prep import InputPrep
 
@@ -1283,10 +1292,14 @@ def chunk_core_kernel(
         inputs = [q, k, v, g.astype(f32), beta.astype(f32), jnp.asarray(cu_seqlens, jnp.int32)]
         if prep is not None and prep.gate:
             inputs += _gate_parameters(heads, a_log, dt_bias)
-        artifact = chunk_operands_artifact(scale, passes, residuals, images, prep)
+        artifact = chunk_operands_artifact(
+            scale, passes, residuals, images, prep, keep_gamma=keep_gamma
+        )
         u, qg, attn, decay, gamma, kk, tinv, w, kd = cute_call(artifact, inputs, results)
     if not residuals:
         gamma = kk = tinv = None
+    if not keep_gamma:
+        gamma = None
     return w, u, qg, attn, kd, decay, gamma, kk, tinv
 
 
@@ -1877,19 +1890,17 @@ def _training_chunks(
         # the backward's scans (and the addend the state cotangent writes for them) take the
         # width that suits both directions in one launch
         bwd_v_slice, _ = scan_variant(num_heads, num_sequences, both_directions=True)
+    # the dense kernel's bf16 cotangents: the decayed and tokens' backward in one kernel, which
+    # sums g into Gamma itself (the chunk core then stores none)
+    fused = decayed_bwd and tokens_bwd and fuse_tokens and dense_precision == "bf16"
     chunk_bwd = functools.partial(
         xla_chunk_bwd,
         dense_bwd=dense_bwd_kernel if dense_precision == "bf16" else None,
         decayed_bwd=decayed_bwd_tokens_kernel if decayed_bwd else None,
         tokens_bwd=tokens_bwd_kernel if tokens_bwd else None,
-        # the dense kernel's bf16 cotangents: both in one kernel
-        decayed_tokens_bwd=(
-            decayed_tokens_bwd_kernel
-            if decayed_bwd and tokens_bwd and fuse_tokens and dense_precision == "bf16"
-            else None
-        ),
+        decayed_tokens_bwd=decayed_tokens_bwd_kernel if fused else None,
     )
-    core = functools.partial(chunk_core_kernel, passes=chunk_core_passes)
+    core = functools.partial(chunk_core_kernel, passes=chunk_core_passes, keep_gamma=not fused)
     primal_core = functools.partial(chunk_core_kernel, passes=chunk_core_passes, residuals=False)
     return differentiable_chunks(
         core if chunk_core else xla_chunk_core,

@@ -53,8 +53,10 @@ class WorkspaceBuffer:
         return math.prod(self.shape) * itemsize
 
 
-CORE_ROWS = {"u": "bfloat16", "qg": "bfloat16", "gamma": "float32"}
-"""The chunk core's [64, 128] operands and their dtypes."""
+CORE_ROWS = {"u": "bfloat16", "qg": "bfloat16"}
+"""The chunk core's [64, 128] operands the backward reads and their dtypes (no gamma: the fused
+decayed and tokens' backward sums g into it itself, and the training path's chunk core stores
+none)."""
 CORE_PAIRS = {"attn": "bfloat16", "kk": "float32", "tinv": "bfloat16"}  # its [64, 64] ones
 SCAN_IMAGES = ("w", "kd")
 """The chunk core's W and Kd, only as the single-pass scan's bf16 operand images (both
@@ -76,7 +78,7 @@ class PrefillPlan:
     times segments): CUDA allows at most GRID_YZ_LIMIT."""
     backward_buffers: tuple[WorkspaceBuffer, ...]
     """What a training call's backward adds, per 64-token chunk slot and head: the chunk-core
-    kernel's operands (CORE_ROWS [64, 128]: u, qg bf16, gamma float32; CORE_PAIRS [64, 64]:
+    kernel's operands (CORE_ROWS [64, 128]: u, qg bf16; CORE_PAIRS [64, 64]:
     attn, tinv bf16, kk float32; decay [128] float32; W and Kd [64, 128] only as the bf16
     images in the tensor-core state scans' order, which both directions and the other kernels
     read), the scans' addends in V slices (float32: u's forward, the state's cotangent from

@@ -184,6 +184,9 @@ class ChunkOperandsConfig:
     scale: float
     passes: int = 3  # bf16 passes a product: 3 (bf16x3) or 1
     residuals: bool = True  # store gamma, kk and tinv (the backward's); False: a forward alone
+    # with residuals, store gamma too (False: the fused decayed and tokens' backward, which sums
+    # g into Gamma itself, is the only reader; 32 KiB a slot and head less to write and keep)
+    gamma: bool = True
     images: bool = False  # qg and attn in the scan's operand order (flat [slots, H, 64 * n])
     prep: InputPrep | None = None  # the inputs prepared in the kernel (None: as given)
     stamps: bool = False  # a diagnostic: each CTA's phase clocks (STAMPS) into one more result
@@ -195,6 +198,7 @@ class ChunkOperandsSm90:
         image_k(1, config.passes)  # 1 or 3
         self.passes = config.passes
         self.residuals = config.residuals
+        self.gamma = config.gamma
         self.images = config.images
         self.prep = config.prep if config.prep is not None else InputPrep()
         self.stamps = config.stamps
@@ -668,7 +672,7 @@ class ChunkOperandsSm90:
             kd_t = load_f32(s_k[t, None], c8, LANES) * exp_fast(gam_last - gam_t)
             kd_at = row_piece(mKdImg[slot, h, None], scan_order_offset(t, c8), LANES)
             kd_at.store(kd_t.to(BFloat16))
-            if cutlass.const_expr(self.residuals):
+            if cutlass.const_expr(self.residuals and self.gamma):
                 for q4 in cutlass.range_constexpr(LANES // 4):
                     vec4(mGamma[slot, h, t, None].iterator + c8 + 4 * q4).store(
                         load_f32(s_gam[t, None], c8 + 4 * q4, 4)
