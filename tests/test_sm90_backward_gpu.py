@@ -1080,6 +1080,35 @@ def test_chunk_core_images_and_the_scan_on_them_equal_the_plain_ones(lengths, da
         np.testing.assert_array_equal(a, b, err_msg=name)
 
 
+@pytest.mark.parametrize("case", ["ragged", "gaps", "past-the-anchor-limit", "reset"])
+def test_chunk_core_without_gamma_equals_the_default(case):
+    """The training path's chunk core (keep_gamma=False: gamma, which only the unfused backward
+    reads, left unwritten) against the default one at the training path's one pass: every
+    other output bit for bit and none NaN, gamma None; ragged, empty and gap slots, first-row
+    anchors and gates at -inf."""
+    register()
+    lengths, x = _core_case(case, SEED + 23 * len(case))
+    token_inputs = [jnp.asarray(a) for a in x[:5]]
+    cu = jnp.asarray(x.cu_seqlens, jnp.int32)
+    num_slots = xla.chunk_slot_count(x.q.shape[0], len(lengths))
+    core = jax.jit(sm90.chunk_core_kernel, static_argnames=("num_slots", "scale", "passes",
+                                                            "keep_gamma"))  # fmt: skip
+
+    def run(keep_gamma):
+        return core(*token_inputs, cu, num_slots=num_slots, scale=0.3, passes=1,
+                    keep_gamma=keep_gamma)  # fmt: skip
+
+    default, training = run(True), run(False)
+    names = ("w", "u", "qg", "attn", "kd", "decay", "gamma", "kk", "tinv")
+    assert training[6] is None and default[6] is not None
+    for name, a, b in zip(names, training, default, strict=True):
+        if name == "gamma":
+            continue
+        a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+        assert not np.isnan(a).any(), name
+        np.testing.assert_array_equal(a, b, err_msg=name)
+
+
 @pytest.mark.parametrize("v_slice", [0, 16])
 @pytest.mark.parametrize("lengths", [[130, 0, 70, 1], [64, 10, 128, 0, 65], [3000, 257]], ids=str)
 def test_state_cotangent_kernel_matches_xla(lengths, v_slice):

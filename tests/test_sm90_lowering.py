@@ -145,8 +145,9 @@ def test_prepared_inputs_and_grouped_heads_lower_to_the_kernels(lower_bound):
     # the forward autodiff runs (residuals="recompute" here): the gate-bound kernel, or the
     # exact forward with the chunk core's forward-alone variant
     forward = {"kda_fwd_sm90_h2"} if lower_bound is not None else {"kda_chunk_operands_sm90_x1_fwd"}
+    # the backward's chunk core stores no gamma (_ng): the fused backward sums g itself
     assert kinds == forward | {
-        "kda_chunk_operands_sm90_x1", "kda_decayed_tokens_bwd_sm90", "kda_state_scan_sm90_fwd",
+        "kda_chunk_operands_sm90_x1_ng", "kda_decayed_tokens_bwd_sm90", "kda_state_scan_sm90_fwd",
         "kda_state_scans_sm90", "kda_dense_bwd", "kda_state_cotangent_sm90",
     }, kinds  # fmt: skip
 
