@@ -949,8 +949,8 @@ def test_grad_with_saved_residuals_lowers_without_a_recompute():
     for name, (fn, args) in cases.items():
         text = _lower(fn, *args)
         prefixes = re.findall(r'prefix = "(\w+)"', text)
-        expected = {
-            "kda_chunk_operands_sm90_x1", "kda_state_scan_sm90_fwd", "kda_state_cotangent_sm90",
+        expected = {  # the chunk core without gamma (_ng): the fused backward sums g itself
+            "kda_chunk_operands_sm90_x1_ng", "kda_state_scan_sm90_fwd", "kda_state_cotangent_sm90",
             "kda_state_scan_sm90_rev", "kda_dense_bwd", "kda_decayed_tokens_bwd_sm90",
         }  # fmt: skip
         assert {p.rsplit("_", 1)[0] for p in prefixes} == expected, (name, prefixes)
@@ -1024,8 +1024,9 @@ def test_training_lowers_under_scan_over_layers_checkpoint_and_vmap():
     for name, (fn, args) in cases.items():
         prefixes = set(re.findall(r'prefix = "(\w+)"', _lower(fn, *args)))
         kinds = {p.rsplit("_", 1)[0] for p in prefixes}
-        expected = {"kda_fwd_sm90_h2", "kda_chunk_operands_sm90_x1", "kda_decayed_tokens_bwd_sm90"}
-        expected |= {"kda_state_scan_sm90_fwd", "kda_state_scans_sm90", "kda_dense_bwd"}
+        expected = {"kda_fwd_sm90_h2", "kda_chunk_operands_sm90_x1_ng"}
+        expected |= {"kda_decayed_tokens_bwd_sm90", "kda_dense_bwd"}
+        expected |= {"kda_state_scan_sm90_fwd", "kda_state_scans_sm90"}
         expected |= {"kda_state_cotangent_sm90"}
         assert kinds == expected, (
             name,
@@ -1265,7 +1266,7 @@ def test_grad_under_explicit_sharding_lowers_per_device():
             grad = jax.jit(jax.grad(loss, argnums=range(6)))
             text = grad.trace(*sharded).lower(lowering_platforms=("cuda",)).as_text()
         kinds = {p.rsplit("_", 1)[0] for p in re.findall(r'prefix = "(\\w+)"', text)}
-        assert {"kda_fwd_sm90", "kda_chunk_operands_sm90_x1", "kda_decayed_tokens_bwd_sm90"} <= {
+        assert {"kda_fwd_sm90", "kda_chunk_operands_sm90_x1_ng", "kda_decayed_tokens_bwd_sm90"} <= {
             k.rsplit("_", 1)[0] if k.startswith("kda_fwd") else k for k in kinds}, kinds
         assert "manual_computation" in text
         assert "stablehlo.while" not in text
@@ -1340,7 +1341,7 @@ def test_vmap_runs_the_sm90_path_as_one_call():
         prefixes = re.findall(r'prefix = "(\w+)"', text)
         kinds = sorted(p.rsplit("_", 1)[0] for p in prefixes)
         expected = ["kda_fwd_sm90"] if name == "vmap" else [
-            "kda_chunk_operands_sm90_x1", "kda_decayed_tokens_bwd_sm90", "kda_dense_bwd",
+            "kda_chunk_operands_sm90_x1_ng", "kda_decayed_tokens_bwd_sm90", "kda_dense_bwd",
             "kda_fwd_sm90", "kda_state_cotangent_sm90", "kda_state_scan_sm90_fwd",
             "kda_state_scans_sm90",
         ]  # fmt: skip
