@@ -93,6 +93,8 @@ def default_artifacts():
     makers = [
         lambda: sm90.forward_artifact(2, scale),
         lambda: sm90.chunk_operands_artifact(scale, 1),
+        # the training step's (gamma unwritten: the fused backward sums g itself)
+        lambda: sm90.chunk_operands_artifact(scale, 1, keep_gamma=False),
         lambda: sm90.chunk_operands_artifact(scale, 1, False),
     ]
     # the forward-alone core preparing the raw inputs (a sample of IN_KERNEL_PREPS'
