@@ -20,6 +20,11 @@ float32 or bf16-rounded operands each.
 HBM traffic): the training path's structure (sm90.backend.differentiable_chunks around XLA
 stand-ins, every product one bf16 pass) with the chunk core's outputs, the chunk states or the
 states' cotangents rounded to bfloat16 where they are stored (bf16_intermediates).
+
+--storage asks the same of the next two arrays to halve, with the core's and the dense
+backward's outputs in bf16 as the kernels store them: the chunk states (what the dense backward
+reads as S) and the reverse scan's addend (the outputs' part of each chunk's state cotangent),
+on production, long-memory and harsh-gate data and the GPU test's two pinned 257-token calls.
 """
 
 from __future__ import annotations
@@ -199,7 +204,11 @@ def _rounded_bf16(x):
 
 
 def bf16_intermediates(
-    core_outputs: bool, states: bool, state_cotangents: bool, dense_outputs: bool = False
+    core_outputs: bool,
+    states: bool,
+    state_cotangents: bool,
+    dense_outputs: bool = False,
+    addend: bool = False,
 ):
     """prefill's signature on the sm90 training path's structure in XLA (differentiable_chunks
     around xla_chunk_core, xla.state_scan and xla_chunk_bwd) with stored arrays rounded to
@@ -208,7 +217,8 @@ def bf16_intermediates(
     Gamma); states,
     the chunk states the forward scan writes; state_cotangents, those the reverse scan writes
     (G); dense_outputs, the dense backward's d_rhs, d_qg, d_attn, d_kd and d_kk (what
-    sm90.dense_bwd_results stores in bf16)."""
+    sm90.dense_bwd_results stores in bf16); addend, the reverse scan's addend, the outputs' part
+    of each chunk's state cotangent (what the state cotangent kernel writes)."""
 
     def core(*args):
         out = list(sm90_backend.xla_chunk_core(*args))
@@ -229,8 +239,14 @@ def bf16_intermediates(
             out = [x if i in (4, 6) else _rounded_bf16(x) for i, x in enumerate(out)]
         return tuple(out)
 
+    def state_cotangent(*args):
+        d_states = sm90_backend.xla_state_cotangent(*args)
+        return _rounded_bf16(d_states) if addend else d_states
+
     chunk_bwd = functools.partial(sm90_backend.xla_chunk_bwd, dense_bwd=dense)
-    chunks = sm90_backend.differentiable_chunks(core, scan, chunk_bwd)
+    chunks = sm90_backend.differentiable_chunks(
+        core, scan, chunk_bwd, state_cotangent=state_cotangent
+    )
 
     def forward(q, k, v, g, beta, cu_seqlens=None, initial_state=None, scale=None, backend=None):
         del backend
@@ -268,6 +284,42 @@ def _intermediates_study(lengths, heads: int, scale: float) -> None:
             print(f"{data:12s} {name:22s} worst {worst:.1e} | {cells}", flush=True)
 
 
+def _storage_study(lengths, heads: int, scale: float) -> None:
+    """The next traffic cut's precision: with the chunk core's and the dense backward's outputs
+    in bf16 as the kernels store them, the chunk states (the dense backward's S) and the reverse
+    scan's addend (the state cotangent kernel's output) in float32 or bf16; production,
+    long-memory and harsh-gate data, and the two pinned 257-token calls of the GPU test where
+    G's rounding in Kd G had put dbeta near SPEC's bar (tests/test_sm90_backward_gpu.py,
+    test_grads_where_one_pass_of_the_state_cotangent_misses)."""
+    variants = {
+        "as stored now": (True, False, False, True, False),
+        "states bf16": (True, True, False, True, False),
+        "addend bf16": (True, False, False, True, True),
+        "both bf16": (True, True, False, True, True),
+    }
+
+    def harsh(lengths, heads, seed):
+        x = production_inputs(lengths, heads, seed=seed)
+        g = np.array(x.g)
+        g[:, :, ::2] = -30.0
+        return x._replace(g=g)
+
+    cases = [
+        (name, make(lengths, heads, 5), 7)
+        for name, make in (("production", production_inputs),
+                           ("long-memory", long_memory_inputs), ("g -30", harsh))
+    ]  # fmt: skip
+    cases += [(f"pinned {seed}", production_inputs([257], 2, seed=seed + 10), seed + 5)
+              for seed in (1666, 1814)]  # fmt: skip
+    for data, x, weights_seed in cases:
+        for name, options in variants.items():
+            with single_pass_bf16_products():
+                result = errors(x, scale, seed=weights_seed, prefill=bf16_intermediates(*options))
+            worst = max(result.values())
+            cells = " ".join(f"{k} {v:.1e}" for k, v in result.items())
+            print(f"{data:12s} {name:14s} worst {worst:.1e} | {cells}", flush=True)
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--lengths", default="300,0,77,130")
@@ -281,8 +333,15 @@ def main(argv=None) -> None:
         "--intermediates", action="store_true",
         help="which per-chunk arrays the sm90 backward could store in bfloat16 (read above)",
     )  # fmt: skip
+    parser.add_argument(
+        "--storage", action="store_true",
+        help="the chunk states and the reverse scan's addend in bf16 (read _storage_study)",
+    )  # fmt: skip
     args = parser.parse_args(argv)
     lengths = [int(n) for n in args.lengths.split(",")]
+    if args.storage:
+        _storage_study(lengths, args.heads, args.scale)
+        return
     if args.decayed_products:
         _decayed_products_study(lengths, args.heads, args.scale)
         return
