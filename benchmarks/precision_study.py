@@ -305,7 +305,7 @@ def _storage_study(lengths, heads: int, scale: float) -> None:
         return x._replace(g=g)
 
     cases = [
-        (name, make(lengths, heads, 5), 7)
+        (name, make(lengths, heads, seed=5), 7)
         for name, make in (("production", production_inputs),
                            ("long-memory", long_memory_inputs), ("g -30", harsh))
     ]  # fmt: skip
