@@ -125,9 +125,8 @@ def test_backward_buffers_cover_every_64_token_chunk_slot():
     slots = 2048 // 64 + 1
     shapes = {b.name: b.shape for b in plan.backward_buffers}
     assert shapes["chunk_states"] == shapes["chunk_state_cotangents"] == (slots, 12, 128, 128)
-    for name in ("u", "qg"):  # the chunk core's operands
+    for name in ("u", "qg", "gamma"):  # the chunk core's results (gamma unwritten)
         assert shapes[f"chunk_{name}"] == (slots, 12, 64, 128)
-    assert "chunk_gamma" not in shapes  # the fused backward sums g into it itself
     assert "chunk_w" not in shapes and "chunk_kd" not in shapes  # only as the scan's images
     assert shapes["chunk_attn"] == shapes["chunk_kk"] == shapes["chunk_tinv"] == (slots, 12, 64, 64)
     assert shapes["chunk_decay"] == (slots, 12, 128)
@@ -135,12 +134,13 @@ def test_backward_buffers_cover_every_64_token_chunk_slot():
         assert shapes[f"scan_{name}_image"] == (slots, 12, 64 * 128)
     assert shapes["scan_forward_addend_slices"] == (slots, 12, 64, 128)
     assert shapes["scan_reverse_addend_slices"] == (slots, 12, 128, 128)
-    # per slot and head: float32 states, cotangents and reverse addend, the forward addend, kk
-    # and decay; bf16 u, qg, attn, tinv and the two images
-    float32 = 3 * 128 * 128 + 64 * 128 + 64 * 64 + 128
+    # per slot and head: float32 states, cotangents and reverse addend, gamma (allocated,
+    # unwritten), the forward addend, kk and decay; bf16 u, qg, attn, tinv and the two images
+    float32 = 3 * 128 * 128 + 2 * 64 * 128 + 64 * 64 + 128
     bf16 = 4 * 64 * 128 + 2 * 64 * 64
     assert plan.backward_bytes == slots * 12 * (float32 * 4 + bf16 * 2)
-    # kept from the forward with saved residuals: the core's outputs, images and the states
+    # kept from the forward with saved residuals: the core's outputs but gamma, the images and
+    # the states
     kept_f32 = 128 * 128 + 64 * 64 + 128
     assert plan.saved_residual_bytes == slots * 12 * (kept_f32 * 4 + bf16 * 2)
 

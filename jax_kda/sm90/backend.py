@@ -1286,6 +1286,8 @@ def chunk_core_kernel(
     if any(x.dtype != jnp.bfloat16 for x in (q, k, v)):
         raise TypeError(f"the chunk-core kernel takes bfloat16 q, k, v; got {q.dtype}")
     _check_prepared_heads(q, k, heads, InputPrep() if prep is None else prep, a_log, dt_bias)
+    if not keep_gamma and not residuals:
+        raise ValueError("keep_gamma=False is a variant of the chunk core with residuals")
     if num_slots == 0:  # no tokens and no sequences: nothing to launch (an empty grid)
         u, qg, attn, decay, gamma, kk, tinv, w, kd = (jnp.zeros(r.shape, r.dtype) for r in results)
     else:
@@ -1835,8 +1837,9 @@ def training_residual_forward(q, k, v, g, beta, cu_seqlens, initial_state, scale
     """(o, final_state, saved): training_forward's forward (the chunk core, the forward state
     scan, the outputs; every kernel at its default) together with what its backward takes, so
     that training_residual_backward recomputes nothing: `saved` is a tuple of arrays, the
-    packed tokens, cu_seqlens, the tokens' slot rows, the chunk core's outputs and the chunk
-    states, in that order (plan_prefill(...).saved_residual_bytes their size)."""
+    packed tokens, cu_seqlens, the tokens' slot rows, the chunk core's outputs (gamma None: the
+    fused backward sums g itself) and the chunk states, in that order
+    (plan_prefill(...).saved_residual_bytes their size)."""
     chunks = _training_chunks(q.shape[1], cu_seqlens.shape[0] - 1, both_scans=False)
     total_tokens, num_sequences = q.shape[0], cu_seqlens.shape[0] - 1
     num_slots = xla.chunk_slot_count(total_tokens, num_sequences)

@@ -53,10 +53,10 @@ class WorkspaceBuffer:
         return math.prod(self.shape) * itemsize
 
 
-CORE_ROWS = {"u": "bfloat16", "qg": "bfloat16"}
-"""The chunk core's [64, 128] operands the backward reads and their dtypes (no gamma: the fused
-decayed and tokens' backward sums g into it itself, and the training path's chunk core stores
-none)."""
+CORE_ROWS = {"u": "bfloat16", "qg": "bfloat16", "gamma": "float32"}
+"""The chunk core's [64, 128] results and their dtypes. gamma is an XLA temporary only: the
+training path's chunk core leaves it unwritten (the fused decayed and tokens' backward sums g
+into it itself), so no call keeps it for its backward."""
 CORE_PAIRS = {"attn": "bfloat16", "kk": "float32", "tinv": "bfloat16"}  # its [64, 64] ones
 SCAN_IMAGES = ("w", "kd")
 """The chunk core's W and Kd, only as the single-pass scan's bf16 operand images (both
@@ -78,11 +78,11 @@ class PrefillPlan:
     times segments): CUDA allows at most GRID_YZ_LIMIT."""
     backward_buffers: tuple[WorkspaceBuffer, ...]
     """What a training call's backward adds, per 64-token chunk slot and head: the chunk-core
-    kernel's operands (CORE_ROWS [64, 128]: u, qg bf16; CORE_PAIRS [64, 64]:
-    attn, tinv bf16, kk float32; decay [128] float32; W and Kd [64, 128] only as the bf16
-    images in the tensor-core state scans' order, which both directions and the other kernels
-    read), the scans' addends in V slices (float32: u's forward, the state's cotangent from
-    the outputs reverse), and the scans' results, the state entering the slot and its
+    kernel's results (CORE_ROWS [64, 128]: u, qg bf16, gamma float32, unwritten; CORE_PAIRS
+    [64, 64]: attn, tinv bf16, kk float32; decay [128] float32; W and Kd [64, 128] only as the
+    bf16 images in the tensor-core state scans' order, which both directions and the other
+    kernels read), the scans' addends in V slices (float32: u's forward, the state's cotangent
+    from the outputs reverse), and the scans' results, the state entering the slot and its
     cotangent at the slot's end (float32). XLA temporaries, not residuals: the backward keeps
     only the inputs and recomputes these."""
 
@@ -101,6 +101,7 @@ class PrefillPlan:
         and the chunk states, out of backward_buffers (the inputs, kept either way, not
         counted)."""
         kept = {f"chunk_{name}" for name in (*CORE_ROWS, *CORE_PAIRS, "decay", "states")}
+        kept.discard("chunk_gamma")  # allocated, never written or kept (CORE_ROWS)
         kept |= {f"scan_{name}_image" for name in SCAN_IMAGES}
         return sum(buffer.bytes for buffer in self.backward_buffers if buffer.name in kept)
 

@@ -185,7 +185,8 @@ class ChunkOperandsConfig:
     passes: int = 3  # bf16 passes a product: 3 (bf16x3) or 1
     residuals: bool = True  # store gamma, kk and tinv (the backward's); False: a forward alone
     # with residuals, store gamma too (False: the fused decayed and tokens' backward, which sums
-    # g into Gamma itself, is the only reader; 32 KiB a slot and head less to write and keep)
+    # g into Gamma itself, is the only reader; 32 KiB a slot and head less to write and to keep
+    # for the backward; the result stays in the artifact's signature, unwritten)
     gamma: bool = True
     images: bool = False  # qg and attn in the scan's operand order (flat [slots, H, 64 * n])
     prep: InputPrep | None = None  # the inputs prepared in the kernel (None: as given)

@@ -88,11 +88,14 @@ PAIR_PAD = 16  # bytes of padding a cotangent row in shared memory (rows stay 16
 EIGHT = 8  # values a thread takes in the vectorised image builds: 16 bytes of bf16
 SIDE = 2 * BLOCK  # K of a back product: block I's 16 rows for d_kk, then for d_a
 # The reused operand region (1024-byte aligned): R^T, then the packed cotangent image (zeroed
-# once: only its block-diagonal entries are written); before R^T, a back product's two images
-# lie where R^T goes; after the products, the pairwise pass's float32 scratch.
+# once: only its block-diagonal entries are written); before R^T, the back products' images
+# lie where R^T goes (the loop's one block at a time; the fused kernel's four B images at
+# once, _batched_back); after the products, the pairwise pass's float32 scratch.
 RT_BYTES = CH * 2 * PACKED * 2  # R^T image [64, 320] bf16 (hi | lo): 40 KiB
 BACK_B_BYTES = CH * 2 * SIDE * 2  # [kl | ql] image [64, 64] bf16 (hi | lo): 8 KiB
-assert 4 * (ROWS * SIDE * 2 + BACK_B_BYTES) <= RT_BYTES + ROWS * PACKED * 2, "_batched_back"
+# _batched_back's B images stay inside R^T's bytes: the packed cotangent image after them keeps
+# the zeros the load phase wrote
+assert BLOCKS * BACK_B_BYTES <= RT_BYTES, "_batched_back"
 # The fused kernel's bf16 cotangents d_kk and d_a as M-major operand images [64 j, 64 i]
 # (128-byte swizzle: row i of the cotangent is 128 contiguous bytes of j): the back products'
 # A operands (rows j, K = i) are their 16-row blocks in place, 2 KiB each
