@@ -76,6 +76,7 @@ from jax_kda.sm90.kernels.wgmma import (
     product_passes,
     put_piece,
     row_piece,
+    store_piece,
     vec4,
     view,
 )
@@ -816,16 +817,22 @@ def stages(s_region: cute.Tensor):
     )
 
 
-def _allocate(cotangent: cutlass.Constexpr):
-    """The kernel's shared memory for cotangents of dtype `cotangent`: (operand region, q, k,
-    Gamma, d_kk, d_a, flag); q, k and Gamma of the CTA's 64 channels."""
-    smem = SmemAllocator()
-    split = split_cotangents(cotangent)
+def _allocate_rows(smem: SmemAllocator, split: bool):
+    """The first of both kernels' shared memory: (operand region, q, k, Gamma), q, k and Gamma
+    of the CTA's 64 channels, the region sized for cotangent images split or not."""
     rows = cute.make_layout((ROWS, CH), stride=(CH, 1))
     s_region = smem.allocate_tensor(Int32, cute.make_layout((RT_BYTES + w_bytes(split)) // 4), 1024)
     s_q = smem.allocate_tensor(BFloat16, rows, 16)
     s_k = smem.allocate_tensor(BFloat16, rows, 16)
     s_gam = smem.allocate_tensor(Float32, cute.make_layout((ROWS, CH), stride=(GAM_ROW, 1)), 16)
+    return s_region, s_q, s_k, s_gam
+
+
+def _allocate(cotangent: cutlass.Constexpr):
+    """The kernel's shared memory for cotangents of dtype `cotangent`: (operand region, q, k,
+    Gamma, d_kk, d_a, flag) (_allocate_rows, then the cotangents in padded rows)."""
+    smem = SmemAllocator()
+    s_region, s_q, s_k, s_gam = _allocate_rows(smem, split_cotangents(cotangent))
     pair_row = ROWS + PAIR_PAD * 8 // cotangent.width
     pairs = cute.make_layout((ROWS, ROWS), stride=(pair_row, 1))
     s_dkk = smem.allocate_tensor(cotangent, pairs, 16)
@@ -840,11 +847,7 @@ def _allocate_images():
     (i, j) as the other kernels' plain arrays are; and those images' raw words (Int32), which
     the back products take their A operands from."""
     smem = SmemAllocator()
-    rows = cute.make_layout((ROWS, CH), stride=(CH, 1))
-    s_region = smem.allocate_tensor(Int32, cute.make_layout((RT_BYTES + w_bytes(False)) // 4), 1024)
-    s_q = smem.allocate_tensor(BFloat16, rows, 16)
-    s_k = smem.allocate_tensor(BFloat16, rows, 16)
-    s_gam = smem.allocate_tensor(Float32, cute.make_layout((ROWS, CH), stride=(GAM_ROW, 1)), 16)
+    s_region, s_q, s_k, s_gam = _allocate_rows(smem, False)
     s_pairs = smem.allocate_tensor(Int32, cute.make_layout(2 * PAIRS_BYTES // 4), 1024)
     image = image_layout(ROWS, ROWS, mn_major=True)  # (j, i)
     s_dkk, s_dqk = (_transposed(view(s_pairs.iterator, at, image)) for at in (0, PAIRS_BYTES))
@@ -927,8 +930,8 @@ def _load_rows(s_q, s_k, s_gam, m_q, m_k, m_gam, m_kk, m_qk, s_dkk, s_dqk, row0,
                 w_kk[x] = r_kk[p, x]
                 w_qk[x] = r_qk[p, x]
         if cutlass.const_expr(images):
-            cute.autovec_copy(w_kk, _row_piece_of(s_dkk, i, e % ROWS, per_w))
-            cute.autovec_copy(w_qk, _row_piece_of(s_dqk, i, e % ROWS, per_w))
+            store_piece(s_dkk, i, e % ROWS, w_kk.load(), False)
+            store_piece(s_dqk, i, e % ROWS, w_qk.load(), False)
         else:
             row_piece(s_dkk[i, None], e % ROWS, per_w).store(w_kk.load())
             row_piece(s_dqk[i, None], e % ROWS, per_w).store(w_qk.load())
