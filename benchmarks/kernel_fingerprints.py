@@ -117,6 +117,9 @@ def default_artifacts():
     makers += [
         sm90.chunk_outputs_artifact,
         sm90.dense_bwd_artifact,
+        # the training step's, on the bf16 chunk states (BF16_STATES)
+        lambda: sm90.chunk_outputs_artifact(True),
+        lambda: sm90.dense_bwd_artifact(True),
         lambda: sm90.tokens_bwd_artifact(scale),
         lambda: sm90.decayed_tokens_bwd_artifact(scale),
         lambda: sm90.state_cotangent_artifact(0),
@@ -135,6 +138,13 @@ def default_artifacts():
             lambda v=v_slice: sm90.state_scan_outputs_artifact(v, True, True),
             lambda v=v_slice: sm90.state_scan_outputs_artifact(v, False, True),
             lambda v=v_slice: sm90.state_scans_artifact(v, True),
+            # the training step's: the chunk states stored in bf16 (BF16_STATES), the reverse
+            # scan's addend written and read in bf16 (BF16_ADDEND)
+            lambda v=v_slice: sm90.state_scan_artifact(False, v, True, 1, True, True),
+            lambda v=v_slice: sm90.state_scan_outputs_artifact(v, True, True, False, True),
+            lambda v=v_slice: sm90.state_scan_artifact(True, v, True, 1, False, False, True),
+            lambda v=v_slice: sm90.state_cotangent_artifact(v, True),
+            lambda v=v_slice: sm90.state_scans_artifact(v, True, True, True),
         ]
     return makers
 

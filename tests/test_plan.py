@@ -2,6 +2,7 @@
 
 import pytest
 
+from jax_kda.sm90.kernels.layout import BF16_ADDEND, BF16_STATES
 from jax_kda.sm90.plan import (
     CHUNK_RECORD_BYTES,
     MAX_SEGMENTS,
@@ -134,15 +135,20 @@ def test_backward_buffers_cover_every_64_token_chunk_slot():
         assert shapes[f"scan_{name}_image"] == (slots, 12, 64 * 128)
     assert shapes["scan_forward_addend_slices"] == (slots, 12, 64, 128)
     assert shapes["scan_reverse_addend_slices"] == (slots, 12, 128, 128)
-    # per slot and head: float32 states, cotangents and reverse addend, gamma (allocated,
-    # unwritten), the forward addend, kk and decay; bf16 u, qg, attn, tinv and the two images
-    float32 = 3 * 128 * 128 + 2 * 64 * 128 + 64 * 64 + 128
-    bf16 = 4 * 64 * 128 + 2 * 64 * 64
+    # per slot and head: float32 cotangents, gamma (allocated, unwritten), the forward addend,
+    # kk and decay; bf16 states and reverse addend (BF16_STATES, BF16_ADDEND), u, qg, attn,
+    # tinv and the two images
+    assert BF16_STATES and BF16_ADDEND
+    assert {b.name: b.dtype for b in plan.backward_buffers}["chunk_states"] == "bfloat16"
+    float32 = 128 * 128 + 2 * 64 * 128 + 64 * 64 + 128
+    bf16 = 2 * 128 * 128 + 4 * 64 * 128 + 2 * 64 * 64
     assert plan.backward_bytes == slots * 12 * (float32 * 4 + bf16 * 2)
     # kept from the forward with saved residuals: the core's outputs but gamma, the images and
-    # the states
-    kept_f32 = 128 * 128 + 64 * 64 + 128
-    assert plan.saved_residual_bytes == slots * 12 * (kept_f32 * 4 + bf16 * 2)
+    # the states (bf16): 128.5 KiB a slot and head
+    kept_f32 = 64 * 64 + 128
+    kept_bf16 = 128 * 128 + 4 * 64 * 128 + 2 * 64 * 64
+    assert plan.saved_residual_bytes == slots * 12 * (kept_f32 * 4 + kept_bf16 * 2)
+    assert kept_f32 * 4 + kept_bf16 * 2 == 128.5 * 1024
 
 
 @pytest.mark.parametrize(

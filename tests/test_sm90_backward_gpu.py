@@ -886,6 +886,140 @@ def test_state_scan_with_outputs_equals_the_scan_and_the_outputs_kernel(
     assert twin <= 1e-4 and error <= 2e-2 and same_ops <= 5e-3, (twin, error, same_ops)
 
 
+def _poisoned(artifact, results):
+    """A jitted cute_call of an exported kernel with every result NaN-poisoned first (aliased
+    in place: what the kernel does not write stays NaN)."""
+
+    def call(*inputs):
+        poison = [jnp.full(r.shape, jnp.nan, r.dtype) for r in results]
+        aliases = {len(inputs) + i: i for i in range(len(results))}
+        return cute_call(artifact, [*inputs, *poison], results, aliases=aliases)
+
+    return jax.jit(call)
+
+
+def _assert_same(name, a, b):
+    """a is b bit for bit (compared as float32: bf16 widens exactly), and holds no NaN."""
+    a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+    assert a.shape == b.shape, (name, a.shape, b.shape)
+    assert not np.isnan(a).any(), name
+    np.testing.assert_array_equal(a, b, err_msg=name)
+
+
+@pytest.mark.parametrize("v_slice", SCAN_TC_V_SLICES)
+@pytest.mark.parametrize("lengths, data", CHUNK_SCAN_CASES, ids=str)
+def test_bf16_states_and_addend_equal_the_float32_kernels_rounded(lengths, data, v_slice):
+    """The training path's bf16 chunk states (BF16_STATES) and reverse-scan addend
+    (BF16_ADDEND) against the float32 kernels they replace, on the chunk core's own operands, a
+    non-zero initial state and random cotangents, every result NaN-poisoned first: the forward
+    scans' bf16 states (the scan alone on the plain U, the scan with the outputs on its second
+    warpgroup, and both scans in one launch) are the float32 states rounded, bit for bit, with
+    the same final states and o; the state cotangent's bf16 slices are its float32 ones
+    rounded; the reverse scan on the bf16 addend, the chunk outputs and the dense backward on
+    the bf16 states give bit for bit what the float32 kernels give on the same values widened
+    (the rounded values are what every product took already; only the dense backward's
+    d_decay = rowsum(S * G) sees S rounded, the same way in both). Ragged, empty and gap
+    slots, long-memory data, no tokens at all."""
+    register()
+    seed = SEED + 13 * len(lengths)
+    print(f"seed {seed}")
+    x, cu, num_slots, core, w_op, kd_op, y0 = _chunk_scan_case(lengths, data, seed)
+    tokens, heads = x.q.shape[:2]
+    _, rows = xla._token_slots(cu, tokens)
+    w, u, qg, attn, kd, decay, _, kk, tinv = core
+    f32, bf16 = jnp.float32, jnp.bfloat16
+    rng = np.random.default_rng(seed)
+    d_o = jnp.asarray(rng.standard_normal((tokens, heads, 128)), bf16)
+    d_final = jnp.asarray(rng.standard_normal(y0.shape), f32)
+    square = (num_slots, heads, 128, 128)
+    final_vk = jax.ShapeDtypeStruct(y0.shape, f32)
+    images = sm90.state_scan_operands(w_op, kd_op, None, v_slice, 1)[:2]  # forward: A W, B^T Kd
+    u_plain = u.reshape(num_slots, heads, -1)
+    y0_vk = jnp.swapaxes(y0, -1, -2)  # the plain-U variants' y0 and final are [V, K]
+    tc = {"v_slice": v_slice, "tensor_cores": True, "passes": 1}
+
+    # the forward scan alone on the plain U
+    ref_states, ref_final = jax.jit(
+        functools.partial(sm90.state_scan_kernel, reverse=False, plain_addend=True, **tc)
+    )(w_op, kd_op, decay, u, cu, y0)
+    if num_slots == 0:
+        return
+    artifact = sm90.state_scan_artifact(False, v_slice, True, 1, True, True)
+    bf16_square, f32_square = jax.ShapeDtypeStruct(square, bf16), jax.ShapeDtypeStruct(square, f32)
+    states, final = _poisoned(artifact, [bf16_square, final_vk])(*images, decay, u_plain, cu, y0_vk)
+    assert states.dtype == bf16
+    _assert_same("scan: states", states, ref_states.astype(bf16))
+    _assert_same("scan: final", jnp.swapaxes(final, -1, -2), ref_final)
+
+    # the state cotangent in the reverse scan's slices
+    ref_slices = jax.jit(
+        functools.partial(sm90.state_cotangent_kernel, scan_v_slice=v_slice, scan_tensor_cores=True)
+    )(qg, w, attn, d_o, cu, rows)
+    assert isinstance(ref_slices, sm90.SlicedAddend) and ref_slices.v_slice == v_slice
+    cot_in = [qg.astype(bf16), w, attn.astype(bf16), d_o, cu]
+    (flat,) = _poisoned(sm90.state_cotangent_artifact(v_slice, True), [bf16_square])(*cot_in)
+    slices = flat.reshape(ref_slices.slices.shape)
+    _assert_same("state cotangent", slices, ref_slices.slices.astype(bf16))
+
+    # the reverse scan on the bf16 addend against the float32 kernel on the same values
+    rev_images = sm90.state_scan_operands(kd_op, w_op, None, v_slice, 1)[:2]
+    ref_g_end, ref_d_y0 = jax.jit(functools.partial(sm90.state_scan_kernel, reverse=True, **tc))(
+        kd_op, w_op, decay, sm90.SlicedAddend(slices.astype(f32), v_slice), cu, d_final
+    )
+    artifact = sm90.state_scan_artifact(True, v_slice, True, 1, False, False, True)
+    g_end, d_y0 = _poisoned(artifact, [f32_square, final_vk])(
+        *rev_images, decay, slices, cu, d_final
+    )
+    _assert_same("reverse scan: g_end", g_end, ref_g_end)
+    _assert_same("reverse scan: d_y0", d_y0, ref_d_y0)
+
+    # both scans in one launch (the recompute mode's)
+    ref_both = jax.jit(functools.partial(sm90.state_scans_kernel, plain_addend=True, **tc))(
+        w_op, kd_op, decay, u, sm90.SlicedAddend(slices.astype(f32), v_slice), cu, y0, d_final
+    )
+    artifact = sm90.state_scans_artifact(v_slice, True, True, True)
+    both = _poisoned(artifact, [bf16_square, final_vk, f32_square, final_vk])(
+        *images, decay, u_plain, slices, cu, y0_vk, jnp.swapaxes(d_final, -1, -2)
+    )
+    _assert_same("both scans: states", both[0], ref_both[0].astype(bf16))
+    _assert_same("both scans: final", jnp.swapaxes(both[1], -1, -2), ref_both[1])
+    _assert_same("both scans: g_end", both[2], ref_both[2])
+    _assert_same("both scans: d_y0", jnp.swapaxes(both[3], -1, -2), ref_both[3])
+    _assert_same("both scans: states as the scan's", both[0], states)
+
+    # the dense backward on the bf16 states against the float32 kernel on them widened
+    beta = jnp.asarray(x.beta, f32)
+    dense_in = [w, u.astype(bf16), attn.astype(bf16), kd]
+    tail = [g_end, d_o, tinv.astype(bf16), kk.astype(f32), beta, cu]
+    ref_dense = jax.jit(sm90.dense_bwd_kernel)(*dense_in, states.astype(f32), *tail, rows)
+    dense_results = sm90.backend.dense_bwd_results(num_slots, heads)
+    dense = _poisoned(sm90.dense_bwd_artifact(True), dense_results)(*dense_in, states, *tail)
+    names = ("d_rhs", "d_qg", "d_attn", "d_kd", "d_decay", "d_kk", "d_beta_kk")
+    for name, a, b in zip(names, dense, ref_dense, strict=True):
+        assert a.dtype == b.dtype, name
+        _assert_same(f"dense bwd: {name}", a, b)
+    if not tokens:
+        return
+
+    # the chunk outputs on the bf16 states, and the scan that writes them (second warpgroup)
+    out_in = [w, u.astype(bf16), qg.astype(bf16), attn.astype(bf16), cu]
+    ref_o = jax.jit(sm90.chunk_outputs_kernel)(states.astype(f32), *out_in, rows)
+    o_result = jax.ShapeDtypeStruct((tokens, heads, 128), bf16)
+    (o,) = _poisoned(sm90.chunk_outputs_artifact(True), [o_result])(states, *out_in)
+    _assert_same("chunk outputs", o, ref_o)
+    ref_fused = jax.jit(functools.partial(
+        sm90.state_scan_outputs_kernel, fuse=True, outputs_warpgroup=True, **tc
+    ))(w_op, kd_op, decay, u, cu, y0, qg, attn, rows)  # fmt: skip
+    fused_in = [*images, decay, u_plain, cu, y0_vk, qg.reshape(num_slots, heads, -1),
+                attn.reshape(num_slots, heads, -1)]  # fmt: skip
+    artifact = sm90.state_scan_outputs_artifact(v_slice, True, True, False, True)
+    fused = _poisoned(artifact, [bf16_square, final_vk, o_result])(*fused_in)
+    _assert_same("scan with outputs: states", fused[0], ref_fused[0].astype(bf16))
+    _assert_same("scan with outputs: final", jnp.swapaxes(fused[1], -1, -2), ref_fused[1])
+    _assert_same("scan with outputs: o", fused[2], ref_fused[2])
+    _assert_same("scan with outputs: states as the scan's", fused[0], states)
+
+
 @functools.partial(jax.jit, static_argnums=(3, 4, 5))
 def _scan_with_outputs(core_out, cu, y0, tokens, v_slice, use_images):
     """(final states [N, H, V, K], o [T, H, 128] bf16): the forward-alone chunk core's outputs

@@ -691,6 +691,13 @@ def test_state_cotangent_exports_for_sm90a(v_slice):
     artifact = sm90.state_cotangent_artifact(v_slice)
     assert artifact.object_bytes[:4] == b"\x7fELF"
     assert len(artifact.tensors) == 6  # qg, w, attn, d_out, cu_seqlens and d_states
+    if not v_slice:
+        with pytest.raises(ValueError, match="only in the scan's V slices"):
+            sm90.state_cotangent_artifact(0, True)
+        return
+    bf16 = sm90.state_cotangent_artifact(v_slice, True)  # the reverse scan's bf16 addend
+    assert bf16.prefix == f"kda_state_cotangent_sm90_vs{v_slice}h" and bf16.key != artifact.key
+    assert bf16.dtypes[-1] == "bfloat16" and artifact.dtypes[-1] == "float32"
 
 
 @pytest.mark.parametrize("tokens_bwd", [True, False])
@@ -777,6 +784,9 @@ def test_dense_bwd_exports_for_sm90a():
     artifact = sm90.dense_bwd_artifact()
     assert artifact.object_bytes[:4] == b"\x7fELF"
     assert artifact.prefix == "kda_dense_bwd_sm90"
+    bf16 = sm90.dense_bwd_artifact(True)  # S in bf16, as the training forward stores it
+    assert bf16.prefix == "kda_dense_bwd_sm90_hs" and bf16.key != artifact.key
+    assert bf16.dtypes[4] == "bfloat16" and artifact.dtypes[4] == "float32"
 
 
 @pytest.mark.parametrize("rows, cols", [(128, 128), (64, 128), (64, 256)])
@@ -880,6 +890,51 @@ def test_forward_scan_on_the_plain_addend_exports_and_lowers(v_slice, passes):
         assert re.search(r'"kda_state_scans_sm90_t\d+x1u"', text) and not copy.search(text)
 
 
+@pytest.mark.parametrize(
+    "options",
+    [{"dense_precision": "bf16x3", "bf16_states": True}, {"scan_passes": 3, "bf16_addend": True}],
+    ids=["bf16x3-states", "three-pass-addend"],
+)
+def test_bf16_states_and_addend_need_the_single_pass_products(options):
+    """A training forward that asks for more precision than one bf16 pass refuses the bf16
+    chunk states and addend (its defaults keep them float32 there)."""
+    x = production_inputs([70], 2, seed=1)
+    q, k, v, g, beta, cu, state = (jnp.asarray(a) for a in x)
+    with pytest.raises(ValueError, match="bf16_states and bf16_addend need"):
+        sm90.training_forward(q, k, v, g, beta, cu, state, 0.3, **options)
+
+
+@pytest.mark.parametrize("v_slice", SCAN_TC_V_SLICES)
+def test_bf16_states_and_addend_variants_export_and_refuse_the_other_direction(v_slice):
+    """The training path's scans on bf16 chunk states (BF16_STATES: the forward scans store
+    them so) and a bf16 reverse addend (BF16_ADDEND: the reverse scan reads it so) are variants
+    of their own, with those tensors' dtypes; the other direction, the SIMT scan and a scan
+    that stores no states refuse them."""
+    fwd = sm90.state_scan_artifact(False, v_slice, True, 1, True, True)
+    assert fwd.prefix == f"kda_state_scan_sm90_fwd_t{v_slice}x1uh"
+    assert fwd.dtypes[6] == "bfloat16" and fwd.dtypes[7] == "float32"  # states, final
+    rev = sm90.state_scan_artifact(True, v_slice, True, 1, False, False, True)
+    assert rev.prefix == f"kda_state_scan_sm90_rev_t{v_slice}x1h"
+    assert rev.dtypes[3] == "bfloat16" and rev.dtypes[6] == "float32"  # addend, g_end
+    outs = sm90.state_scan_outputs_artifact(v_slice, True, True, False, True)
+    assert outs.prefix == f"kda_state_scan_sm90_fwd_t{v_slice}x1owh"
+    assert outs.dtypes[8] == "bfloat16"  # states
+    both = sm90.state_scans_artifact(v_slice, True, True, True)
+    assert both.prefix == f"kda_state_scans_sm90_t{v_slice}x1uha"
+    assert both.dtypes[4] == both.dtypes[8] == "bfloat16"  # d_states (the addend), states
+    assert both.dtypes[10] == "float32"  # g_end
+    for artifact in (fwd, rev, outs, both):
+        assert artifact.object_bytes[:4] == b"\x7fELF"
+    with pytest.raises(ValueError, match="only the forward tensor-core scan stores"):
+        sm90.state_scan_artifact(True, v_slice, True, 1, False, True)
+    with pytest.raises(ValueError, match="only the reverse tensor-core scan reads"):
+        sm90.state_scan_artifact(False, v_slice, True, 1, True, False, True)
+    with pytest.raises(ValueError, match="only the forward tensor-core scan stores"):
+        sm90.state_scan_artifact(False, 32, False, 3, False, True)
+    with pytest.raises(ValueError, match="stores no chunk states"):
+        sm90.state_scan_outputs_artifact(v_slice, False, True, False, True)
+
+
 @pytest.mark.parametrize("v_slice", [16, 32])
 def test_both_state_scans_export_for_sm90a(v_slice):
     """The backward's two scans in one launch (single-pass tensor-core scans)."""
@@ -908,9 +963,10 @@ def test_grad_lowers_to_the_backward_kernels_and_no_loop():
     prefixes = re.findall(r'prefix = "(\w+)"', text)
     assert any(p.startswith("kda_fwd_sm90_") for p in prefixes), prefixes
     # the tensor-core scan at one bf16 pass a product, the backward's default
-    assert "kda_state_scans_sm90_t16x1u" in prefixes  # on the chunk core's bf16 U
+    # on the chunk core's bf16 U, the chunk states stored and the reverse addend read in bf16
+    assert "kda_state_scans_sm90_t16x1uha" in prefixes
     assert not any(p.startswith("kda_state_scan_sm90_rev") for p in prefixes), prefixes
-    assert "kda_dense_bwd_sm90" in prefixes  # the products around the scan, backward
+    assert "kda_dense_bwd_sm90_hs" in prefixes  # the products around the scan, backward
     assert "stablehlo.while" not in text
 
 
@@ -951,11 +1007,18 @@ def test_grad_with_saved_residuals_lowers_without_a_recompute():
         prefixes = re.findall(r'prefix = "(\w+)"', text)
         expected = {  # the chunk core without gamma (_ng): the fused backward sums g itself
             "kda_chunk_operands_sm90_x1_ng", "kda_state_scan_sm90_fwd", "kda_state_cotangent_sm90",
-            "kda_state_scan_sm90_rev", "kda_dense_bwd", "kda_decayed_tokens_bwd_sm90",
+            "kda_state_scan_sm90_rev", "kda_dense_bwd_sm90", "kda_decayed_tokens_bwd_sm90",
         }  # fmt: skip
         assert {p.rsplit("_", 1)[0] for p in prefixes} == expected, (name, prefixes)
-        # the forward scan writes the outputs and stores the chunk states the backward takes
-        assert any(p.endswith("x1ow") for p in prefixes), (name, prefixes)
+        # the forward scan writes the outputs and stores the chunk states the backward takes,
+        # in bf16 (BF16_STATES: the dense backward's _hs variant reads them so); the state
+        # cotangent writes the reverse scan's addend in bf16 (BF16_ADDEND), which it reads so
+        assert any(p.endswith("x1owh") for p in prefixes), (name, prefixes)
+        assert "kda_dense_bwd_sm90_hs" in prefixes, (name, prefixes)
+        assert any(p.startswith("kda_state_cotangent_sm90_vs") and p.endswith("h")
+                   for p in prefixes), (name, prefixes)  # fmt: skip
+        assert any(p.startswith("kda_state_scan_sm90_rev") and p.endswith("h")
+                   for p in prefixes), (name, prefixes)  # fmt: skip
         assert sum(p.startswith("kda_chunk_operands_sm90") for p in prefixes) == 1, name
         assert name == "vmap" or "stablehlo.while" not in text, name
 

@@ -57,6 +57,12 @@ def _main():
         sm90.state_scan_artifact(False, v_slice, True, passes, True)
     for v_slice in SCAN_TC_V_SLICES:
         sm90.state_scans_artifact(v_slice, True)
+        # the training path's bf16 chunk states and reverse addend, every width (their GPU test)
+        sm90.state_scans_artifact(v_slice, True, True, True)
+        sm90.state_scan_artifact(False, v_slice, True, 1, True, True)
+        sm90.state_scan_artifact(True, v_slice, True, 1, False, False, True)
+        sm90.state_scan_outputs_artifact(v_slice, True, True, False, True)
+        sm90.state_cotangent_artifact(v_slice, True)
         for states, split in itertools.product((True, False), (False, True)):
             sm90.state_scan_outputs_artifact(v_slice, states, split)
             if split and not states:  # Qg and Aqk as the chunk core's images variant writes
@@ -82,6 +88,8 @@ def _main():
             sm90.chunk_operands_artifact(0.3, 1, False, False, prep)
         prep = InputPrep(norm, gate, -5.0 if gate else None, logits, grouped)
         sm90.forward_artifact(4 if grouped else 2, default_scale(), prep)
+    sm90.dense_bwd_artifact(True)
+    sm90.chunk_outputs_artifact(True)
     # benchmarks/decayed_bwd_phases.py, and the fused backward's GPU test
     sm90.decayed_tokens_bwd_artifact(default_scale(), True)
     sm90.decayed_tokens_bwd_artifact(0.3)

@@ -19,7 +19,12 @@ import numpy as np
 
 from jax_kda import xla
 from jax_kda.constants import GATE_FLOOR, HEAD_DIM, SCAN_CHUNK
-from jax_kda.sm90.kernels.layout import DECODE_CTAS_PER_HEAD, SCAN_TC_V_SLICES
+from jax_kda.sm90.kernels.layout import (
+    BF16_ADDEND,
+    BF16_STATES,
+    DECODE_CTAS_PER_HEAD,
+    SCAN_TC_V_SLICES,
+)
 from jax_kda.sm90.plan import GRID_YZ_LIMIT, plan_prefill, scan_outputs_v_slice, scan_v_slice
 
 SM_COUNT_ENV = "JAX_KDA_SM_COUNT"
@@ -298,7 +303,7 @@ def _check_prepared_heads(q, k, heads, prep, a_log, dt_bias):
 @functools.cache
 def state_scan_artifact(
     reverse: bool, v_slice: int, tensor_cores: bool = False, passes: int = 3,
-    plain_addend: bool = False,
+    plain_addend: bool = False, bf16_states: bool = False, bf16_addend: bool = False,
 ):  # fmt: skip
     """The exported state-scan kernel for one direction and V-slice width: the SIMT kernel
     (kernels/kda_state_scan_sm90.py; v_slice 64 the m64 wgmma one), or with tensor_cores the
@@ -306,8 +311,10 @@ def state_scan_artifact(
     images from state_scan_operands; passes=1: one bf16 product each, images of the values
     alone). plain_addend (forward, tensor cores): the addend U as the chunk core stores it,
     bf16 [slots, H, 64 * 128], each CTA copying its slice row by row, and y0 and final in
-    prefill's layout [N, H, V, K] (the others': [N, H, K, V]). Slots, heads and sequences are
-    all symbolic: one compile serves every call."""
+    prefill's layout [N, H, V, K] (the others': [N, H, K, V]). bf16_states (forward, tensor
+    cores): the chunk states stored in bf16 (BF16_STATES); bf16_addend (reverse, tensor cores):
+    the addend slices read in bf16 (BF16_ADDEND). Slots, heads and sequences are all symbolic:
+    one compile serves every call."""
     import cutlass.cute as cute
     from cutlass import BFloat16, Float32, Int32
 
@@ -325,6 +332,10 @@ def state_scan_artifact(
         raise ValueError("only the forward tensor-core scan takes its addend plain")
     if passes != 3 and not tensor_cores:
         raise ValueError("only the tensor-core state scan has a single-pass variant")
+    if bf16_states and (reverse or not tensor_cores):
+        raise ValueError("only the forward tensor-core scan stores its chunk states in bf16")
+    if bf16_addend and (not reverse or not tensor_cores):
+        raise ValueError("only the reverse tensor-core scan reads its addend in bf16")
     if tensor_cores:
         kernel = ChunkStateScanTcSm90(config, passes, plain_addend=plain_addend)
         image = (slots, heads, image_elems(passes))
@@ -344,14 +355,14 @@ def state_scan_artifact(
     if plain_addend:  # U as the chunk core stores it
         add_type, addend = BFloat16, (slots, heads, SCAN_CHUNK * HEAD_DIM)
     else:
-        add_type = Float32
+        add_type = BFloat16 if bf16_addend else Float32
     fakes = {
         **operands,
         "decay": row_major_fake(Float32, (slots, heads, HEAD_DIM)),
         "addend": row_major_fake(add_type, addend),
         "cu_seqlens": row_major_fake(Int32, (cute.sym_int32(),), align=4),
         "y0": row_major_fake(Float32, (seqs, heads, *square)),
-        "states": row_major_fake(Float32, (slots, heads, *square)),
+        "states": row_major_fake(BFloat16 if bf16_states else Float32, (slots, heads, *square)),
         "final": row_major_fake(Float32, (seqs, heads, *square)),
     }
     direction = "rev" if reverse else "fwd"
@@ -364,6 +375,9 @@ def state_scan_artifact(
     if plain_addend:
         config["plain_addend"] = True
         suffix += "u"
+    if bf16_states or bf16_addend:
+        config["bf16_states" if bf16_states else "bf16_addend"] = True
+        suffix += "h"
     return export(
         kernel, fakes, prefix=f"kda_state_scan_sm90_{direction}_{kind}{v_slice}{suffix}",
         config=config,
@@ -372,7 +386,8 @@ def state_scan_artifact(
 
 @functools.cache
 def state_scan_outputs_artifact(
-    v_slice: int, states: bool = True, outputs_warpgroup: bool = False, images: bool = False
+    v_slice: int, states: bool = True, outputs_warpgroup: bool = False, images: bool = False,
+    bf16_states: bool = False,
 ):  # fmt: skip
     """The exported forward tensor-core scan at one bf16 pass that writes every chunk's outputs
     as well (kernels/kda_state_scan_tc_sm90.py, ChunkStateScanOutputsTcSm90; states=False:
@@ -380,7 +395,8 @@ def state_scan_outputs_artifact(
     stores on a second warpgroup, off the serial chain; images (with outputs_warpgroup): qg
     and attn come as the chunk core's images variant writes them):
     tokens, slots, heads and sequences symbolic. images needs states=False: only a call that
-    is not differentiated takes them."""
+    is not differentiated takes them. bf16_states: the chunk states stored in bf16
+    (BF16_STATES)."""
     import cutlass.cute as cute
     from cutlass import BFloat16, Float32, Int32
 
@@ -407,10 +423,12 @@ def state_scan_outputs_artifact(
         "y0": row_major_fake(Float32, (seqs, heads, *square)),
         "qg": row_major_fake(BFloat16, (slots, heads, SCAN_CHUNK * HEAD_DIM)),
         "attn": row_major_fake(BFloat16, (slots, heads, SCAN_CHUNK * SCAN_CHUNK)),
-        "states": row_major_fake(Float32, (slots, heads, *square)),
+        "states": row_major_fake(BFloat16 if bf16_states else Float32, (slots, heads, *square)),
         "final": row_major_fake(Float32, (seqs, heads, *square)),
         "o": row_major_fake(BFloat16, (tokens, heads, HEAD_DIM)),
     }
+    if bf16_states and not states:
+        raise ValueError("bf16_states: a scan that stores no chunk states")
     if not states:
         del fakes["states"]
     if images and (states or not outputs_warpgroup):
@@ -431,7 +449,10 @@ def state_scan_outputs_artifact(
         config["outputs_warpgroup"] = True
     if images:
         config["images"] = True
+    if bf16_states:
+        config["bf16_states"] = True
     suffix = ("" if states else "f") + ("w" if outputs_warpgroup else "") + ("i" if images else "")
+    suffix += "h" if bf16_states else ""
     return export(
         kernel, fakes, prefix=f"kda_state_scan_sm90_fwd_t{v_slice}x1o{suffix}", config=config,
     )  # fmt: skip
@@ -473,7 +494,7 @@ def scan_outputs_fused(
 def state_scan_outputs_kernel(
     w_op, kd_op, decay, u, cu_seqlens, y0, qg, attn, rows, *, v_slice=None, tensor_cores=None,
     passes=None, fuse=None, states=True, outputs_warpgroup=False, plain_addend=False,
-    images=False,
+    images=False, bf16_states=False,
 ):  # fmt: skip
     """The forward state scan and every chunk's outputs after it: (states, final, o) =
     state_scan_kernel(w, kd, decay, u, cu_seqlens, y0) and chunk_outputs_kernel(states, w, u,
@@ -489,7 +510,7 @@ def state_scan_outputs_kernel(
     passed their GPU tests (H100, 2026-12-06) and are training_forward's defaults.
     images (with outputs_warpgroup, where the one launch runs: scan_outputs_fused): qg and attn
     are the chunk core's images variant's (chunk_core_kernel(images=True)), flat; not yet run
-    on a GPU."""
+    on a GPU. bf16_states: the chunk states come back in bf16 (BF16_STATES)."""
     from jax_kda.sm90.ffi_call import cute_call
 
     num_heads, num_sequences = y0.shape[1], y0.shape[0]
@@ -506,6 +527,7 @@ def state_scan_outputs_kernel(
         states, final = state_scan_kernel(
             w_op, kd_op, decay, u, cu_seqlens, y0, reverse=False, v_slice=v_slice,
             tensor_cores=tensor_cores, passes=passes, plain_addend=plain_addend,
+            bf16_states=bf16_states and states,
         )  # fmt: skip
         w = w_op.image if isinstance(w_op, ImagedOperand) else w_op
         o = chunk_outputs_kernel(states, w, u, qg, attn, cu_seqlens, rows)
@@ -514,8 +536,9 @@ def state_scan_outputs_kernel(
     a_img, bt_img, _ = state_scan_operands(w_op, kd_op, None, v_slice, 1)  # U goes in plain
     bf16 = jnp.bfloat16
     addend = _unsliced(u).astype(bf16).reshape(slots, heads, -1)
+    bf16_states = bool(bf16_states and states)
     results = [
-        jax.ShapeDtypeStruct((slots, *y0.shape[1:]), jnp.float32),
+        jax.ShapeDtypeStruct((slots, *y0.shape[1:]), bf16 if bf16_states else jnp.float32),
         jax.ShapeDtypeStruct(y0.shape, jnp.float32),
         jax.ShapeDtypeStruct((rows.shape[0], heads, HEAD_DIM), bf16),
     ]
@@ -526,7 +549,7 @@ def state_scan_outputs_kernel(
         jnp.swapaxes(y0, -1, -2), qg.astype(bf16).reshape(slots, heads, -1),
         attn.astype(bf16).reshape(slots, heads, -1),
     ]  # fmt: skip
-    artifact = state_scan_outputs_artifact(v_slice, states, outputs_warpgroup, images)
+    artifact = state_scan_outputs_artifact(v_slice, states, outputs_warpgroup, images, bf16_states)
     if not states:
         final, o = cute_call(artifact, inputs, results[1:])
         return None, jnp.swapaxes(final, -1, -2), o
@@ -535,13 +558,16 @@ def state_scan_outputs_kernel(
 
 
 @functools.cache
-def state_scans_artifact(v_slice: int, plain_addend: bool = False):
+def state_scans_artifact(
+    v_slice: int, plain_addend: bool = False, bf16_states: bool = False, bf16_addend: bool = False
+):  # fmt: skip
     """The exported kernel that runs both state scans of the training backward in one launch
     (kernels/kda_state_scans_sm90.py: the single-pass tensor-core scan, forward and reverse
     side by side; at one pass an operand's image is the same in both roles; plain_addend: the
     forward one takes U as the chunk core stores it, bf16 [slots, H, 64 * 128], and y0, final,
-    d_final and d_y0 are [N, H, V, K], prefill's layout). Slots, heads and sequences are
-    symbolic: one compile serves every call."""
+    d_final and d_y0 are [N, H, V, K], prefill's layout; bf16_states: the forward's chunk
+    states stored in bf16, BF16_STATES; bf16_addend: the reverse's addend slices read in bf16,
+    BF16_ADDEND). Slots, heads and sequences are symbolic: one compile serves every call."""
     import cutlass.cute as cute
     from cutlass import BFloat16, Float32, Int32
 
@@ -564,11 +590,13 @@ def state_scans_artifact(v_slice: int, plain_addend: bool = False):
             if plain_addend
             else row_major_fake(Float32, (slots, heads, slices, SCAN_CHUNK * v_slice))
         ),
-        "d_states": row_major_fake(Float32, (slots, heads, slices, HEAD_DIM * v_slice)),
+        "d_states": row_major_fake(
+            BFloat16 if bf16_addend else Float32, (slots, heads, slices, HEAD_DIM * v_slice)
+        ),
         "cu_seqlens": row_major_fake(Int32, (cute.sym_int32(),), align=4),
         "y0": row_major_fake(Float32, (seqs, heads, *square)),
         "d_final": row_major_fake(Float32, (seqs, heads, *square)),
-        "states": row_major_fake(Float32, (slots, heads, *square)),
+        "states": row_major_fake(BFloat16 if bf16_states else Float32, (slots, heads, *square)),
         "final": row_major_fake(Float32, (seqs, heads, *square)),
         "g_end": row_major_fake(Float32, (slots, heads, *square)),
         "d_y0": row_major_fake(Float32, (seqs, heads, *square)),
@@ -576,22 +604,28 @@ def state_scans_artifact(v_slice: int, plain_addend: bool = False):
     config = {"v_slice": v_slice, "passes": 1}
     if plain_addend:
         config["plain_addend"] = True
+    suffix = "u" if plain_addend else ""
+    for name, on, letter in (("bf16_states", bf16_states, "h"), ("bf16_addend", bf16_addend, "a")):
+        if on:
+            config[name] = True
+            suffix += letter
     return export(
         BothStateScansSm90(v_slice, 1, plain_addend), fakes,
-        prefix=f"kda_state_scans_sm90_t{v_slice}x1{'u' if plain_addend else ''}", config=config,
+        prefix=f"kda_state_scans_sm90_t{v_slice}x1{suffix}", config=config,
     )  # fmt: skip
 
 
 def state_scans_kernel(
     w_op, kd_op, decay, u, d_states, cu_seqlens, y0, d_final, *, v_slice=None,
-    tensor_cores=None, passes=None, plain_addend=False,
+    tensor_cores=None, passes=None, plain_addend=False, bf16_states=False,
 ):  # fmt: skip
     """Both scans of the training backward: (states, final) = xla.state_scan(w, kd, decay, u,
     cu_seqlens, y0) and (g_end, d_y0) = xla.state_scan(kd, w, decay, d_states, cu_seqlens,
     d_final, reverse=True), in one launch where the variant (scan_variant's) runs on tensor
     cores at one pass (state_scans_artifact), else as two state_scan_kernel calls. The
     operands as state_scan_kernel takes them (ImagedOperand, SlicedAddend); plain_addend as
-    there (the forward scan reads a bf16 U as it is; training_forward's default)."""
+    there (the forward scan reads a bf16 U as it is; training_forward's default); bf16_states
+    and a bf16 SlicedAddend d_states as state_scan_kernel takes them."""
     from jax_kda.sm90.ffi_call import cute_call
 
     num_heads, num_sequences = y0.shape[1], y0.shape[0]
@@ -603,8 +637,9 @@ def state_scans_kernel(
             state_scan_kernel, v_slice=v_slice, tensor_cores=tensor_cores, passes=passes
         )
         states, final = run(
-            w_op, kd_op, decay, u, cu_seqlens, y0, reverse=False, plain_addend=plain_addend
-        )
+            w_op, kd_op, decay, u, cu_seqlens, y0, reverse=False, plain_addend=plain_addend,
+            bf16_states=bf16_states,
+        )  # fmt: skip
         g_end, d_y0 = run(kd_op, w_op, decay, d_states, cu_seqlens, d_final, reverse=True)
         return states, final, g_end, d_y0
     plain_addend = (
@@ -621,9 +656,10 @@ def state_scans_kernel(
     else:
         w_img, kd_img, u_slices = state_scan_operands(w_op, kd_op, u, v_slice, 1)
     ds_slices = addend_slices(d_states, v_slice)
+    bf16_addend = ds_slices.dtype == jnp.bfloat16
     slots = w_img.shape[0]
     results = [
-        jax.ShapeDtypeStruct((slots, *y0.shape[1:]), jnp.float32),
+        jax.ShapeDtypeStruct((slots, *y0.shape[1:]), jnp.bfloat16 if bf16_states else jnp.float32),
         jax.ShapeDtypeStruct(y0.shape, jnp.float32),
         jax.ShapeDtypeStruct((slots, *y0.shape[1:]), jnp.float32),
         jax.ShapeDtypeStruct(y0.shape, jnp.float32),
@@ -632,7 +668,7 @@ def state_scans_kernel(
         w_img, kd_img, decay, u_slices, ds_slices, jnp.asarray(cu_seqlens, jnp.int32), y0_in,
         d_final_in,
     ]  # fmt: skip
-    artifact = state_scans_artifact(v_slice, plain_addend)
+    artifact = state_scans_artifact(v_slice, plain_addend, bf16_states, bf16_addend)
     states, final, g_end, d_y0 = cute_call(artifact, inputs, results)
     if plain_addend:
         final, d_y0 = jnp.swapaxes(final, -1, -2), jnp.swapaxes(d_y0, -1, -2)
@@ -766,7 +802,7 @@ def scan_variant(
 
 def state_scan_kernel(
     a_op, b_op, decay, addend, cu_seqlens, y0, *, reverse: bool, v_slice=None, tensor_cores=None,
-    passes=None, plain_addend=False,
+    passes=None, plain_addend=False, bf16_states=False,
 ):  # fmt: skip
     """xla.state_scan's contract, run by an sm90 state-scan kernel (no autodiff rule); the
     addend may come as SlicedAddend. v_slice, tensor_cores: the variant (kernels/layout.py
@@ -776,11 +812,18 @@ def state_scan_kernel(
     it is, each CTA its slice (state_scan_artifact's variant), instead of a float32 V-sliced
     copy that XLA makes (6.0 / 28.3 us at 2048x12x1 / 8192x16x1 on the H200); the same
     values, so the same results (bit for bit on the H100, 2026-12-06); training_forward's
-    default."""
+    default. bf16_states (forward): the chunk states come back in bf16 (BF16_STATES; stored so
+    by the tensor-core kernels, rounded by XLA after the others). A reverse scan reads a bf16
+    SlicedAddend of its width as it is (BF16_ADDEND)."""
     from jax_kda.sm90.ffi_call import cute_call
 
     num_heads, num_sequences = y0.shape[1], y0.shape[0]
     v_slice, tensor_cores = scan_variant(num_heads, num_sequences, v_slice, tensor_cores)
+    bf16_addend = (
+        reverse and tensor_cores and isinstance(addend, SlicedAddend)
+        and addend.v_slice == v_slice and addend.slices.dtype == jnp.bfloat16
+    )  # fmt: skip
+    store_bf16 = bool(bf16_states and not reverse and tensor_cores)
     if passes is None:
         passes = 1 if tensor_cores else 3
     plain_addend = (
@@ -801,12 +844,18 @@ def state_scan_kernel(
         addend = _unsliced(addend).astype(jnp.float32)
 
     results = [
-        jax.ShapeDtypeStruct((a_op.shape[0], *y0.shape[1:]), jnp.float32),
+        jax.ShapeDtypeStruct(
+            (a_op.shape[0], *y0.shape[1:]), jnp.bfloat16 if store_bf16 else jnp.float32
+        ),
         jax.ShapeDtypeStruct(y0.shape, jnp.float32),
     ]
     inputs = [a_op, b_op, decay, addend, jnp.asarray(cu_seqlens, jnp.int32), y0]
-    artifact = state_scan_artifact(reverse, v_slice, tensor_cores, passes, plain_addend)
+    artifact = state_scan_artifact(
+        reverse, v_slice, tensor_cores, passes, plain_addend, store_bf16, bf16_addend
+    )
     states, final = cute_call(artifact, inputs, results)
+    if bf16_states and not reverse and not store_bf16:
+        states = states.astype(jnp.bfloat16)
     return states, jnp.swapaxes(final, -1, -2) if plain_addend else final
 
 
@@ -984,18 +1033,20 @@ def chunk_outputs_kernel(states, w, u, qg, attn, cu_seqlens, rows, precision=Non
     if slots == 0 or rows.shape[0] == 0:  # nothing to launch or nothing to write
         return jnp.zeros(result.shape, result.dtype)
     bf16 = jnp.bfloat16
-    inputs = [states.astype(jnp.float32), chunk_image(w)]
+    bf16_states = states.dtype == bf16  # the training forward's (BF16_STATES) as they are
+    inputs = [states if bf16_states else states.astype(jnp.float32), chunk_image(w)]
     inputs += [x.astype(bf16) for x in (u, qg, attn)]
     (o,) = cute_call(
-        chunk_outputs_artifact(), [*inputs, jnp.asarray(cu_seqlens, jnp.int32)], [result]
-    )
+        chunk_outputs_artifact(bf16_states), [*inputs, jnp.asarray(cu_seqlens, jnp.int32)],
+        [result],
+    )  # fmt: skip
     return o
 
 
 @functools.cache
-def chunk_outputs_artifact():
+def chunk_outputs_artifact(bf16_states: bool = False):
     """The exported chunk outputs (kernels/kda_chunk_outputs_sm90.py); tokens, heads, slots and
-    sequences symbolic."""
+    sequences symbolic; bf16_states: the states come in bf16 (BF16_STATES), else float32."""
     import cutlass.cute as cute
     from cutlass import BFloat16, Float32, Int32
 
@@ -1005,7 +1056,9 @@ def chunk_outputs_artifact():
     tokens, heads, slots = cute.sym_int32(), cute.sym_int32(), cute.sym_int32()
     chunk = row_major_fake(BFloat16, (slots, heads, SCAN_CHUNK, HEAD_DIM))
     fakes = {
-        "states": row_major_fake(Float32, (slots, heads, HEAD_DIM, HEAD_DIM)),
+        "states": row_major_fake(
+            BFloat16 if bf16_states else Float32, (slots, heads, HEAD_DIM, HEAD_DIM)
+        ),
         "w_img": row_major_fake(BFloat16, (slots, heads, SCAN_CHUNK * HEAD_DIM)),
         "u": chunk,
         "qg": chunk,
@@ -1013,7 +1066,9 @@ def chunk_outputs_artifact():
         "cu_seqlens": row_major_fake(Int32, (cute.sym_int32(),), align=4),
         "o": row_major_fake(BFloat16, (tokens, heads, HEAD_DIM)),
     }
-    return export(ChunkOutputsSm90(), fakes, prefix="kda_chunk_outputs_sm90", config={})
+    config = {"bf16_states": True} if bf16_states else {}
+    prefix = "kda_chunk_outputs_sm90" + ("_hs" if bf16_states else "")
+    return export(ChunkOutputsSm90(), fakes, prefix=prefix, config=config)
 
 
 def xla_state_cotangent(qg, w, attn, d_o, cu_seqlens, rows, precision=jax.lax.Precision.HIGHEST):
@@ -1030,10 +1085,10 @@ def xla_state_cotangent(qg, w, attn, d_o, cu_seqlens, rows, precision=jax.lax.Pr
 
 
 @functools.cache
-def state_cotangent_artifact(v_slice: int = 0):
+def state_cotangent_artifact(v_slice: int = 0, bf16: bool = False):
     """The exported outputs' part of the state cotangent (kernels/kda_state_cotangent_sm90.py);
     slots and heads symbolic; v_slice > 0: written in the tensor-core scan's V slices of that
-    width (StateCotangentConfig)."""
+    width (StateCotangentConfig), in bf16 where `bf16` (BF16_ADDEND), else float32."""
     import cutlass.cute as cute
     from cutlass import BFloat16, Float32, Int32
 
@@ -1050,21 +1105,30 @@ def state_cotangent_artifact(v_slice: int = 0):
         "attn": row_major_fake(BFloat16, (slots, heads, SCAN_CHUNK, SCAN_CHUNK)),
         "d_out": row_major_fake(BFloat16, (cute.sym_int32(), heads, HEAD_DIM)),
         "cu_seqlens": row_major_fake(Int32, (cute.sym_int32(),), align=4),
-        "d_states": row_major_fake(Float32, (slots, heads, HEAD_DIM, HEAD_DIM)),
+        "d_states": row_major_fake(
+            BFloat16 if bf16 else Float32, (slots, heads, HEAD_DIM, HEAD_DIM)
+        ),
     }
+    if bf16 and not v_slice:
+        raise ValueError("the state cotangent comes in bf16 only in the scan's V slices")
     config = StateCotangentConfig(v_slice)
     prefix = "kda_state_cotangent_sm90" + (f"_vs{v_slice}" if v_slice else "")
-    return export(StateCotangentSm90(config), fakes, prefix=prefix, config=vars(config))
+    prefix += "h" if bf16 else ""
+    extra = {"bf16": True} if bf16 else {}
+    return export(
+        StateCotangentSm90(config), fakes, prefix=prefix, config={**vars(config), **extra}
+    )
 
 
 def state_cotangent_kernel(
     qg, w, attn, d_o, cu_seqlens, rows, precision=None, *, scan_v_slice=None,
-    scan_tensor_cores=None,
+    scan_tensor_cores=None, bf16=False,
 ):  # fmt: skip
     """xla_state_cotangent's contract on the kernel (one bf16 pass a product, d_o taken as
     bfloat16; rows and `precision` are xla_state_cotangent's and unused here). Where the
     reverse scan that takes it (scan_variant of scan_v_slice, scan_tensor_cores and the
-    shapes) runs on tensor cores, the result comes as SlicedAddend in that scan's slices."""
+    shapes) runs on tensor cores, the result comes as SlicedAddend in that scan's slices,
+    in bf16 where `bf16` (BF16_ADDEND: the reverse scan reads it so), else float32."""
     from jax_kda.sm90.ffi_call import cute_call
 
     del rows, precision
@@ -1073,14 +1137,16 @@ def state_cotangent_kernel(
         heads, cu_seqlens.shape[0] - 1, scan_v_slice, scan_tensor_cores
     )
     v_slice = v_slice if tensor_cores else 0
-    result = jax.ShapeDtypeStruct((slots, heads, HEAD_DIM, HEAD_DIM), jnp.float32)
+    bf16 = bool(bf16 and v_slice)
+    dtype = jnp.bfloat16 if bf16 else jnp.float32
+    result = jax.ShapeDtypeStruct((slots, heads, HEAD_DIM, HEAD_DIM), dtype)
     if slots == 0:  # no chunk slots: nothing to launch (an empty grid)
         d_states = jnp.zeros(result.shape, result.dtype)
     else:
-        bf16 = jnp.bfloat16
-        inputs = [qg.astype(bf16), chunk_image(w), attn.astype(bf16)]
-        inputs += [d_o.astype(bf16), jnp.asarray(cu_seqlens, jnp.int32)]
-        (d_states,) = cute_call(state_cotangent_artifact(v_slice), inputs, [result])
+        b16 = jnp.bfloat16
+        inputs = [qg.astype(b16), chunk_image(w), attn.astype(b16)]
+        inputs += [d_o.astype(b16), jnp.asarray(cu_seqlens, jnp.int32)]
+        (d_states,) = cute_call(state_cotangent_artifact(v_slice, bf16), inputs, [result])
     if not v_slice:
         return d_states
     slices = d_states.reshape(slots, heads, HEAD_DIM // v_slice, HEAD_DIM * v_slice)
@@ -1422,9 +1488,11 @@ def decayed_bwd_tokens_kernel(scale, q, k, cu_seqlens, rows, gamma, d_kk, d_attn
 
 
 @functools.cache
-def dense_bwd_artifact():
+def dense_bwd_artifact(bf16_states: bool = False):
     """The exported backward of the chunk's dense products and solve
-    (kernels/kda_dense_bwd_sm90.py); tokens, slots, heads and sequences symbolic."""
+    (kernels/kda_dense_bwd_sm90.py); tokens, slots, heads and sequences symbolic. bf16_states:
+    the chunk states S come in bf16 (as the training forward's scans store them, BF16_STATES)
+    rather than float32."""
     import cutlass.cute as cute
     from cutlass import BFloat16, Float32, Int32
 
@@ -1443,7 +1511,9 @@ def dense_bwd_artifact():
         "u": row_major_fake(BFloat16, (slots, heads, SCAN_CHUNK, HEAD_DIM)),
         "attn": bf16_pairs,
         "kd_img": image,
-        "states": square,
+        "states": (
+            row_major_fake(BFloat16, (slots, heads, HEAD_DIM, HEAD_DIM)) if bf16_states else square
+        ),
         "g_end": square,
         "d_out": row_major_fake(BFloat16, (tokens, heads, HEAD_DIM)),
         "tinv": bf16_pairs,
@@ -1458,7 +1528,9 @@ def dense_bwd_artifact():
         "d_kk": bf16_pairs,
         "d_beta_kk": rows,
     }
-    return export(DenseBwdSm90(), fakes, prefix="kda_dense_bwd_sm90", config={})
+    config = {"bf16_states": True} if bf16_states else {}
+    prefix = "kda_dense_bwd_sm90" + ("_hs" if bf16_states else "")
+    return export(DenseBwdSm90(), fakes, prefix=prefix, config=config)
 
 
 def dense_bwd_results(num_slots: int, heads: int):
@@ -1480,20 +1552,22 @@ def dense_bwd_kernel(
 ):  # fmt: skip
     """xla_dense_bwd's contract on the kernel (one bf16 pass a product, Kd G two, d_o taken as
     bfloat16; rows and `precision` are xla_dense_bwd's and unused here), with d_rhs, d_qg,
-    d_attn, d_kd and d_kk in bfloat16 (dense_bwd_results)."""
+    d_attn, d_kd and d_kk in bfloat16 (dense_bwd_results). States in bf16 (the training
+    forward's, BF16_STATES) go in as they are, any other dtype as float32."""
     from jax_kda.sm90.ffi_call import cute_call
 
     del rows, precision
     f32, bf16 = jnp.float32, jnp.bfloat16
+    bf16_states = states.dtype == bf16
     slots, heads = u.shape[:2]
     results = dense_bwd_results(slots, heads)
     if slots == 0:  # no chunk slots: nothing to launch (an empty grid)
         return tuple(jnp.zeros(r.shape, r.dtype) for r in results)
     inputs = [chunk_image(w), u.astype(bf16), attn.astype(bf16), chunk_image(kd)]
-    inputs += [states.astype(f32), g_end.astype(f32)]
+    inputs += [states if bf16_states else states.astype(f32), g_end.astype(f32)]
     inputs += [d_o.astype(bf16), t_inverse.astype(bf16), kk.astype(f32)]
     inputs += [beta.astype(f32), jnp.asarray(cu_seqlens, jnp.int32)]
-    return tuple(cute_call(dense_bwd_artifact(), inputs, results))
+    return tuple(cute_call(dense_bwd_artifact(bf16_states), inputs, results))
 
 
 def xla_dense_products_bwd(
@@ -1883,10 +1957,25 @@ def _training_chunks(
     scan_v_slice=None, scan_tensor_cores=None, dense_precision="bf16", chunk_core_passes=1,
     scan_passes=None, tokens_bwd=True, fuse_tokens=True, fuse_outputs=True,
     scan_plain_addend=True, outputs_warpgroup=True, outputs_images=False,
+    bf16_states=None, bf16_addend=None,
 ):  # fmt: skip
     """training_forward's differentiable_chunks for these switches (its dense_bwd=True form);
     the defaults are the training path's kernels, which training_residual_forward and
-    training_residual_backward run too."""
+    training_residual_backward run too. bf16_states, bf16_addend: None takes BF16_STATES and
+    BF16_ADDEND where the products are single-pass (dense_precision "bf16", scan_passes None
+    or 1), float32 elsewhere; True there is refused."""
+    # the bf16 arrays serve the single-pass products only (the dense kernel's, the scans' at
+    # one pass); where a caller asks for more precision they stay float32
+    single = dense_precision == "bf16" and scan_passes in (None, 1)
+    if (bf16_states or bf16_addend) and not single:
+        raise ValueError(
+            'bf16_states and bf16_addend need dense_precision="bf16" and the state scans at '
+            f"one pass (scan_passes None or 1), got {dense_precision!r} and {scan_passes!r}"
+        )
+    if bf16_states is None:
+        bf16_states = BF16_STATES and single
+    if bf16_addend is None:
+        bf16_addend = BF16_ADDEND and single
     precision = DENSE_PRECISIONS[dense_precision]
     bwd_v_slice = scan_v_slice
     if both_scans and scan_v_slice is None and scan_tensor_cores is not False:
@@ -1909,24 +1998,25 @@ def _training_chunks(
         core if chunk_core else xla_chunk_core,
         functools.partial(
             state_scan_kernel, v_slice=scan_v_slice, tensor_cores=scan_tensor_cores,
-            passes=scan_passes, plain_addend=scan_plain_addend,
+            passes=scan_passes, plain_addend=scan_plain_addend, bf16_states=bf16_states,
         ),
         chunk_bwd,
         precision,
         state_cotangent=functools.partial(
             state_cotangent_kernel, scan_v_slice=bwd_v_slice, scan_tensor_cores=scan_tensor_cores,
+            bf16=bf16_addend,
         ) if dense_precision == "bf16" else None,
         chunk_outputs=chunk_outputs_kernel if dense_precision == "bf16" else None,
         both_scans=functools.partial(
             state_scans_kernel, v_slice=bwd_v_slice, tensor_cores=scan_tensor_cores,
-            passes=scan_passes, plain_addend=scan_plain_addend,
+            passes=scan_passes, plain_addend=scan_plain_addend, bf16_states=bf16_states,
         ) if both_scans else None,
         primal_core=primal_core if chunk_core else None,
         # the forward scan and the outputs in one launch (the outputs kernel's bf16 products)
         scan_outputs=functools.partial(
             state_scan_outputs_kernel, v_slice=scan_v_slice, tensor_cores=scan_tensor_cores,
             passes=scan_passes, outputs_warpgroup=outputs_warpgroup,
-            plain_addend=scan_plain_addend,
+            plain_addend=scan_plain_addend, bf16_states=bf16_states,
         ) if fuse_outputs and dense_precision == "bf16" else None,
         # a call that is not differentiated: Qg and Aqk from the chunk core as the one
         # launch's images, where it runs
@@ -2010,6 +2100,7 @@ def training_forward(
     scan_v_slice=None, scan_tensor_cores=None, dense_precision="bf16", chunk_core_passes=1,
     scan_passes=None, dense_bwd=True, tokens_bwd=None, both_scans=True, fuse_tokens=True,
     fuse_outputs=True, scan_plain_addend=True, outputs_warpgroup=True, outputs_images=False,
+    bf16_states=None, bf16_addend=None,
 ):  # fmt: skip
     """The forward the sm90 backward differentiates (and the no-bound forward), exact for any
     g <= 0: the chunk-core kernel's per-chunk operands (their backward written out,
@@ -2071,7 +2162,9 @@ def training_forward(
     shapes and slightly slower on small ones.
     both_scans=True (with dense_bwd): the backward runs the chunk states' scan again beside the
     reverse scan, in one launch (state_scans_kernel), instead of saving the states from the
-    forward's scan.
+    forward's scan. bf16_states and bf16_addend (with dense_bwd; None: BF16_STATES and
+    BF16_ADDEND at dense_precision "bf16" with single-pass scans, off otherwise, True refused
+    there): the chunk states, and the reverse scan's addend, stored in bf16.
     H200 profile, recompute + backward at 2048x12x1 / 8192x16x1: 769 / 3420 us without
     dense_bwd, 688 / 2989 with it, 613 / 2776 with the state-cotangent and tokens kernels,
     594.5 / 2606 with the outputs', 493.9 / 2144.0 with the kernels reading the tokens' rows
@@ -2116,7 +2209,7 @@ def training_forward(
             chunk_core_passes=chunk_core_passes, scan_passes=scan_passes, tokens_bwd=tokens_bwd,
             fuse_tokens=fuse_tokens, fuse_outputs=fuse_outputs,
             scan_plain_addend=scan_plain_addend, outputs_warpgroup=outputs_warpgroup,
-            outputs_images=outputs_images,
+            outputs_images=outputs_images, bf16_states=bf16_states, bf16_addend=bf16_addend,
         )  # fmt: skip
         return xla.forward(
             q, k, v, g, beta, cu_seqlens, initial_state, scale, precision=precision,

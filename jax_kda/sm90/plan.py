@@ -12,7 +12,13 @@ from dataclasses import dataclass
 import numpy as np
 
 from jax_kda.constants import HEAD_DIM, SCAN_CHUNK
-from jax_kda.sm90.kernels.layout import CHUNK, CHUNK_RECORD_BYTES, SCAN_TC_V_SLICES
+from jax_kda.sm90.kernels.layout import (
+    BF16_ADDEND,
+    BF16_STATES,
+    CHUNK,
+    CHUNK_RECORD_BYTES,
+    SCAN_TC_V_SLICES,
+)
 
 # The cost model of the serial part, in microseconds, fitted to benchmarks.kernel_profile on the
 # H200 (2026-11-30: 1024x4x1, 2048x12x1, 4096x12x1 and 8192x16x1, each cut into 1..16 segments).
@@ -81,10 +87,10 @@ class PrefillPlan:
     kernel's results (CORE_ROWS [64, 128]: u, qg bf16, gamma float32, unwritten; CORE_PAIRS
     [64, 64]: attn, tinv bf16, kk float32; decay [128] float32; W and Kd [64, 128] only as the
     bf16 images in the tensor-core state scans' order, which both directions and the other
-    kernels read), the scans' addends in V slices (float32: u's forward, the state's cotangent
-    from the outputs reverse), and the scans' results, the state entering the slot and its
-    cotangent at the slot's end (float32). XLA temporaries, not residuals: the backward keeps
-    only the inputs and recomputes these."""
+    kernels read), the scans' addends in V slices (u's forward, float32; the state's cotangent
+    from the outputs reverse, bf16 with BF16_ADDEND), and the scans' results, the state
+    entering the slot (bf16 with BF16_STATES) and its cotangent at the slot's end (float32).
+    XLA temporaries, not residuals: the backward keeps only the inputs and recomputes these."""
 
     @property
     def workspace_bytes(self) -> int:
@@ -206,8 +212,10 @@ def plan_prefill(
             WorkspaceBuffer("chunk_decay", (slots, num_heads, HEAD_DIM), "float32"),
             *(WorkspaceBuffer(f"scan_{name}_image", images, "bfloat16") for name in SCAN_IMAGES),
             WorkspaceBuffer("scan_forward_addend_slices", chunk_rows, "float32"),
-            WorkspaceBuffer("scan_reverse_addend_slices", scan_states, "float32"),
-            WorkspaceBuffer("chunk_states", scan_states, "float32"),
+            WorkspaceBuffer(
+                "scan_reverse_addend_slices", scan_states, "bfloat16" if BF16_ADDEND else "float32"
+            ),
+            WorkspaceBuffer("chunk_states", scan_states, "bfloat16" if BF16_STATES else "float32"),
             WorkspaceBuffer("chunk_state_cotangents", scan_states, "float32"),
         ),
     )

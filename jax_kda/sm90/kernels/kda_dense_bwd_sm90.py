@@ -418,30 +418,42 @@ class DenseBwdSm90:
 @cute.jit
 def _square_images(s_s, s_g, s_glo, m_s: cute.Tensor, m_g: cute.Tensor, m_decay: cute.Tensor,
                    tid):  # fmt: skip
-    """S and G ([128, 128] float32, row-major) into their bf16 images, G's low part (G - bf16(G),
-    rounded) into s_glo, and m_decay[k] = the float32 sum over v of S[k, v] G[k, v]. A warp
-    reads one row of each a pass, 16 bytes a lane, and sums its row by shuffles."""
+    """S ([128, 128] row-major, float32 or bf16: the forward scan's chunk states as it stored
+    them) and G ([128, 128] float32, row-major) into their bf16 images, G's low part (G -
+    bf16(G), rounded) into s_glo, and m_decay[k] = the float32 sum over v of S[k, v] G[k, v].
+    A warp reads one row of each a pass, 16 bytes a lane of G (8 of a bf16 S), and sums its
+    row by shuffles."""
     lane = tid % 32
     passes = HEAD_DIM * HEAD_DIM // (NTHREADS * 4)
-    r_s = cute.make_rmem_tensor((passes, 4), Float32)
+    s_type = m_s.element_type
+    r_s = cute.make_rmem_tensor((passes, 4), s_type)
     r_g = cute.make_rmem_tensor((passes, 4), Float32)
     for p in cutlass.range_constexpr(passes):
         e = (p * NTHREADS + tid) * 4
         row = e // HEAD_DIM
         col = e % HEAD_DIM
-        r_s[p, None].store(vec4(m_s[row, None].iterator + col).load())
+        if cutlass.const_expr(s_type == BFloat16):  # 4 bf16: one 8-byte vector
+            s_row = m_s[row, None]
+            r_s[p, None].store(
+                cute.make_tensor((s_row.iterator + col).align(8), cute.make_layout(4)).load()
+            )
+        else:
+            r_s[p, None].store(vec4(m_s[row, None].iterator + col).load())
         r_g[p, None].store(vec4(m_g[row, None].iterator + col).load())
     for p in cutlass.range_constexpr(passes):
         e = (p * NTHREADS + tid) * 4
         row = e // HEAD_DIM
         col = e % HEAD_DIM
         g_hi = r_g[p, None].load().to(BFloat16)
-        store_piece(s_s, row, col, r_s[p, None].load().to(BFloat16), False)
+        if cutlass.const_expr(s_type == BFloat16):
+            store_piece(s_s, row, col, r_s[p, None].load(), False)
+        else:
+            store_piece(s_s, row, col, r_s[p, None].load().to(BFloat16), False)
         store_piece(s_g, row, col, g_hi, False)
         store_piece(s_glo, row, col, (r_g[p, None].load() - g_hi.to(Float32)).to(BFloat16), False)
         dot = Float32(0.0)
         for x in cutlass.range_constexpr(4):
-            dot = dot + r_s[p, x] * r_g[p, x]
+            dot = dot + r_s[p, x].to(Float32) * r_g[p, x]
         for offset in cutlass.range_constexpr(5):
             dot = dot + cute.arch.shuffle_sync_bfly(dot, 16 >> offset)
         if lane == 0:

@@ -18,7 +18,8 @@ rows (cu_seqlens [N + 1] int32 says which a slot holds; the others are zero). Ou
 d_states [slots, H, 128, 128], each slot's [K, V] row-major, or (StateCotangentConfig.v_slice =
 VS) in the order the tensor-core scan's bulk copies take its addend (kda_state_scan_tc_sm90.py):
 V slice by V slice, each [K, VS] row-major, so that no transpose stands between this kernel
-and the reverse scan.
+and the reverse scan; the sliced form float32 or bf16 (rounded once: half the bytes written
+here and read by the scan), as the caller's array is.
 """
 
 from __future__ import annotations
@@ -185,4 +186,8 @@ class StateCotangentSm90:
                 flat = (v // vs) * (HEAD_DIM * vs) + k * vs + v % vs
                 pair[0] = acc[e]
                 pair[1] = acc[e + 1]
-                pair_at(out[flat // HEAD_DIM, None], flat % HEAD_DIM).store(pair.load())
+                piece = pair_at(out[flat // HEAD_DIM, None], flat % HEAD_DIM)
+                if cutlass.const_expr(out.element_type == BFloat16):  # rounded once
+                    piece.store(pair.load().to(BFloat16))
+                else:
+                    piece.store(pair.load())

@@ -136,6 +136,12 @@ def accumulate_always(*mmas):
         mma.set(warpgroup.Field.ACCUMULATE, True)
 
 
+def _bf16(x) -> bool:
+    """Whether an array (a tensor, or None) holds bf16: the chunk states a forward scan stores,
+    and a reverse scan's addend, are bf16 or float32 as the caller's arrays are."""
+    return x is not None and x.element_type == BFloat16
+
+
 class ChunkStateScanTcSm90:
     def __init__(
         self, config: ScanConfig, passes: int = 3, outputs: bool = False, states: bool = True,
@@ -291,8 +297,8 @@ class ChunkStateScanTcSm90:
         if cutlass.const_expr(self.u_rows):  # U's slice, bf16 [64, VS] in padded rows
             add_layout = cute.make_layout((SCAN_CHUNK, VS), stride=(VS + ROW_PAD, 1))
         add_ptrs = [r.iterator for r in raw_add]
-        if cutlass.const_expr(self.u_rows):  # bf16, in stages that may be typed float32
-            add_ptrs = [cute.recast_ptr(p, dtype=BFloat16) for p in add_ptrs]  # (both scans)
+        if cutlass.const_expr(self.u_rows or _bf16(mAdd)):  # bf16, in stages that may be
+            add_ptrs = [cute.recast_ptr(p, dtype=BFloat16) for p in add_ptrs]  # typed float32
         s_add = [cute.make_tensor(p, add_layout) for p in add_ptrs]
         if tid == 0:
             for s in cutlass.range_constexpr(STAGES):
@@ -424,7 +430,7 @@ class ChunkStateScanTcSm90:
             for slot in cutlass.range(slot0 + nch, gap_end, unroll=1):
                 for it in cutlass.range_constexpr(HEAD_DIM * VS // NTHREADS):
                     e = tid + it * NTHREADS
-                    mStates[slot, h, e // VS, vbase + e % VS] = Float32(0.0)
+                    mStates[slot, h, e // VS, vbase + e % VS] = mStates.element_type(0.0)
 
     @cute.jit
     def _sync(self):
@@ -446,12 +452,24 @@ class ChunkStateScanTcSm90:
                 ch, v = c_y[i]
                 ch = m * HALF + ch
                 y = acc_y[m][i]
-                if cutlass.const_expr(self.states):
+                if cutlass.const_expr(self.states and not _bf16(mStates)):
                     mStates[slot, h, ch, vbase + v] = y
                 y_hi = y.to(BFloat16)
                 s_y[v, ch] = y_hi
                 if cutlass.const_expr(self.passes == 3):
                     s_y[v, HEAD_DIM + ch] = (y - y_hi.to(Float32)).to(BFloat16)
+        if cutlass.const_expr(self.states and _bf16(mStates)):
+            # the state rounded once, as product 1 takes it (at one pass, y_hi): a thread's
+            # columns v, v + 1 as one 4-byte pair
+            pair = cute.make_rmem_tensor((2,), Float32)
+            for m in cutlass.range_constexpr(2):
+                for i in cutlass.range_constexpr(0, cute.size(acc_y[m]), 2):
+                    ch, v = c_y[i]
+                    pair[0] = acc_y[m][i]
+                    pair[1] = acc_y[m][i + 1]
+                    pair_at(mStates[slot, h, m * HALF + ch, None], vbase + v).store(
+                        pair.load().to(BFloat16)
+                    )
         cute.arch.mbarrier_wait(mbar, phase)  # the chunk's copies landed
         cute.arch.fence_proxy("async.shared", space="cta")
         self._sync()  # the chunk's images and Y's visible to every thread
@@ -464,7 +482,10 @@ class ChunkStateScanTcSm90:
                 ch = m * HALF + ch
                 y = acc_y[m][i] * s_decay[ch]
                 if cutlass.const_expr(self.reverse):
-                    y = y + s_add[ch, v]
+                    if cutlass.const_expr(_bf16(s_add)):
+                        y = y + s_add[ch, v].to(Float32)
+                    else:
+                        y = y + s_add[ch, v]
                 acc_y[m][i] = y
 
         # ---- product 1: acc = A Y (- P forward)
@@ -651,28 +672,32 @@ class ChunkStateScanTcSm90:
         raw_a, raw_bt, raw_add, s_decay, s_mbar = loads[:5]
         mbar = s_mbar.iterator + stage
         add_elems = self.addend_rows * self.vs
-        nbytes = 2 * self.image_elems * 2 + (add_elems + HEAD_DIM) * 4
+        add_type = mAdd.element_type  # the reverse's addend: float32 or bf16
+        nbytes = 2 * self.image_elems * 2 + add_elems * add_type.width // 8 + HEAD_DIM * 4
         if cutlass.const_expr(self.u_rows):  # U's slice, bf16, row by row
             nbytes = 2 * self.image_elems * 2 + HEAD_DIM * 4 + SCAN_CHUNK * self.vs * 2
         if cutlass.const_expr(self.inline_outputs):  # Qg and Aqk plain, bf16
             nbytes = nbytes + (QG_ELEMS + AT_ELEMS) * 2
         cute.arch.mbarrier_arrive_and_expect_tx(mbar, nbytes)
         pieces = (
-            (mA[slot, h, None], raw_a[stage], BFloat16, self.image_elems),
-            (mBt[slot, h, None], raw_bt[stage], BFloat16, self.image_elems),
+            (mA[slot, h, None], raw_a[stage].iterator, BFloat16, self.image_elems),
+            (mBt[slot, h, None], raw_bt[stage].iterator, BFloat16, self.image_elems),
         )
         if cutlass.const_expr(not self.u_rows):
-            pieces = (*pieces, (mAdd[slot, h, vsl, None], raw_add[stage], Float32, add_elems))
-        pieces = (*pieces, (mDecay[slot, h, None], s_decay[stage], Float32, HEAD_DIM))
+            add_ptr = raw_add[stage].iterator  # a float32 stage; a bf16 addend fills half
+            if cutlass.const_expr(add_type == BFloat16):
+                add_ptr = cute.recast_ptr(add_ptr, dtype=BFloat16)
+            pieces = (*pieces, (mAdd[slot, h, vsl, None], add_ptr, add_type, add_elems))
+        pieces = (*pieces, (mDecay[slot, h, None], s_decay[stage].iterator, Float32, HEAD_DIM))
         if cutlass.const_expr(self.inline_outputs):
             raw_qg, raw_at, mQg, mAttn = loads[5:]
             pieces = (
                 *pieces,
-                (mQg[slot, h, None], raw_qg[stage], BFloat16, QG_ELEMS),
-                (mAttn[slot, h, None], raw_at[stage], BFloat16, AT_ELEMS),
+                (mQg[slot, h, None], raw_qg[stage].iterator, BFloat16, QG_ELEMS),
+                (mAttn[slot, h, None], raw_at[stage].iterator, BFloat16, AT_ELEMS),
             )
-        for src, buf, dtype, elems in pieces:
-            dst = cute.make_tensor(buf.iterator, cute.make_layout(elems))  # buf may be larger
+        for src, ptr, dtype, elems in pieces:
+            dst = cute.make_tensor(ptr, cute.make_layout(elems))  # the stage may be larger
             atom = cute.make_copy_atom(
                 cpasync.CopyBulkG2SOp(), dtype, num_bits_per_copy=elems * dtype.width
             )

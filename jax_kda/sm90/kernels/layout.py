@@ -42,3 +42,17 @@ together."""
 
 DECODE_CTAS_PER_HEAD = HEAD_DIM // (DECODE_WARPS * DECODE_ROWS_PER_WARP)
 """The decode kernel's CTAs per (sequence, value head): its grid's x extent is this times N."""
+
+BF16_STATES = True
+"""Whether the training forward's state scan stores the chunk states (the state entering each
+slot: the dense backward's S, the chunk outputs kernel's, and the largest saved residual) in
+bf16: the value its products take already (one bf16 pass), so that only the dense backward's
+d_decay = rowsum(S * G) sees the rounding (benchmarks.precision_study --storage: worst
+rms_ratio 4.3e-3 -> 5.1e-3, dg of a pinned 257-token call; SPEC's bar 1e-2). Half of the
+64 KiB a slot and head written, kept and read."""
+
+BF16_ADDEND = True
+"""Whether the state cotangent kernel writes the reverse scan's addend (the outputs' part of
+each chunk's state cotangent, in the scan's V slices) in bf16, which the reverse scan reads
+so (precision_study --storage: d_initial_state 2.6e-3 -> 3.0e-3 at most, the other gradients
+as before). Half of the 64 KiB a slot and head written and read."""
