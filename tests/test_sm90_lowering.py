@@ -148,7 +148,7 @@ def test_prepared_inputs_and_grouped_heads_lower_to_the_kernels(lower_bound):
     # the backward's chunk core stores no gamma (_ng): the fused backward sums g itself
     assert kinds == forward | {
         "kda_chunk_operands_sm90_x1_ng", "kda_decayed_tokens_bwd_sm90", "kda_state_scan_sm90_fwd",
-        "kda_state_scans_sm90", "kda_dense_bwd", "kda_state_cotangent_sm90",
+        "kda_state_scans_sm90", "kda_dense_bwd_sm90", "kda_state_cotangent_sm90",
     }, kinds  # fmt: skip
 
 
@@ -523,7 +523,7 @@ def test_prefill_hands_raw_inputs_to_the_kernels_only_where_the_route_is_on(
             assert not prep_core and xla_prep, prefixes
         prefixes, xla_prep = lowered(jax.grad(loss, argnums=range(8)))
         assert not any("_prep" in p for p in prefixes) and xla_prep, prefixes
-        assert "kda_dense_bwd_sm90" in prefixes, prefixes  # the sm90 backward
+        assert "kda_dense_bwd_sm90_hs" in prefixes, prefixes  # the sm90 backward
     # every other combination goes to the kernels too: grouped value heads alone (the chunk
     # core, softplus gate prepared ahead), the safe gate and beta logits without the norm (the
     # gate-bound forward); no preparation at all, to the plain kernels
@@ -661,17 +661,19 @@ def test_the_scan_writes_the_outputs_only_when_asked_and_where_its_ctas_have_an_
     def forward(q, k, v, g, beta, cu, state, **options):
         return sm90.training_forward(q, k, v, g, beta, cu, state, 0.3, **options)
 
+    # where the two kernels run, the scan stores the states in bf16 (BF16_STATES) and the
+    # outputs kernel's _hs variant reads them so
     for heads, fused in ((2, "t16"), (24, "t32"), (40, None)):
         x = production_inputs([100], heads, seed=9)
         text = _lower(functools.partial(forward, outputs_warpgroup=False), *x)
-        assert ('"kda_chunk_outputs_sm90"' in text) == (fused is None), heads
+        assert ('"kda_chunk_outputs_sm90_hs"' in text) == (fused is None), heads
         assert fused is None or f'kda_state_scan_sm90_fwd_{fused}x1of"' in text, heads
         text = _lower(forward, *x)  # the default: the outputs on a warpgroup of their own
-        assert ('"kda_chunk_outputs_sm90"' in text) == (fused is None), heads
+        assert ('"kda_chunk_outputs_sm90_hs"' in text) == (fused is None), heads
         assert fused is None or f'kda_state_scan_sm90_fwd_{fused}x1ofw"' in text, heads
         off = functools.partial(forward, fuse_outputs=False, outputs_warpgroup=False)
         text = _lower(off, *x)
-        assert "x1o" not in text and '"kda_chunk_outputs_sm90"' in text, heads
+        assert "x1o" not in text and '"kda_chunk_outputs_sm90_hs"' in text, heads
     with pytest.raises(ValueError, match="outputs_warpgroup=True needs fuse_outputs=True"):
         sm90.training_forward(*x[:7], 0.3, fuse_outputs=False)
     x = production_inputs([300, 0, 77], 2, seed=8)
@@ -726,9 +728,10 @@ def test_training_forward_lowers_to_the_tokens_bwd_kernel_unless_switched_off(to
     prefixes = {p.rsplit("_", 1)[0] for p in re.findall(r'prefix = "(\w+)"', text)}
     assert ("kda_decayed_tokens_bwd_sm90" in prefixes) == tokens_bwd, prefixes
     assert ("kda_decayed_bwd_tokens_sm90" in prefixes) != tokens_bwd, prefixes
-    assert "kda_dense_bwd" in prefixes and "kda_tokens_bwd_sm90" not in prefixes, prefixes
-    # the reverse scan's addend straight in the tensor-core scan's slices (t16 at 2 x 3 heads)
-    assert "kda_state_cotangent_sm90_vs16" in set(re.findall(r'prefix = "(\w+)"', text))
+    assert "kda_dense_bwd_sm90" in prefixes and "kda_tokens_bwd_sm90" not in prefixes, prefixes
+    # the reverse scan's addend straight in the tensor-core scan's slices (t16 at 2 x 3 heads),
+    # in bf16 (BF16_ADDEND)
+    assert "kda_state_cotangent_sm90_vs16h" in set(re.findall(r'prefix = "(\w+)"', text))
     with pytest.raises(ValueError, match="needs dense_bwd=True"):
         sm90.training_forward(*x[:7], 0.3, dense_bwd=False, tokens_bwd=True)
 
@@ -875,10 +878,12 @@ def test_forward_scan_on_the_plain_addend_exports_and_lowers(v_slice, passes):
 
     # XLA's float32 copy of U in the scan's V slices [slots, H, 128 / VS, 64 VS]
     copy = re.compile(rf"stablehlo.convert .*x{128 // v_slice}x{64 * v_slice}xbf16>\) -> ")
+    # at one pass the training forward stores the chunk states in bf16 (BF16_STATES)
+    states = "h" if passes == 1 else ""
     text = _lower(functools.partial(forward, scan_plain_addend=True), *x)
-    assert f'"kda_state_scan_sm90_fwd_{suffix}"' in text and not copy.search(text)
+    assert f'"kda_state_scan_sm90_fwd_{suffix}{states}"' in text and not copy.search(text)
     text = _lower(functools.partial(forward, scan_plain_addend=False), *x)
-    assert f'"kda_state_scan_sm90_fwd_{suffix[:-1]}"' in text and copy.search(text)
+    assert f'"kda_state_scan_sm90_fwd_{suffix[:-1]}{states}"' in text and copy.search(text)
     if passes == 1:  # a training step: the backward's both scans take U as it is too
 
         def loss(q, k, v, g, beta, cu, state, **options):
@@ -1088,7 +1093,7 @@ def test_training_lowers_under_scan_over_layers_checkpoint_and_vmap():
         prefixes = set(re.findall(r'prefix = "(\w+)"', _lower(fn, *args)))
         kinds = {p.rsplit("_", 1)[0] for p in prefixes}
         expected = {"kda_fwd_sm90_h2", "kda_chunk_operands_sm90_x1_ng"}
-        expected |= {"kda_decayed_tokens_bwd_sm90", "kda_dense_bwd"}
+        expected |= {"kda_decayed_tokens_bwd_sm90", "kda_dense_bwd_sm90"}
         expected |= {"kda_state_scan_sm90_fwd", "kda_state_scans_sm90"}
         expected |= {"kda_state_cotangent_sm90"}
         assert kinds == expected, (
@@ -1404,7 +1409,7 @@ def test_vmap_runs_the_sm90_path_as_one_call():
         prefixes = re.findall(r'prefix = "(\w+)"', text)
         kinds = sorted(p.rsplit("_", 1)[0] for p in prefixes)
         expected = ["kda_fwd_sm90"] if name == "vmap" else [
-            "kda_chunk_operands_sm90_x1_ng", "kda_decayed_tokens_bwd_sm90", "kda_dense_bwd",
+            "kda_chunk_operands_sm90_x1_ng", "kda_decayed_tokens_bwd_sm90", "kda_dense_bwd_sm90",
             "kda_fwd_sm90", "kda_state_cotangent_sm90", "kda_state_scan_sm90_fwd",
             "kda_state_scans_sm90",
         ]  # fmt: skip
