@@ -527,7 +527,7 @@ def state_scan_outputs_kernel(
         states, final = state_scan_kernel(
             w_op, kd_op, decay, u, cu_seqlens, y0, reverse=False, v_slice=v_slice,
             tensor_cores=tensor_cores, passes=passes, plain_addend=plain_addend,
-            bf16_states=bf16_states and states,
+            bf16_states=bf16_states,  # also where only the outputs kernel reads them
         )  # fmt: skip
         w = w_op.image if isinstance(w_op, ImagedOperand) else w_op
         o = chunk_outputs_kernel(states, w, u, qg, attn, cu_seqlens, rows)
