@@ -963,9 +963,12 @@ def test_bf16_states_and_addend_equal_the_float32_kernels_rounded(lengths, data,
 
     # the reverse scan on the bf16 addend against the float32 kernel on the same values
     rev_images = sm90.state_scan_operands(kd_op, w_op, None, v_slice, 1)[:2]
-    ref_g_end, ref_d_y0 = jax.jit(functools.partial(sm90.state_scan_kernel, reverse=True, **tc))(
-        kd_op, w_op, decay, sm90.SlicedAddend(slices.astype(f32), v_slice), cu, d_final
-    )
+    # (the SlicedAddend built inside the jitted functions: its v_slice is static)
+    ref_g_end, ref_d_y0 = jax.jit(
+        lambda s, d: sm90.state_scan_kernel(
+            kd_op, w_op, decay, sm90.SlicedAddend(s, v_slice), cu, d, reverse=True, **tc
+        )
+    )(slices.astype(f32), d_final)
     artifact = sm90.state_scan_artifact(True, v_slice, True, 1, False, False, True)
     g_end, d_y0 = _poisoned(artifact, [f32_square, final_vk])(
         *rev_images, decay, slices, cu, d_final
@@ -974,9 +977,12 @@ def test_bf16_states_and_addend_equal_the_float32_kernels_rounded(lengths, data,
     _assert_same("reverse scan: d_y0", d_y0, ref_d_y0)
 
     # both scans in one launch (the recompute mode's)
-    ref_both = jax.jit(functools.partial(sm90.state_scans_kernel, plain_addend=True, **tc))(
-        w_op, kd_op, decay, u, sm90.SlicedAddend(slices.astype(f32), v_slice), cu, y0, d_final
-    )
+    ref_both = jax.jit(
+        lambda s, y, d: sm90.state_scans_kernel(
+            w_op, kd_op, decay, u, sm90.SlicedAddend(s, v_slice), cu, y, d, plain_addend=True,
+            **tc,
+        )
+    )(slices.astype(f32), y0, d_final)  # fmt: skip
     artifact = sm90.state_scans_artifact(v_slice, True, True, True)
     both = _poisoned(artifact, [bf16_square, final_vk, f32_square, final_vk])(
         *images, decay, u_plain, slices, cu, y0_vk, jnp.swapaxes(d_final, -1, -2)
