@@ -701,34 +701,30 @@ class ChunkStateScanTcSm90:
         acc_x = cute.make_rmem_tensor(mma_y.partition_shape_C((HALF, VS)), Float32)
         per = cute.size(acc[0])
         slot0, nch, _ = scan_slots(mCu, n, n_slots, SCAN_CHUNK)
-        tokens = mDo.shape[0]
         raws = (raw_qg, raw_at, mQg, mAttn)
         lanes = VS // PIECE  # 16-byte pieces of a dO row's slice
         rows_a_pass = NTHREADS // lanes
         r_do = cute.make_rmem_tensor((SCAN_CHUNK // rows_a_pass, PIECE), BFloat16)
-        if nch > 0 and tid == 0:
+        if nch > 0:
             first = step_slot(slot0, nch, True, 0)
-            self._load_outputs_operands(raws, first, h, 0, bars + ADD_QG)
+            if tid == 0:
+                self._load_outputs_operands(raws, first, h, 0, bars + ADD_QG)
+            self._load_do_rows(mDo, mCu, first, h, vbase, r_do, tid)
         for j in cutlass.range(nch, unroll=1):
-            slot = step_slot(slot0, nch, True, j)
             for s in cutlass.range_constexpr(STAGES):
                 if j % STAGES == s:
                     phase = (j // STAGES) % 2
                     if j + 1 < nch and tid == 0:
                         nxt = step_slot(slot0, nch, True, j + 1)
                         self._load_outputs_operands(raws, nxt, h, 1 - s, bars + ADD_QG + 1 - s)
-                    # dO's V slice of the chunk's rows (zero past its tokens) into its image
-                    row0, count = slot_rows(mCu, slot, tokens, SCAN_CHUNK)
-                    r_do.fill(0.0)
-                    for p in cutlass.range_constexpr(SCAN_CHUNK // rows_a_pass):
-                        i = p * rows_a_pass + tid // lanes
-                        if i < count:
-                            r_do[p, None].store(row_piece(
-                                mDo[row0 + i, h, None], vbase + (tid % lanes) * PIECE, PIECE
-                            ).load())  # fmt: skip
+                    # dO's V slice of the chunk's rows (loaded a chunk ahead) into its image,
+                    # then the next chunk's rows into the registers
                     for p in cutlass.range_constexpr(SCAN_CHUNK // rows_a_pass):
                         i = p * rows_a_pass + tid // lanes
                         store_piece(s_do, (tid % lanes) * PIECE, i, r_do[p, None].load(), True)
+                    if j + 1 < nch:
+                        nxt = step_slot(slot0, nch, True, j + 1)
+                        self._load_do_rows(mDo, mCu, nxt, h, vbase, r_do, tid)
                     cute.arch.mbarrier_wait(bars + ADD_QG + s, phase)
                     self._to_image(raw_qg[s], s_qg, HEAD_DIM, tid)
                     self._to_image(raw_at[s], s_at, SCAN_CHUNK, tid)
@@ -766,6 +762,21 @@ class ChunkStateScanTcSm90:
                     # every warp's products have read the images before the next chunk's
                     # overwrite them (a warp's wait_group covers its own wgmma only)
                     cute.arch.barrier(barrier_id=ADDEND_BARRIER, number_of_threads=NTHREADS)
+
+    @cute.jit
+    def _load_do_rows(self, mDo, mCu, slot, h, vbase, r_do, tid):
+        """The addend warpgroup's thread tid: its 16-byte pieces of dO's V slice [64, VS] of
+        chunk slot `slot` (rows past the slot's tokens zero) into r_do."""
+        lanes = self.vs // PIECE
+        rows_a_pass = NTHREADS // lanes
+        row0, count = slot_rows(mCu, slot, mDo.shape[0], SCAN_CHUNK)
+        r_do.fill(0.0)
+        for p in cutlass.range_constexpr(SCAN_CHUNK // rows_a_pass):
+            i = p * rows_a_pass + tid // lanes
+            if i < count:
+                r_do[p, None].store(
+                    row_piece(mDo[row0 + i, h, None], vbase + (tid % lanes) * PIECE, PIECE).load()
+                )
 
     @cute.jit
     def _load_outputs_operands(self, raws, slot, h, stage: cutlass.Constexpr[int], mbar):
