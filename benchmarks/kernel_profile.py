@@ -258,7 +258,8 @@ def _main():
         "the chunk core as that warpgroup's images), 'ua' (with "
         "dense: the forward scan reads the chunk core's bf16 U as it is), 'bs' "
         "(with dense: both state scans in the "
-        "backward, in one launch), joined by '+' (e.g. base,core+dbwd+v64+x3)",
+        "backward, in one launch), 'ra' (with x1+s1+dense, without bs: the reverse scan forms "
+        "its addend on a warpgroup of its own), joined by '+' (e.g. base,core+dbwd+v64+x3)",
     )
     parser.add_argument(
         "--forward-only",
@@ -353,6 +354,7 @@ def _variants(text: str) -> list[tuple[str, dict]]:
             "scan_plain_addend": False,
             "outputs_warpgroup": False,
             "outputs_images": False,
+            "fuse_addend": False,
         }
         for part in name.split("+"):
             if part == "core":
@@ -384,6 +386,8 @@ def _variants(text: str) -> list[tuple[str, dict]]:
                 options["scan_plain_addend"] = True
             elif part == "bs":  # with dense: both state scans in the backward, one launch
                 options["both_scans"] = True
+            elif part == "ra":  # with dense: the reverse scan forms its addend itself
+                options["fuse_addend"] = True
             elif part in SCAN_VARIANTS:
                 options["scan_v_slice"], options["scan_tensor_cores"] = SCAN_VARIANTS[part]
             elif part != "base":

@@ -71,7 +71,11 @@ def test_train_variants_parse_into_training_forward_options():
         "scan_plain_addend": False,
         "outputs_warpgroup": False,
         "outputs_images": False,
+        "fuse_addend": False,
     }
+    assert _variants("x1+s1+dense+ra")[0][1] == {
+        **off, "dense_precision": "bf16", "scan_passes": 1, "dense_bwd": True, "fuse_addend": True,
+    }  # fmt: skip
     assert _variants("x1+dense+bs")[0][1] == {
         **off, "dense_precision": "bf16", "dense_bwd": True, "both_scans": True,
     }  # fmt: skip

@@ -1026,6 +1026,78 @@ def test_bf16_states_and_addend_equal_the_float32_kernels_rounded(lengths, data,
     _assert_same("scan with outputs: states as the scan's", fused[0], states)
 
 
+@pytest.mark.parametrize("v_slice", SCAN_TC_V_SLICES)
+@pytest.mark.parametrize("lengths, data", CHUNK_SCAN_CASES, ids=str)
+def test_reverse_scan_forming_its_addend_equals_the_two_kernels(lengths, data, v_slice):
+    """The reverse scan that forms its addend on a warpgroup of its own
+    (ReverseScanAddendTcSm90) against the state cotangent kernel (float32 addend in the scan's
+    slices) and the reverse scan after it, on the chunk core's own operands, random dO in the
+    tokens' rows and a random final-state cotangent, every result NaN-poisoned first: the
+    same products in the same order (Qg^T dO, then W^T of -X rounded to bf16), so g_end and
+    d_y0 agree to float32 rounding (printed: how many elements differ at all); and against
+    XLA's statement at float32 (state cotangent and scan, the scan kernel's bar). The public
+    wrapper (reverse_scan_addend_kernel) gives the one launch's results where it runs it, the
+    two kernels' where not (no tokens at all). Ragged, empty and gap slots, long memory."""
+    register()
+    seed = SEED + 17 * len(lengths)
+    print(f"seed {seed}")
+    x, cu, num_slots, core, w_op, kd_op, y0 = _chunk_scan_case(lengths, data, seed)
+    tokens, heads = x.q.shape[:2]
+    _, rows = xla._token_slots(cu, tokens)
+    w, _, qg, attn, kd, decay = core[:6]
+    f32, bf16 = jnp.float32, jnp.bfloat16
+    rng = np.random.default_rng(seed)
+    d_o = jnp.asarray(rng.standard_normal((tokens, heads, 128)), bf16)
+    d_final = jnp.asarray(rng.standard_normal(y0.shape), f32)
+    tc = {"v_slice": v_slice, "tensor_cores": True, "passes": 1}
+
+    @jax.jit
+    def two_kernels(qg, w, attn, d_o, d_final):
+        d_states = sm90.state_cotangent_kernel(
+            qg, w, attn, d_o, cu, rows, scan_v_slice=v_slice, scan_tensor_cores=True
+        )
+        return sm90.state_scan_kernel(kd_op, w_op, decay, d_states, cu, d_final, reverse=True, **tc)
+
+    ref_g, ref_dy0 = two_kernels(qg, w, attn, d_o, d_final)
+    wrapper = jax.jit(functools.partial(sm90.backend.reverse_scan_addend_kernel, **tc))
+    if num_slots == 0 or tokens == 0:  # the wrapper runs the two kernels
+        g_end, d_y0 = wrapper(kd_op, w_op, decay, qg, w, attn, d_o, cu, rows, d_final)
+        _assert_same("g_end", g_end, ref_g)
+        _assert_same("d_y0", d_y0, ref_dy0)
+        return
+    square = jax.ShapeDtypeStruct((num_slots, heads, 128, 128), f32)
+    images = sm90.state_scan_operands(kd_op, w_op, None, v_slice, 1)[:2]  # A Kd, B^T W
+    artifact = sm90.backend.reverse_scan_addend_artifact(v_slice)
+    inputs = [*images, decay, qg.astype(bf16).reshape(num_slots, heads, -1),
+              attn.astype(bf16).reshape(num_slots, heads, -1), d_o, cu, d_final]  # fmt: skip
+    g_end, d_y0 = _poisoned(artifact, [square, jax.ShapeDtypeStruct(y0.shape, f32)])(*inputs)
+    for name, a, b in (("g_end", g_end, ref_g), ("d_y0", d_y0, ref_dy0)):
+        a_np, b_np = np.asarray(a), np.asarray(b)
+        assert not np.isnan(a_np).any(), name
+        differ = int(np.sum(a_np != b_np))
+        error = rms_ratio(a, b)
+        label = f"reverse scan with its addend {lengths} t{v_slice} {name}"
+        print(f"{label}: {differ} of {a_np.size} differ from the two kernels, rms_ratio "
+              f"{error:.1e} (bar 1e-5)")  # fmt: skip
+        assert error <= 1e-5, (name, error)
+    # through the public wrapper: the one launch where its CTAs have an SM each, else the two
+    # kernels
+    pub = wrapper(kd_op, w_op, decay, qg, w, attn, d_o, cu, rows, d_final)
+    one = sm90.backend.reverse_scan_addend_v_slice(heads, len(lengths), v_slice, True)
+    twin = (g_end, d_y0) if one is not None else (ref_g, ref_dy0)
+    _assert_same("wrapper g_end", pub[0], twin[0])
+    _assert_same("wrapper d_y0", pub[1], twin[1])
+    # against XLA's statement at float32
+    d_states = jax.jit(sm90.xla_state_cotangent)(qg, w, attn, d_o, cu, rows)
+    exact = jax.jit(lambda *a: xla.state_scan(*a, reverse=True))(
+        sm90.backend.chunk_rows(kd), sm90.backend.chunk_rows(w), decay, d_states, cu, d_final
+    )
+    for name, a, b in (("g_end", g_end, exact[0]), ("d_y0", d_y0, exact[1])):
+        error = rms_ratio(a, b)
+        print(f"  {name} against XLA at float32: {error:.1e} (bar 2e-2)")
+        assert error <= 2e-2, (name, error)
+
+
 @functools.partial(jax.jit, static_argnums=(3, 4, 5))
 def _scan_with_outputs(core_out, cu, y0, tokens, v_slice, use_images):
     """(final states [N, H, V, K], o [T, H, 128] bf16): the forward-alone chunk core's outputs

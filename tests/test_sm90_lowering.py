@@ -896,6 +896,39 @@ def test_forward_scan_on_the_plain_addend_exports_and_lowers(v_slice, passes):
         assert re.search(r'"kda_state_scans_sm90_t\d+x1uha"', text) and not copy.search(text)
 
 
+def test_reverse_scan_forming_its_addend_exports_and_lowers_where_asked():
+    """The reverse scan that forms its addend on a warpgroup of its own exports at both widths;
+    training_forward(fuse_addend=True) with saved chunk states lowers its backward to it in
+    place of the state cotangent kernel and the reverse scan (3 heads x 1 sequence: its 24
+    CTAs have an SM each); with both_scans or three-pass scans the switch is refused."""
+    for v_slice in SCAN_TC_V_SLICES:
+        artifact = sm90.backend.reverse_scan_addend_artifact(v_slice)
+        assert artifact.prefix == f"kda_state_scan_sm90_rev_t{v_slice}x1a"
+        assert artifact.object_bytes[:4] == b"\x7fELF" and len(artifact.tensors) == 10
+    with pytest.raises(ValueError, match="v_slice in"):
+        sm90.backend.reverse_scan_addend_artifact(64)
+    x = production_inputs([300], 3, seed=2)
+
+    def step(q, k, v, g, beta, cu, state, **options):
+        def forward(q, k, v, g, beta, state):
+            return sm90.training_forward(q, k, v, g, beta, cu, state, 0.3, **options)
+
+        out, pullback = jax.vjp(forward, q, k, v, g, beta, state)
+        return pullback(out)
+
+    text = _lower(functools.partial(step, both_scans=False, fuse_addend=True), *x)
+    prefixes = set(re.findall(r'prefix = "(\w+)"', text))
+    assert "kda_state_scan_sm90_rev_t16x1a" in prefixes, prefixes
+    assert not any(p.startswith("kda_state_cotangent") for p in prefixes), prefixes
+    text = _lower(functools.partial(step, both_scans=False), *x)  # FUSE_ADDEND off: two kernels
+    prefixes = set(re.findall(r'prefix = "(\w+)"', text))
+    assert "kda_state_cotangent_sm90_vs16h" in prefixes, prefixes
+    for options in ({"fuse_addend": True}, {"both_scans": False, "fuse_addend": True,
+                                            "scan_passes": 3}):  # fmt: skip
+        with pytest.raises(ValueError, match="fuse_addend needs"):
+            sm90.training_forward(*x[:7], 0.3, **options)
+
+
 @pytest.mark.parametrize(
     "options",
     [{"dense_precision": "bf16x3", "bf16_states": True}, {"scan_passes": 3, "bf16_addend": True}],

@@ -557,6 +557,93 @@ def state_scan_outputs_kernel(
     return states, jnp.swapaxes(final, -1, -2), o
 
 
+def reverse_scan_addend_v_slice(num_heads, num_sequences, v_slice=None, tensor_cores=None):
+    """The width at which reverse_scan_addend_kernel runs its one launch, or None where it runs
+    the state cotangent kernel and the reverse scan instead: where each CTA of the one launch
+    (about 163 KiB of shared memory: one an SM) has an SM of its own, at the plan's width for
+    the scan with the outputs (plan.scan_outputs_v_slice, the same rule) unless v_slice is
+    given; never off tensor cores or with an unknown SM count."""
+    sm_count = device_sm_count()
+    if tensor_cores is False or sm_count is None:
+        return None
+    if v_slice is None:
+        return scan_outputs_v_slice(num_heads, num_sequences, sm_count)
+    fits = (HEAD_DIM // v_slice) * num_heads * num_sequences <= sm_count
+    return v_slice if v_slice in SCAN_TC_V_SLICES and fits else None
+
+
+def reverse_scan_addend_kernel(
+    kd_op, w_op, decay, qg, w, attn, d_o, cu_seqlens, rows, d_final, *, v_slice=None,
+    tensor_cores=None, passes=None, bf16_addend=False, fuse=True,
+):  # fmt: skip
+    """(g_end, d_y0): the reverse scan (state_scan_kernel's contract, reverse) on the outputs'
+    part of each chunk's state cotangent (state_cotangent_kernel's d_states from qg, w, attn
+    and d_o). In one launch (ReverseScanAddendTcSm90: the addend formed on the scan's second
+    warpgroup, never stored) where fuse and reverse_scan_addend_v_slice say so and there are
+    slots and tokens; otherwise the two kernels (the addend in bf16 where bf16_addend)."""
+    from jax_kda.sm90.ffi_call import cute_call
+
+    heads, seqs = d_final.shape[1], d_final.shape[0]
+    slots = qg.shape[0]
+    one = reverse_scan_addend_v_slice(heads, seqs, v_slice, tensor_cores) if fuse else None
+    if one is None or passes not in (None, 1) or slots == 0 or d_o.shape[0] == 0:
+        d_states = state_cotangent_kernel(
+            qg, w, attn, d_o, cu_seqlens, rows, scan_v_slice=v_slice,
+            scan_tensor_cores=tensor_cores, bf16=bf16_addend,
+        )  # fmt: skip
+        return state_scan_kernel(
+            kd_op, w_op, decay, d_states, cu_seqlens, d_final, reverse=True, v_slice=v_slice,
+            tensor_cores=tensor_cores, passes=passes,
+        )  # fmt: skip
+    bf16 = jnp.bfloat16
+    kd_img, w_img, _ = state_scan_operands(kd_op, w_op, None, one, 1)
+    inputs = [
+        kd_img, w_img, decay, qg.astype(bf16).reshape(slots, heads, -1),
+        attn.astype(bf16).reshape(slots, heads, -1), d_o.astype(bf16),
+        jnp.asarray(cu_seqlens, jnp.int32), d_final.astype(jnp.float32),
+    ]  # fmt: skip
+    results = [
+        jax.ShapeDtypeStruct((slots, *d_final.shape[1:]), jnp.float32),
+        jax.ShapeDtypeStruct(d_final.shape, jnp.float32),
+    ]
+    g_end, d_y0 = cute_call(reverse_scan_addend_artifact(one), inputs, results)
+    return g_end, d_y0
+
+
+@functools.cache
+def reverse_scan_addend_artifact(v_slice: int):
+    """The exported reverse tensor-core scan that forms its addend itself
+    (kernels/kda_state_scan_tc_sm90.py, ReverseScanAddendTcSm90: the state cotangent kernel's
+    dL/dS on a second warpgroup); tokens, slots, heads and sequences symbolic."""
+    import cutlass.cute as cute
+    from cutlass import BFloat16, Float32, Int32
+
+    from jax_kda.sm90.export import export, row_major_fake
+    from jax_kda.sm90.kernels.kda_state_scan_tc_sm90 import ReverseScanAddendTcSm90, image_elems
+
+    if v_slice not in SCAN_TC_V_SLICES:
+        raise ValueError(f"the reverse scan with its addend runs at v_slice in {SCAN_TC_V_SLICES}")
+    tokens, slots, heads, seqs = (cute.sym_int32() for _ in range(4))
+    image = (slots, heads, image_elems(1))
+    square = (HEAD_DIM, HEAD_DIM)
+    fakes = {
+        "kd_img": row_major_fake(BFloat16, image),
+        "w_img": row_major_fake(BFloat16, image),
+        "decay": row_major_fake(Float32, (slots, heads, HEAD_DIM)),
+        "qg": row_major_fake(BFloat16, (slots, heads, SCAN_CHUNK * HEAD_DIM)),
+        "attn": row_major_fake(BFloat16, (slots, heads, SCAN_CHUNK * SCAN_CHUNK)),
+        "d_out": row_major_fake(BFloat16, (tokens, heads, HEAD_DIM)),
+        "cu_seqlens": row_major_fake(Int32, (cute.sym_int32(),), align=4),
+        "d_final": row_major_fake(Float32, (seqs, heads, *square)),
+        "g_end": row_major_fake(Float32, (slots, heads, *square)),
+        "d_y0": row_major_fake(Float32, (seqs, heads, *square)),
+    }
+    return export(
+        ReverseScanAddendTcSm90(v_slice), fakes, prefix=f"kda_state_scan_sm90_rev_t{v_slice}x1a",
+        config={"v_slice": v_slice, "addend_warpgroup": True},
+    )  # fmt: skip
+
+
 @functools.cache
 def state_scans_artifact(
     v_slice: int, plain_addend: bool = False, bf16_states: bool = False, bf16_addend: bool = False
@@ -899,7 +986,7 @@ def differentiable_state_scan(run, precision=jax.lax.Precision.HIGHEST):
 def differentiable_chunks(
     core, scan, chunk_bwd, precision=jax.lax.Precision.HIGHEST, state_cotangent=None,
     chunk_outputs=None, both_scans=None, primal_core=None, scan_outputs=None,
-    primal_images=None,
+    primal_images=None, reverse_addend=None,
 ):  # fmt: skip
     """xla.forward's `chunks`: the packed tokens to (o [T, H, V] in the tokens' rows, final)
     through the chunk core (`core`: chunk_core_kernel's contract), the forward state scan
@@ -930,7 +1017,10 @@ def differentiable_chunks(
     primal_images (with primal_core and scan_outputs): (heads, sequences, slots, tokens) ->
     whether a call that is not differentiated has primal_core write Qg and Aqk as the images
     scan_outputs' one launch takes (both called with images=True; scan_outputs_fused says
-    where that launch runs)."""
+    where that launch runs).
+
+    reverse_addend (reverse_scan_addend_kernel's contract; without both_scans): the reverse
+    scan and its addend in one call (in place of `state_cotangent` and `scan`'s reverse)."""
     if primal_images is not None and (scan_outputs is None or primal_core is None):
         raise ValueError(
             "primal_images needs scan_outputs and primal_core (the one launch that takes the "
@@ -989,10 +1079,19 @@ def differentiable_chunks(
         tokens, cu_seqlens, rows, core_out, states, like = saved
         w, u, qg, attn, _, decay = core_out[:6]
         d_o, d_final = cotangents
+        w_op, kd_op = scan_operands(core_out)
+        if both_scans is None and reverse_addend is not None:
+            g_end, d_y0 = reverse_addend(
+                kd_op, w_op, decay, qg, w, attn, d_o, cu_seqlens, rows, d_final
+            )
+            d_tokens = chunk_bwd(
+                scale, tokens, cu_seqlens, rows, core_out, states, g_end, d_o, precision
+            )
+            d_tokens = [d.astype(x.dtype) for d, x in zip(d_tokens, like, strict=True)]
+            return (*d_tokens, None, None, d_y0)
         d_states = (state_cotangent or xla_state_cotangent)(
             qg, w, attn, d_o, cu_seqlens, rows, precision
         )
-        w_op, kd_op = scan_operands(core_out)
         if both_scans is not None:
             states, _, g_end, d_y0 = both_scans(
                 w_op, kd_op, decay, u, d_states, cu_seqlens, states, d_final
@@ -1944,6 +2043,11 @@ def training_residual_backward(saved, d_o, d_final, scale):
     return (*d_tokens, jnp.swapaxes(d_y0, -1, -2))
 
 
+FUSE_ADDEND = False
+"""Whether the training backward's reverse scan forms its addend itself
+(reverse_scan_addend_kernel's one launch, where its CTAs have an SM each) instead of reading
+the state cotangent kernel's; off until it has run on a GPU."""
+
 DENSE_PRECISIONS = {
     "bf16": jax.lax.DotAlgorithmPreset.BF16_BF16_F32,
     "bf16x3": jax.lax.DotAlgorithmPreset.BF16_BF16_F32_X3,
@@ -1957,7 +2061,7 @@ def _training_chunks(
     scan_v_slice=None, scan_tensor_cores=None, dense_precision="bf16", chunk_core_passes=1,
     scan_passes=None, tokens_bwd=True, fuse_tokens=True, fuse_outputs=True,
     scan_plain_addend=True, outputs_warpgroup=True, outputs_images=False,
-    bf16_states=None, bf16_addend=None,
+    bf16_states=None, bf16_addend=None, fuse_addend=None,
 ):  # fmt: skip
     """training_forward's differentiable_chunks for these switches (its dense_bwd=True form);
     the defaults are the training path's kernels, which training_residual_forward and
@@ -1976,6 +2080,14 @@ def _training_chunks(
         bf16_states = BF16_STATES and single
     if bf16_addend is None:
         bf16_addend = BF16_ADDEND and single
+    if fuse_addend and (not single or both_scans):
+        raise ValueError(
+            'fuse_addend needs the single-pass products (dense_precision="bf16", scan_passes '
+            "None or 1) and the saved chunk states (both_scans=False): the one launch is the "
+            "reverse scan alone"
+        )
+    if fuse_addend is None:
+        fuse_addend = FUSE_ADDEND and single and not both_scans
     precision = DENSE_PRECISIONS[dense_precision]
     bwd_v_slice = scan_v_slice
     if both_scans and scan_v_slice is None and scan_tensor_cores is not False:
@@ -2012,6 +2124,11 @@ def _training_chunks(
             passes=scan_passes, plain_addend=scan_plain_addend, bf16_states=bf16_states,
         ) if both_scans else None,
         primal_core=primal_core if chunk_core else None,
+        # the reverse scan forming its addend itself where its CTAs have an SM each
+        reverse_addend=functools.partial(
+            reverse_scan_addend_kernel, v_slice=bwd_v_slice, tensor_cores=scan_tensor_cores,
+            passes=scan_passes, bf16_addend=bf16_addend,
+        ) if fuse_addend else None,
         # the forward scan and the outputs in one launch (the outputs kernel's bf16 products)
         scan_outputs=functools.partial(
             state_scan_outputs_kernel, v_slice=scan_v_slice, tensor_cores=scan_tensor_cores,
@@ -2100,7 +2217,7 @@ def training_forward(
     scan_v_slice=None, scan_tensor_cores=None, dense_precision="bf16", chunk_core_passes=1,
     scan_passes=None, dense_bwd=True, tokens_bwd=None, both_scans=True, fuse_tokens=True,
     fuse_outputs=True, scan_plain_addend=True, outputs_warpgroup=True, outputs_images=False,
-    bf16_states=None, bf16_addend=None,
+    bf16_states=None, bf16_addend=None, fuse_addend=None,
 ):  # fmt: skip
     """The forward the sm90 backward differentiates (and the no-bound forward), exact for any
     g <= 0: the chunk-core kernel's per-chunk operands (their backward written out,
@@ -2164,7 +2281,9 @@ def training_forward(
     reverse scan, in one launch (state_scans_kernel), instead of saving the states from the
     forward's scan. bf16_states and bf16_addend (with dense_bwd; None: BF16_STATES and
     BF16_ADDEND at dense_precision "bf16" with single-pass scans, off otherwise, True refused
-    there): the chunk states, and the reverse scan's addend, stored in bf16.
+    there): the chunk states, and the reverse scan's addend, stored in bf16. fuse_addend (with
+    dense_bwd, without both_scans; None: FUSE_ADDEND): the reverse scan forms its addend on
+    a warpgroup of its own (reverse_scan_addend_kernel) where its CTAs have an SM each.
     H200 profile, recompute + backward at 2048x12x1 / 8192x16x1: 769 / 3420 us without
     dense_bwd, 688 / 2989 with it, 613 / 2776 with the state-cotangent and tokens kernels,
     594.5 / 2606 with the outputs', 493.9 / 2144.0 with the kernels reading the tokens' rows
@@ -2210,6 +2329,7 @@ def training_forward(
             fuse_tokens=fuse_tokens, fuse_outputs=fuse_outputs,
             scan_plain_addend=scan_plain_addend, outputs_warpgroup=outputs_warpgroup,
             outputs_images=outputs_images, bf16_states=bf16_states, bf16_addend=bf16_addend,
+            fuse_addend=fuse_addend,
         )  # fmt: skip
         return xla.forward(
             q, k, v, g, beta, cu_seqlens, initial_state, scale, precision=precision,

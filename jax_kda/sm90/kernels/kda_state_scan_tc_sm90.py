@@ -66,7 +66,7 @@ from jax_kda.constants import HEAD_DIM, SCAN_CHUNK
 from jax_kda.sm90.kernels.chunk_io import pair_at
 from jax_kda.sm90.kernels.kda_state_scan_sm90 import ScanConfig
 from jax_kda.sm90.kernels.layout import SCAN_TC_V_SLICES
-from jax_kda.sm90.kernels.varlen import scan_slots, sequence_slots, step_slot
+from jax_kda.sm90.kernels.varlen import scan_slots, sequence_slots, slot_rows, step_slot
 from jax_kda.sm90.kernels.wgmma import (
     bf16_tiled_mma,
     gemm_passes,
@@ -95,6 +95,8 @@ ROWS_A_WARP = SCAN_CHUNK // (NTHREADS // 32)  # U rows whose copies each warp is
 CHAIN_BARRIER = 1  # named barriers of the split kernel: the chain's warpgroup,
 OUTPUTS_BARRIER = 2  # and the outputs' (0 is the whole CTA's)
 X_FULL, O_DONE, QG_FULL = 0, STAGES, 2 * STAGES  # the split kernel's mbarriers, a pair each
+ADD_FULL, ADD_FREE, ADD_QG = 0, STAGES, 2 * STAGES  # the addend warpgroup's, a pair each
+ADDEND_BARRIER = 3  # the addend warpgroup's named barrier
 QG_ELEMS = SCAN_CHUNK * HEAD_DIM  # the outputs' Qg [64, 128] and Aqk [64, 64], bf16
 AT_ELEMS = SCAN_CHUNK * SCAN_CHUNK
 PIECE = 8  # bf16 elements in 16 bytes
@@ -136,6 +138,15 @@ def accumulate_always(*mmas):
         mma.set(warpgroup.Field.ACCUMULATE, True)
 
 
+def _addend_values(stage: cute.Tensor, per: int) -> cute.Tensor:
+    """The addend warpgroup's results in a float32 addend stage: value i (of 2 per, both
+    halves' accumulators) of thread t at [i, t], so that a warp's 32 threads touch 32
+    consecutive words (the chain's thread t holds the same coordinates as the addend
+    warpgroup's thread t: the same tiled MMA)."""
+    layout = cute.make_layout((2 * per, NTHREADS), stride=(NTHREADS, 1))
+    return cute.make_tensor(stage.iterator, layout)
+
+
 def _bf16(x) -> bool:
     """Whether an array (a tensor, or None) holds bf16: the chunk states a forward scan stores,
     and a reverse scan's addend, are bf16 or float32 as the caller's arrays are."""
@@ -146,7 +157,7 @@ class ChunkStateScanTcSm90:
     def __init__(
         self, config: ScanConfig, passes: int = 3, outputs: bool = False, states: bool = True,
         plain_addend: bool = False, outputs_warpgroup: bool = False, state_vk: bool = False,
-        outputs_images: bool = False,
+        outputs_images: bool = False, addend_warpgroup: bool = False,
     ):  # fmt: skip
         if config.v_slice not in SCAN_TC_V_SLICES:
             raise ValueError(
@@ -162,13 +173,21 @@ class ChunkStateScanTcSm90:
             raise ValueError("a warpgroup of its own for the outputs needs outputs")
         if outputs_images and not outputs_warpgroup:
             raise ValueError("Qg and Aqk as images are a variant of the split kernel")
+        if addend_warpgroup and (not config.reverse or passes != 1 or state_vk):
+            raise ValueError(
+                "the addend's own warpgroup serves the reverse scan at one bf16 pass, [K, V] states"
+            )
+        # the reverse scan's addend computed in the kernel (ReverseScanAddendTcSm90): a second
+        # warpgroup forms each chunk's dL/dS = Qg^T dO - W^T (Aqk^T dO) for the CTA's V slice
+        # a chunk ahead of the chain (_addend_loop), in place of kda_state_cotangent_sm90
+        self.addend_wg = addend_warpgroup
         # Qg and Aqk come as their K-major operand images (the chunk core's images variant):
         # the outputs' warpgroup copies them into two image stages and lays nothing out
         self.images = outputs_images
         # the O products and stores on a second warpgroup, off the chain (the split kernel)
         self.split = outputs_warpgroup
         self.inline_outputs = outputs and not outputs_warpgroup
-        self.threads = NTHREADS * (2 if outputs_warpgroup else 1)
+        self.threads = NTHREADS * (2 if outputs_warpgroup or addend_warpgroup else 1)
         # the addend U as the chunk core stores it, bf16 [slots, H, 64 * 128] row-major, each CTA
         # copying its V slice row by row (with outputs always): no V-sliced float32 copy of U
         self.u_rows = plain_addend or outputs
@@ -274,6 +293,24 @@ class ChunkStateScanTcSm90:
                 )
             images = (raw_qg, raw_at, s_qg, s_at, split)
             return raw_a, raw_bt, s_y, s_x, raw_add, s_decay, s_mbar, images
+        if self.addend_wg:
+            # the addend warpgroup's: Qg and Aqk plain stages (its own bulk copies) and K-major
+            # images, dO's V slice and -X's images (B N-major, as X's), its mbarriers; the
+            # addend stages above (128 x VS float32) carry its results to the chain, value i
+            # of thread t at [i, t]
+            raw_qg = [smem.allocate_tensor(BFloat16, cute.make_layout(QG_ELEMS), 128)
+                      for _ in range(STAGES)]  # fmt: skip
+            raw_at = [smem.allocate_tensor(BFloat16, cute.make_layout(AT_ELEMS), 128)
+                      for _ in range(STAGES)]  # fmt: skip
+            addend = (  # the images flat: _addend_loop views them K- and M-major
+                raw_qg, raw_at,
+                smem.allocate_tensor(BFloat16, cute.make_layout(QG_ELEMS), 1024),
+                smem.allocate_tensor(BFloat16, cute.make_layout(AT_ELEMS), 1024),
+                smem.allocate_tensor(BFloat16, lay_x.outer, 1024, swizzle=lay_x.inner),
+                smem.allocate_tensor(BFloat16, lay_x.outer, 1024, swizzle=lay_x.inner),
+                smem.allocate_tensor(cutlass.Int64, cute.make_layout(3 * STAGES), 8),
+            )  # fmt: skip
+            return raw_a, raw_bt, s_y, s_x, raw_add, s_decay, s_mbar, addend
         return raw_a, raw_bt, s_y, s_x, raw_add, s_decay, s_mbar
 
     @cute.jit
@@ -308,10 +345,21 @@ class ChunkStateScanTcSm90:
                     cute.arch.mbarrier_init(buffers[7][4][2].iterator + b, NTHREADS)
                 for b in cutlass.range_constexpr(QG_FULL, QG_FULL + STAGES):  # its own copies
                     cute.arch.mbarrier_init(buffers[7][4][2].iterator + b, 1)
+            if cutlass.const_expr(self.addend_wg):  # a warpgroup's threads arrive on the
+                for b in cutlass.range_constexpr(ADD_QG):  # full and free pairs
+                    cute.arch.mbarrier_init(buffers[7][6].iterator + b, NTHREADS)
+                for b in cutlass.range_constexpr(ADD_QG, ADD_QG + STAGES):  # its own copies
+                    cute.arch.mbarrier_init(buffers[7][6].iterator + b, 1)
             cute.arch.mbarrier_init_fence()
         cute.arch.sync_threads()
         tiles = (s_a, s_bt, s_add, add_ptrs)
-        if cutlass.const_expr(self.split):
+        if cutlass.const_expr(self.addend_wg):
+            if tid >= NTHREADS:
+                self._addend_loop(mCu, n, n_slots, h, vbase, mma_y, buffers, s_bt, out)
+            else:
+                self._chain(mA, mBt, mDecay, mAdd, mCu, mY0, mStates, mFinal, mma_x, mma_y,
+                            buffers, tiles, vsl, h, n, n_slots, out)  # fmt: skip
+        elif cutlass.const_expr(self.split):
             if tid >= NTHREADS:
                 self._outputs_loop(mCu, n, n_slots, h, vbase, mma_x, buffers, out)
             else:
@@ -413,6 +461,12 @@ class ChunkStateScanTcSm90:
                                    f_ys[s], f_xs[s], ys[s], xs[s], s_add[s], s_decay[s],
                                    s_mbar.iterator + s, phase, mStates, slot, h, vbase,
                                    x_full=split[2].iterator + X_FULL + s)  # fmt: skip
+                    elif cutlass.const_expr(self.addend_wg):
+                        # the addend of chunk j from the addend warpgroup's stage s
+                        self._step(mma_x, mma_y, acc_x, acc_y, c_x, c_y, f_a[s], f_bt[s], f_y,
+                                   f_x, s_y, s_x, s_add[s], s_decay[s], s_mbar.iterator + s,
+                                   phase, mStates, slot, h, vbase,
+                                   add_bars=buffers[7][6].iterator + s)  # fmt: skip
                     else:
                         self._step(mma_x, mma_y, acc_x, acc_y, c_x, c_y, f_a[s], f_bt[s], f_y,
                                    f_x, s_y, s_x, s_add[s], s_decay[s], s_mbar.iterator + s,
@@ -434,8 +488,8 @@ class ChunkStateScanTcSm90:
 
     @cute.jit
     def _sync(self):
-        """The chain's barrier: the CTA's, or in the split kernel its warpgroup's."""
-        if cutlass.const_expr(self.split):
+        """The chain's barrier: the CTA's, or in a kernel of two warpgroups its own."""
+        if cutlass.const_expr(self.split or self.addend_wg):
             cute.arch.barrier(barrier_id=CHAIN_BARRIER, number_of_threads=NTHREADS)
         else:
             cute.arch.sync_threads()
@@ -443,10 +497,11 @@ class ChunkStateScanTcSm90:
     @cute.jit
     def _step(self, mma_x, mma_y, acc_x, acc_y, c_x, c_y, f_a, f_bt, f_y, f_x, s_y, s_x,
               s_add, s_decay, mbar, phase, mStates, slot, h, vbase, o_step=None,
-              x_full=None):  # fmt: skip
+              x_full=None, add_bars=None):  # fmt: skip
         """One chunk: store the state entering it, then the two products (with outputs inline,
         the chunk's O after them: o_step; in the split kernel every thread arrives on x_full
-        once the S and X images are written)."""
+        once the S and X images are written; with the addend warpgroup, add_bars: the stage's
+        ADD_FULL mbarrier, the addend read from s_add by this thread's values, then ADD_FREE)."""
         for m in cutlass.range_constexpr(2):
             for i in cutlass.range_constexpr(cute.size(acc_y[m])):
                 ch, v = c_y[i]
@@ -476,7 +531,18 @@ class ChunkStateScanTcSm90:
 
         # Y = Diag(a) Y (+ Q reverse), before product 1 is issued: registers that an issued
         # wgmma may still read (any accumulator, for the compiler) make it wait for the product.
-        for m in cutlass.range_constexpr(2):
+        if cutlass.const_expr(add_bars is not None):
+            tid = cute.arch.thread_idx()[0]
+            cute.arch.mbarrier_wait(add_bars + ADD_FULL, phase)  # the chunk's addend formed
+            per = cute.size(acc_y[0])
+            values = _addend_values(s_add, per)
+            for m in cutlass.range_constexpr(2):
+                for i in cutlass.range_constexpr(per):
+                    ch, v = c_y[i]
+                    ch = m * HALF + ch
+                    acc_y[m][i] = acc_y[m][i] * s_decay[ch] + values[m * per + i, tid]
+            cute.arch.mbarrier_arrive(add_bars + ADD_FREE)  # the stage read: free
+        for m in cutlass.range_constexpr(2 if add_bars is None else 0):
             for i in cutlass.range_constexpr(cute.size(acc_y[m])):
                 ch, v = c_y[i]
                 ch = m * HALF + ch
@@ -598,6 +664,121 @@ class ChunkStateScanTcSm90:
                     cute.arch.barrier(barrier_id=OUTPUTS_BARRIER, number_of_threads=NTHREADS)
 
     @cute.jit
+    def _addend_loop(self, mCu, n, n_slots, h, vbase, mma_y, buffers, s_bt, out):
+        """The addend warpgroup (ReverseScanAddendTcSm90): for every chunk of the sequence in
+        the chain's order, the CTA's V slice of dL/dS = Qg^T dO - W^T (Aqk^T dO) ([128, VS],
+        one bf16 pass a product, float32 accumulation, -X rounded to bf16 on its way as the
+        state cotangent kernel rounds it), on mma_y (the chain's product 2: A M-major, B
+        N-major): Qg's and Aqk's K-major images viewed M-major are Qg^T and Aqk^T, W^T is the
+        chain's own B^T stage (waited on through the chain's mbarrier), dO's slice comes from
+        the tokens' rows (zero past the sequence). Qg and Aqk on its own bulk copies a chunk
+        ahead (ADD_QG); the result into addend stage s by thread (ADD_FULL), which the chain
+        frees once read (ADD_FREE)."""
+        tid = cute.arch.thread_idx()[0] - NTHREADS
+        VS = self.vs
+        raw_add, s_mbar = buffers[4], buffers[6]
+        raw_qg, raw_at, img_qg, img_at, s_do, s_xn, bars_t = buffers[7]
+        bars = bars_t.iterator
+        mQg, mAttn, mDo = out
+        thr = mma_y.get_slice(tid)
+        # Qg [64 tokens, 128 channels] and Aqk [64, 64] laid out K-major are the M-major images
+        # of Qg^T and Aqk^T (the same bytes, as the chunk core's W serves as A and as B^T)
+        s_qg = cute.make_tensor(img_qg.iterator, inter_image_layout(SCAN_CHUNK, HEAD_DIM))
+        s_at = cute.make_tensor(img_at.iterator, inter_image_layout(SCAN_CHUNK, SCAN_CHUNK))
+        qg_t = cute.make_tensor(img_qg.iterator, inter_image_layout(HEAD_DIM, SCAN_CHUNK, True))
+        at_t = cute.make_tensor(img_at.iterator, inter_image_layout(SCAN_CHUNK, SCAN_CHUNK, True))
+        halves = [cute.local_tile(qg_t, (HALF, SCAN_CHUNK), (m, 0)) for m in range(2)]
+        f_qg = [mma_y.make_fragment_A(thr.partition_A(x)) for x in halves]
+        f_at = mma_y.make_fragment_A(thr.partition_A(at_t))
+        f_w = [[mma_y.make_fragment_A(thr.partition_A(
+                    cute.local_tile(s_bt[s], (HALF, self.bt_k), (m, 0)))) for m in range(2)]
+               for s in range(STAGES)]  # fmt: skip
+        f_do = mma_y.make_fragment_B(thr.partition_B(s_do))
+        f_xn = mma_y.make_fragment_B(thr.partition_B(s_xn))
+        c_y = thr.partition_C(cute.make_identity_tensor((HALF, VS)))  # (row % 64, v)
+        acc = [cute.make_rmem_tensor(mma_y.partition_shape_C((HALF, VS)), Float32)
+               for _ in range(2)]  # fmt: skip
+        acc_x = cute.make_rmem_tensor(mma_y.partition_shape_C((HALF, VS)), Float32)
+        per = cute.size(acc[0])
+        slot0, nch, _ = scan_slots(mCu, n, n_slots, SCAN_CHUNK)
+        raws = (raw_qg, raw_at, mQg, mAttn)
+        lanes = VS // PIECE  # 16-byte pieces of a dO row's slice
+        rows_a_pass = NTHREADS // lanes
+        r_do = cute.make_rmem_tensor((SCAN_CHUNK // rows_a_pass, PIECE), BFloat16)
+        if nch > 0:
+            first = step_slot(slot0, nch, True, 0)
+            if tid == 0:
+                self._load_outputs_operands(raws, first, h, 0, bars + ADD_QG)
+            self._load_do_rows(mDo, mCu, first, h, vbase, r_do, tid)
+        for j in cutlass.range(nch, unroll=1):
+            for s in cutlass.range_constexpr(STAGES):
+                if j % STAGES == s:
+                    phase = (j // STAGES) % 2
+                    if j + 1 < nch and tid == 0:
+                        nxt = step_slot(slot0, nch, True, j + 1)
+                        self._load_outputs_operands(raws, nxt, h, 1 - s, bars + ADD_QG + 1 - s)
+                    # dO's V slice of the chunk's rows (loaded a chunk ahead) into its image,
+                    # then the next chunk's rows into the registers
+                    for p in cutlass.range_constexpr(SCAN_CHUNK // rows_a_pass):
+                        i = p * rows_a_pass + tid // lanes
+                        store_piece(s_do, (tid % lanes) * PIECE, i, r_do[p, None].load(), True)
+                    if j + 1 < nch:
+                        nxt = step_slot(slot0, nch, True, j + 1)
+                        self._load_do_rows(mDo, mCu, nxt, h, vbase, r_do, tid)
+                    cute.arch.mbarrier_wait(bars + ADD_QG + s, phase)
+                    self._to_image(raw_qg[s], s_qg, HEAD_DIM, tid)
+                    self._to_image(raw_at[s], s_at, SCAN_CHUNK, tid)
+                    cute.arch.fence_proxy("async.shared", space="cta")
+                    cute.arch.barrier(barrier_id=ADDEND_BARRIER, number_of_threads=NTHREADS)
+                    # X = Aqk^T dO, and Qg^T dO onto both halves
+                    acc_x.fill(0.0)
+                    for m in cutlass.range_constexpr(2):
+                        acc[m].fill(0.0)
+                    cute.nvgpu.warpgroup.fence()
+                    gemm_passes(mma_y, acc_x, f_at, f_do, SCAN_CHUNK // 16, 1)
+                    for m in cutlass.range_constexpr(2):
+                        gemm_passes(mma_y, acc[m], f_qg[m], f_do, SCAN_CHUNK // 16, 1)
+                    cute.nvgpu.warpgroup.commit_group()
+                    cute.nvgpu.warpgroup.wait_group(0)
+                    for i in cutlass.range_constexpr(per):  # -X into B's image, bf16
+                        tok, v = c_y[i]
+                        s_xn[v, tok] = (-acc_x[i]).to(BFloat16)
+                    cute.arch.fence_proxy("async.shared", space="cta")
+                    cute.arch.barrier(barrier_id=ADDEND_BARRIER, number_of_threads=NTHREADS)
+                    # + W^T (-X), W^T from the chain's stage once its copies landed
+                    cute.arch.mbarrier_wait(s_mbar.iterator + s, phase)
+                    cute.nvgpu.warpgroup.fence()
+                    for m in cutlass.range_constexpr(2):
+                        gemm_passes(mma_y, acc[m], f_w[s][m], f_xn, SCAN_CHUNK // 16, 1)
+                    cute.nvgpu.warpgroup.commit_group()
+                    cute.nvgpu.warpgroup.wait_group(0)
+                    if j >= STAGES:  # the chain has read chunk j - 2's addend from stage s
+                        cute.arch.mbarrier_wait(bars + ADD_FREE + s, 1 - phase)
+                    values = _addend_values(raw_add[s], per)
+                    for m in cutlass.range_constexpr(2):
+                        for i in cutlass.range_constexpr(per):
+                            values[m * per + i, tid] = acc[m][i]
+                    cute.arch.mbarrier_arrive(bars + ADD_FULL + s)
+                    # every warp's products have read the images before the next chunk's
+                    # overwrite them (a warp's wait_group covers its own wgmma only)
+                    cute.arch.barrier(barrier_id=ADDEND_BARRIER, number_of_threads=NTHREADS)
+
+    @cute.jit
+    def _load_do_rows(self, mDo, mCu, slot, h, vbase, r_do, tid):
+        """The addend warpgroup's thread tid: its 16-byte pieces of dO's V slice [64, VS] of
+        chunk slot `slot` (rows past the slot's tokens zero) into r_do."""
+        lanes = self.vs // PIECE
+        rows_a_pass = NTHREADS // lanes
+        row0, count = slot_rows(mCu, slot, mDo.shape[0], SCAN_CHUNK)
+        r_do.fill(0.0)
+        for p in cutlass.range_constexpr(SCAN_CHUNK // rows_a_pass):
+            i = p * rows_a_pass + tid // lanes
+            if i < count:
+                r_do[p, None].store(
+                    row_piece(mDo[row0 + i, h, None], vbase + (tid % lanes) * PIECE, PIECE).load()
+                )
+
+    @cute.jit
     def _load_outputs_operands(self, raws, slot, h, stage: cutlass.Constexpr[int], mbar):
         """One thread: the chunk's Qg [64, 128] and Aqk [64, 64] (bf16, plain) into the split
         kernel's `stage`, two bulk copies completing on mbar."""
@@ -672,10 +853,12 @@ class ChunkStateScanTcSm90:
         raw_a, raw_bt, raw_add, s_decay, s_mbar = loads[:5]
         mbar = s_mbar.iterator + stage
         add_elems = self.addend_rows * self.vs
-        add_type = mAdd.element_type  # the reverse's addend: float32 or bf16
+        add_type = Float32 if mAdd is None else mAdd.element_type  # float32 or bf16 reverse
         nbytes = 2 * self.image_elems * 2 + add_elems * add_type.width // 8 + HEAD_DIM * 4
         if cutlass.const_expr(self.u_rows):  # U's slice, bf16, row by row
             nbytes = 2 * self.image_elems * 2 + HEAD_DIM * 4 + SCAN_CHUNK * self.vs * 2
+        if cutlass.const_expr(self.addend_wg):  # the addend warpgroup forms it
+            nbytes = 2 * self.image_elems * 2 + HEAD_DIM * 4
         if cutlass.const_expr(self.inline_outputs):  # Qg and Aqk plain, bf16
             nbytes = nbytes + (QG_ELEMS + AT_ELEMS) * 2
         cute.arch.mbarrier_arrive_and_expect_tx(mbar, nbytes)
@@ -683,7 +866,7 @@ class ChunkStateScanTcSm90:
             (mA[slot, h, None], raw_a[stage].iterator, BFloat16, self.image_elems),
             (mBt[slot, h, None], raw_bt[stage].iterator, BFloat16, self.image_elems),
         )
-        if cutlass.const_expr(not self.u_rows):
+        if cutlass.const_expr(not self.u_rows and not self.addend_wg):
             add_ptr = raw_add[stage].iterator  # a float32 stage; a bf16 addend fills half
             if cutlass.const_expr(add_type == BFloat16):
                 add_ptr = cute.recast_ptr(add_ptr, dtype=BFloat16)
@@ -865,3 +1048,69 @@ class ChunkOutputsScanTcSm90(ChunkStateScanOutputsTcSm90):
         buffers = self.scan.allocate(self.scan.addend_rows)
         self.scan.scan(mA, mBt, mDecay, mAdd, mCu, mY0, None, mFinal, mma_x, mma_y, buffers,
                        vsl, h, n, (mQg, mAttn, mO))  # fmt: skip
+
+
+class ReverseScanAddendTcSm90:
+    """The reverse tensor-core scan at one bf16 pass that forms its addend itself: the outputs'
+    part of each chunk's state cotangent, dL/dS = Qg^T dO - W^T (Aqk^T dO) (the state cotangent
+    kernel's, kda_state_cotangent_sm90), for the CTA's V slice on a second warpgroup a chunk
+    ahead of the chain (ChunkStateScanTcSm90._addend_loop), so that neither its launch nor its
+    64 KiB a slot and head through HBM remain. Inputs: the chunk core's kd_img (A) and w_img
+    (B^T) in the scan's operand order, decay [slots, H, 128], qg [slots, H, 64 * 128] and
+    attn [slots, H, 64 * 64] (bf16, plain, flat per slot), dO [T, H, 128] bf16 in the tokens'
+    rows, cu_seqlens, d_final [N, H, K, V]; results g_end [slots, H, K, V] (the cotangent of
+    the state leaving each slot; gap slots zero) and d_y0 [N, H, K, V], float32. About 163
+    KiB of shared memory at VS = 16: one CTA an SM."""
+
+    def __init__(self, v_slice: int):
+        self.vs = v_slice
+        self.scan = ChunkStateScanTcSm90(
+            ScanConfig(reverse=True, v_slice=v_slice), passes=1, addend_warpgroup=True
+        )
+
+    @cute.jit
+    def __call__(
+        self,
+        kd_img: cute.Tensor,
+        w_img: cute.Tensor,
+        decay: cute.Tensor,
+        qg: cute.Tensor,
+        attn: cute.Tensor,
+        d_out: cute.Tensor,
+        cu_seqlens: cute.Tensor,
+        d_final: cute.Tensor,
+        g_end: cute.Tensor,
+        d_y0: cute.Tensor,
+        stream: cuda.CUstream,
+    ):
+        n_seq = cu_seqlens.shape[0] - 1
+        heads = d_final.shape[1]
+        mma_x, mma_y = scan_mmas(self.vs)
+        self.kernel(
+            kd_img, w_img, decay, qg, attn, d_out, cu_seqlens, d_final, g_end, d_y0, mma_x, mma_y
+        ).launch(
+            grid=[HEAD_DIM // self.vs, heads, n_seq], block=[self.scan.threads, 1, 1],
+            stream=stream,
+        )  # fmt: skip
+
+    @cute.kernel
+    def kernel(
+        self,
+        mA: cute.Tensor,
+        mBt: cute.Tensor,
+        mDecay: cute.Tensor,
+        mQg: cute.Tensor,
+        mAttn: cute.Tensor,
+        mDo: cute.Tensor,
+        mCu: cute.Tensor,
+        mY0: cute.Tensor,
+        mStates: cute.Tensor,
+        mFinal: cute.Tensor,
+        mma_x: cute.TiledMma,
+        mma_y: cute.TiledMma,
+    ):
+        vsl, h, n = cute.arch.block_idx()
+        accumulate_always(mma_x, mma_y)
+        buffers = self.scan.allocate(self.scan.addend_rows)
+        self.scan.scan(mA, mBt, mDecay, None, mCu, mY0, mStates, mFinal, mma_x, mma_y, buffers,
+                       vsl, h, n, (mQg, mAttn, mDo))  # fmt: skip
