@@ -63,6 +63,7 @@ def _main():
         sm90.state_scan_artifact(True, v_slice, True, 1, False, False, True)
         sm90.state_scan_outputs_artifact(v_slice, True, True, False, True)
         sm90.state_cotangent_artifact(v_slice, True)
+        sm90.backend.reverse_scan_addend_artifact(v_slice)  # FUSE_ADDEND's (its GPU test)
         for states, split in itertools.product((True, False), (False, True)):
             sm90.state_scan_outputs_artifact(v_slice, states, split)
             if split and not states:  # Qg and Aqk as the chunk core's images variant writes

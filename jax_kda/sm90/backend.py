@@ -2046,7 +2046,13 @@ def training_residual_backward(saved, d_o, d_final, scale):
 FUSE_ADDEND = False
 """Whether the training backward's reverse scan forms its addend itself
 (reverse_scan_addend_kernel's one launch, where its CTAs have an SM each) instead of reading
-the state cotangent kernel's; off until it has run on a GPU."""
+the state cotangent kernel's. Off: on the H100 (2026-12-07,
+benchmarks/results/2026-12-07-h100-e-*-reverse-addend.log) its g_end and d_y0 equal the two
+kernels' bit for bit, but it saves nothing: 51.5 us against 31.8 + 17.2 at 2048x12x1, 193.3
+against 127.8 + 70.5 at 8192x16x1. The chain waits for the addend every step: the addend
+warpgroup's per-chunk work (Qg's and Aqk's layout into images, three products, dO's rows)
+takes longer than a step of the chain (about 1 us at 2048x12x1); the chunk core writing Qg
+and Aqk as images would take the layout off it."""
 
 DENSE_PRECISIONS = {
     "bf16": jax.lax.DotAlgorithmPreset.BF16_BF16_F32,
