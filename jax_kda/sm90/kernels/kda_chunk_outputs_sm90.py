@@ -11,7 +11,8 @@ token the N-major image of [V, tokens]. O goes out as bfloat16 to the rows of th
 slot holds (cu_seqlens; rows past a sequence's end and gap slots write nothing, bad boundaries
 never an out-of-bounds access).
 
-One CTA of two warpgroups a (slot, head). Inputs: states [slots, H, 128, 128] float32; the
+One CTA of two warpgroups a (slot, head). Inputs: states [slots, H, 128, 128] float32 or bf16
+(the training forward's, BF16_STATES; rounded to bf16 for the products either way); the
 chunk core's bfloat16 w_img [slots, H, 64 * 128] (W in the scan's operand order,
 chunk_io.scan_order_offset), u, qg [slots, H, 64, 128] and attn [slots, H, 64, 64];
 cu_seqlens [N + 1] int32. Output: o [T, H, 128] bfloat16.

@@ -28,7 +28,8 @@ memory as bf16 images for the products after them.
 One CTA of two warpgroups a (slot, head), 192 KiB of shared memory. Inputs: the chunk core's
 bfloat16 w_img, kd_img [slots, H, 64 * 128] (W and Kd in the scan's operand order,
 chunk_io.scan_order_offset), u [slots, H, 64, 128], attn, tinv [slots, H, 64, 64]; float32 kk
-[slots, H, 64, 64], states, g_end [slots, H, 128, 128];
+[slots, H, 64, 64] and g_end [slots, H, 128, 128]; states [slots, H, 128, 128] bf16 (the
+training forward's, BF16_STATES: the values its products took) or float32;
 and in the tokens' rows (cu_seqlens [N + 1] int32 says which a slot holds; the others are zero)
 dO [T, H, 128] bfloat16 and beta [T, H] float32. Outputs: d_rhs [slots, H, 64, 256]; d_qg,
 d_kd [slots, H, 64, 128]; d_attn [slots, H, 64, 64], bfloat16 (each float32 result rounded

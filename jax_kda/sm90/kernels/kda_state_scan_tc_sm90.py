@@ -48,6 +48,18 @@ outputs) take y0 and give final in prefill's layout, [N, H, V, K], where the def
 [N, H, K, V]: their callers' transposes then cancel against xla.forward's, and the state is not
 copied on the way in or out. All three (outputs, split, plain addend) passed their GPU tests
 on the H100 (2026-12-06) and are the training forward's defaults.
+
+bf16 chunk states and addend (the training path's, layout.BF16_STATES and BF16_ADDEND): the
+dtype of the caller's arrays decides. A forward scan given bf16 states stores each state as
+product 1 takes it at one pass (y_hi), a thread's column pair as one 4-byte store; a reverse
+scan given a bf16 addend brings its slice in by a bf16 bulk copy into half of the float32
+stage. Both equal the float32 kernels bit for bit on the rounded values (H100, 2026-12-07).
+
+Addend warpgroup (addend_warpgroup, ReverseScanAddendTcSm90; off in the training path,
+backend.FUSE_ADDEND): the reverse scan forms its addend, the outputs' part of each chunk's state
+cotangent, on a second warpgroup a chunk ahead of the chain (_addend_loop) instead of reading
+kda_state_cotangent_sm90's; bit for bit that kernel's results on the H100 (2026-12-07), but
+no faster: the chain waits on it every step.
 """
 
 from __future__ import annotations
@@ -542,17 +554,18 @@ class ChunkStateScanTcSm90:
                     ch = m * HALF + ch
                     acc_y[m][i] = acc_y[m][i] * s_decay[ch] + values[m * per + i, tid]
             cute.arch.mbarrier_arrive(add_bars + ADD_FREE)  # the stage read: free
-        for m in cutlass.range_constexpr(2 if add_bars is None else 0):
-            for i in cutlass.range_constexpr(cute.size(acc_y[m])):
-                ch, v = c_y[i]
-                ch = m * HALF + ch
-                y = acc_y[m][i] * s_decay[ch]
-                if cutlass.const_expr(self.reverse):
-                    if cutlass.const_expr(_bf16(s_add)):
-                        y = y + s_add[ch, v].to(Float32)
-                    else:
-                        y = y + s_add[ch, v]
-                acc_y[m][i] = y
+        else:
+            for m in cutlass.range_constexpr(2):
+                for i in cutlass.range_constexpr(cute.size(acc_y[m])):
+                    ch, v = c_y[i]
+                    ch = m * HALF + ch
+                    y = acc_y[m][i] * s_decay[ch]
+                    if cutlass.const_expr(self.reverse):
+                        if cutlass.const_expr(_bf16(s_add)):
+                            y = y + s_add[ch, v].to(Float32)
+                        else:
+                            y = y + s_add[ch, v]
+                    acc_y[m][i] = y
 
         # ---- product 1: acc = A Y (- P forward)
         for i in cutlass.range_constexpr(cute.size(acc_x)):
