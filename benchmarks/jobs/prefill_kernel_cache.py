@@ -6,8 +6,9 @@ to carry there, so that no device time goes to compiling them.
 then carry `.device/kc` (the jobs use it when it is there). It lowers prefill and its gradient for
 CUDA on the tests' and benchmarks' head counts, with and without a gate bound, in either
 residuals mode (the lowering exports every kernel the call takes), and exports the opt-in scan
-variants directly: about 12 minutes on 2 cores, 14 MB. The cache is keyed by the kernel sources
-and the DSL version, so a changed kernel is compiled again there, never taken stale from here.
+variants directly: about 8 to 12 minutes on 2 cores, about 18 MB. The cache is keyed by the
+kernel sources and the DSL version, so a changed kernel is compiled again there, never taken
+stale from here.
 """
 
 from __future__ import annotations
