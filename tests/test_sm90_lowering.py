@@ -955,6 +955,11 @@ def test_bf16_states_and_addend_variants_export_and_refuse_the_other_direction(v
     rev = sm90.state_scan_artifact(True, v_slice, True, 1, False, False, True)
     assert rev.prefix == f"kda_state_scan_sm90_rev_t{v_slice}x1h"
     assert rev.dtypes[3] == "bfloat16" and rev.dtypes[6] == "float32"  # addend, g_end
+    # the training backward's: y0 and final in prefill's [V, K] layout as well
+    rev_vk = sm90.state_scan_artifact(True, v_slice, True, 1, False, False, True, True)
+    assert rev_vk.prefix == f"kda_state_scan_sm90_rev_t{v_slice}x1hk"
+    with pytest.raises(ValueError, match="state_vk is the reverse tensor-core scan's"):
+        sm90.state_scan_artifact(False, v_slice, True, 1, False, False, False, True)
     outs = sm90.state_scan_outputs_artifact(v_slice, True, True, False, True)
     assert outs.prefix == f"kda_state_scan_sm90_fwd_t{v_slice}x1owh"
     assert outs.dtypes[8] == "bfloat16"  # states
@@ -962,7 +967,7 @@ def test_bf16_states_and_addend_variants_export_and_refuse_the_other_direction(v
     assert both.prefix == f"kda_state_scans_sm90_t{v_slice}x1uha"
     assert both.dtypes[4] == both.dtypes[8] == "bfloat16"  # d_states (the addend), states
     assert both.dtypes[10] == "float32"  # g_end
-    for artifact in (fwd, rev, outs, both):
+    for artifact in (fwd, rev, rev_vk, outs, both):
         assert artifact.object_bytes[:4] == b"\x7fELF"
     with pytest.raises(ValueError, match="only the forward tensor-core scan stores"):
         sm90.state_scan_artifact(True, v_slice, True, 1, False, True)
@@ -1056,7 +1061,8 @@ def test_grad_with_saved_residuals_lowers_without_a_recompute():
         assert "kda_dense_bwd_sm90_hs" in prefixes, (name, prefixes)
         assert any(p.startswith("kda_state_cotangent_sm90_vs") and p.endswith("h")
                    for p in prefixes), (name, prefixes)  # fmt: skip
-        assert any(p.startswith("kda_state_scan_sm90_rev") and p.endswith("h")
+        # and it takes d_final and gives d_initial_state in prefill's layout (k): no transposes
+        assert any(p.startswith("kda_state_scan_sm90_rev") and p.endswith("hk")
                    for p in prefixes), (name, prefixes)  # fmt: skip
         assert sum(p.startswith("kda_chunk_operands_sm90") for p in prefixes) == 1, name
         assert name == "vmap" or "stablehlo.while" not in text, name

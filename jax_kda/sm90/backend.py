@@ -304,6 +304,7 @@ def _check_prepared_heads(q, k, heads, prep, a_log, dt_bias):
 def state_scan_artifact(
     reverse: bool, v_slice: int, tensor_cores: bool = False, passes: int = 3,
     plain_addend: bool = False, bf16_states: bool = False, bf16_addend: bool = False,
+    state_vk: bool = False,
 ):  # fmt: skip
     """The exported state-scan kernel for one direction and V-slice width: the SIMT kernel
     (kernels/kda_state_scan_sm90.py; v_slice 64 the m64 wgmma one), or with tensor_cores the
@@ -313,8 +314,9 @@ def state_scan_artifact(
     bf16 [slots, H, 64 * 128], each CTA copying its slice row by row, and y0 and final in
     prefill's layout [N, H, V, K] (the others': [N, H, K, V]). bf16_states (forward, tensor
     cores): the chunk states stored in bf16 (BF16_STATES); bf16_addend (reverse, tensor cores):
-    the addend slices read in bf16 (BF16_ADDEND). Slots, heads and sequences are all symbolic:
-    one compile serves every call."""
+    the addend slices read in bf16 (BF16_ADDEND); state_vk (reverse, tensor cores): y0 and
+    final in prefill's layout too. Slots, heads and sequences are all symbolic: one compile
+    serves every call."""
     import cutlass.cute as cute
     from cutlass import BFloat16, Float32, Int32
 
@@ -336,8 +338,10 @@ def state_scan_artifact(
         raise ValueError("only the forward tensor-core scan stores its chunk states in bf16")
     if bf16_addend and (not reverse or not tensor_cores):
         raise ValueError("only the reverse tensor-core scan reads its addend in bf16")
+    if state_vk and (not reverse or not tensor_cores):
+        raise ValueError("state_vk is the reverse tensor-core scan's (the plain forward's own)")
     if tensor_cores:
-        kernel = ChunkStateScanTcSm90(config, passes, plain_addend=plain_addend)
+        kernel = ChunkStateScanTcSm90(config, passes, plain_addend=plain_addend, state_vk=state_vk)
         image = (slots, heads, image_elems(passes))
         operands = {
             "a_img": row_major_fake(BFloat16, image),
@@ -378,6 +382,9 @@ def state_scan_artifact(
     if bf16_states or bf16_addend:
         config["bf16_states" if bf16_states else "bf16_addend"] = True
         suffix += "h"
+    if state_vk:
+        config["state_vk"] = True
+        suffix += "k"
     return export(
         kernel, fakes, prefix=f"kda_state_scan_sm90_{direction}_{kind}{v_slice}{suffix}",
         config=config,
@@ -911,6 +918,12 @@ def state_scan_kernel(
         and addend.v_slice == v_slice and addend.slices.dtype == jnp.bfloat16
     )  # fmt: skip
     store_bf16 = bool(bf16_states and not reverse and tensor_cores)
+    # the reverse tensor-core scan takes y0 and gives final as [V, K], prefill's layout: the
+    # transposes here and the training backward's (d_final and d_initial_state, in prefill's
+    # layout) cancel, where two transposes ran before (about 2.3 us each at 2048x12x1, H100)
+    state_vk = reverse and tensor_cores
+    if state_vk:
+        y0 = jnp.swapaxes(y0, -1, -2)
     if passes is None:
         passes = 1 if tensor_cores else 3
     plain_addend = (
@@ -938,12 +951,12 @@ def state_scan_kernel(
     ]
     inputs = [a_op, b_op, decay, addend, jnp.asarray(cu_seqlens, jnp.int32), y0]
     artifact = state_scan_artifact(
-        reverse, v_slice, tensor_cores, passes, plain_addend, store_bf16, bf16_addend
+        reverse, v_slice, tensor_cores, passes, plain_addend, store_bf16, bf16_addend, state_vk
     )
     states, final = cute_call(artifact, inputs, results)
     if bf16_states and not reverse and not store_bf16:
         states = states.astype(jnp.bfloat16)
-    return states, jnp.swapaxes(final, -1, -2) if plain_addend else final
+    return states, jnp.swapaxes(final, -1, -2) if plain_addend or state_vk else final
 
 
 def differentiable_state_scan(run, precision=jax.lax.Precision.HIGHEST):

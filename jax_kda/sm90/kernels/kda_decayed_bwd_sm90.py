@@ -42,7 +42,11 @@ A operands in place; a (slot, head)'s two CTAs are next to each other in launch 
 H100, 2026-12-07 (results/2026-12-07-h100-c-*), the kernel's span at 2048x12x1 / 8192x16x1:
 97.0 / 490.1 us before, 93.7 / 478.3 with Gamma summed here, then 91.2 / 455.5 with the
 paired launch order or 91.4 / 461.9 with the in-place A operands (each bit for bit the two
-kernels' results in its GPU test).
+kernels' results in its GPU test). Once its first phase's loads are in, a CTA asks L2 for its
+rows of the tokens phase's operands (prefetch.py): H100, 2026-12-07 (results/2026-12-07-h100-
+f-*), the tokens phase 13.5k -> 10.9k cycles a CTA and the first 12.7k -> 13.1k at 2048x12x1,
+the kernel 98.1 / 456.1 -> 96.6 / 447.1 us at 2048x12x1 / 8192x16x1 (the step's every result
+bit for bit as before).
 """
 
 from __future__ import annotations
@@ -68,6 +72,7 @@ from jax_kda.sm90.kernels.chunk64 import (
     put_right_factors,
 )
 from jax_kda.sm90.kernels.chunk_io import pair_at
+from jax_kda.sm90.kernels.prefetch import prefetch_rows
 from jax_kda.sm90.kernels.varlen import slot_rows
 from jax_kda.sm90.kernels.wgmma import (
     bf16_tiled_mma,
@@ -614,6 +619,14 @@ class DecayedTokensBwdSm90(DecayedBwdSm90):
                    count, c0, tid, True, True)  # fmt: skip
         _zero_words(s_region, RT_BYTES // 4, w_bytes(False) // 4, tid)
         cute.arch.sync_threads()
+        # this CTA's rows of the tokens phase's operands into L2 (prefetch.py) while the
+        # products run, once the first phase's own loads are in
+        bf_row = CH * mV.element_type.width // 8  # bytes of a row's 64 channels
+        chunk_rows = (mDrhs[slot, h, None, None], mDqg[slot, h, None, None],
+                      mDkd[slot, h, None, None])  # fmt: skip
+        prefetch_rows(((chunk_rows[0], c0, bf_row), (chunk_rows[0], HEAD_DIM + c0, bf_row),
+                       (chunk_rows[1], c0, bf_row), (chunk_rows[2], c0, bf_row),
+                       (mV[None, h, None], c0, bf_row)), 0, count, tid, NTHREADS)  # fmt: skip
         at_floor, above_floor = _gate_cumsum(s_gam, tid)
         self.stamp(mStamps, 1, tid)
         self._products(shared, mma, None, None, None, c0, tid, True, mStamps, mma_back, s_pairs)
