@@ -5,13 +5,18 @@ on DRAM.
 
 Where it pays (H100, 2026-12-07, results/2026-12-07-h100-f-*): the fused decayed and tokens'
 backward asks for its tokens phase's rows once its first phase's loads are in, and that phase
-went from 13.5k to 10.9k cycles a CTA at 2048x12x1. Where it did not (same day, -f-profile-
-train-prefetch-start.log): the same rows asked for at the CTA's start, beside the first
-phase's own loads, slowed those by 6.4k cycles; asking for the next wave's CTA's inputs (its
-launch index plus the CTAs resident at once) in the dense backward, the decayed backward and
-the chunk core made all three slower (3 to 9%). A prefetch changes no value a kernel computes
-(every result bit for bit as before), only when its bytes arrive. (cp.async.bulk.prefetch
-takes a byte range an instruction, but a warp's lanes issue it one after another.)
+went from 13.5k to 10.9k cycles a CTA at 2048x12x1. Asked for at a CTA's start, beside loads
+that the CTA issues at once, prefetches cost more than they save, whatever they ask for
+(2048x12x1, against 98.1, 58.9, 56.5 and 17.1 us for the kernels without them): those rows
+with the inputs of the CTA a wave ahead (its launch index plus the CTAs resident at once) took
+the decayed backward to 104.5 us (its first phase 12.7k -> 19.1k cycles), the chunk core with
+its v rows and the next wave's rows to 61.9, the dense backward with all its inputs and the
+next wave's to 62.2 (`-f-profile-train-prefetch-start.log`); the dense backward and the state
+cotangent with only the arrays they load after the first one took 61.4 and 18.2 us (280-284 ->
+315 us for the dense one at 8192x16x1, `-g-profile-train-prefetch-dense-cotangent.log`, every
+result bit for bit as without). A prefetch changes no value a kernel computes, only when its
+bytes arrive. (cp.async.bulk.prefetch takes a byte range an instruction, but a warp's lanes
+issue it one after another.)
 """
 
 from __future__ import annotations
