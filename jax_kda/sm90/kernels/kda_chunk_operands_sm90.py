@@ -83,6 +83,7 @@ from jax_kda.sm90.kernels.chunk64 import (
 )
 from jax_kda.sm90.kernels.chunk_io import pair_at, scan_order_offset
 from jax_kda.sm90.kernels.input_prep import InputPrep, kda_gate
+from jax_kda.sm90.kernels.prefetch import prefetch_rows
 from jax_kda.sm90.kernels.varlen import slot_owner
 from jax_kda.sm90.kernels.wgmma import (
     bf16_tiled_mma,
@@ -408,6 +409,11 @@ class ChunkOperandsSm90:
             row_piece(s_q[i, None], pos % HEAD_DIM, LANES).store(r_q[m, None].load())
             row_piece(s_k[i, None], pos % HEAD_DIM, LANES).store(r_k[m, None].load())
         cute.arch.sync_threads()
+        # the chunk's v rows into L2 (prefetch.py) while the cumsum, the anchors and the kk/qk
+        # products run, once the first loads are in: they load after T^-1's diagonal blocks
+        if tokens > 0:
+            v_bytes = HEAD_DIM * mV.element_type.width // 8
+            prefetch_rows(((mV[None, h, None], 0, v_bytes),), row_base, rows_ok, tid, NTHREADS)
         r_run = cute.make_rmem_tensor((HALF,), Float32)
         for r in cutlass.range_constexpr(HALF):
             r_run[r] = s_gam[part * HALF + r, d]

@@ -67,6 +67,7 @@ from jax_kda.sm90.kernels.chunk_io import (
     token_rows_image,
     transposed_bf16_pairs_image,
 )
+from jax_kda.sm90.kernels.prefetch import prefetch_rows
 from jax_kda.sm90.kernels.varlen import slot_rows
 from jax_kda.sm90.kernels.wgmma import (
     bf16_tiled_mma,
@@ -222,6 +223,9 @@ class DenseBwdSm90:
             s_beta[tid] = b
         cute.arch.fence_proxy("async.shared", space="cta")
         cute.arch.sync_threads()
+        # kk, read only by d_lower's epilogue, into L2 (prefetch.py) while the products run
+        kk_bytes = ROWS * mKK.element_type.width // 8
+        prefetch_rows(((mKK[slot, h, None, None], 0, kk_bytes),), 0, ROWS, tid, NTHREADS)
 
         mma_n.set(warpgroup.Field.ACCUMULATE, True)
         mma_k.set(warpgroup.Field.ACCUMULATE, True)
