@@ -53,7 +53,11 @@ of a CTA; the kk/qk phase's time is its operand build (one scalar shared-memory 
 and two of Gamma an element), not the product. It is now built from two-channel loads
 (anchored_pairs): the same arithmetic, bit for bit (H100, 2026-12-06, every output of the
 forward-alone and training variants at one and three passes), 0.4 us off a CTA at
-2048x12x1 and 8192x16x1, the span 51.4 -> 49.1 and 243.5 -> 234.2 us.
+2048x12x1 and 8192x16x1, the span 51.4 -> 49.1 and 243.5 -> 234.2 us. Once the first loads
+are in, a CTA asks L2 for its chunk's v rows (prefetch.py), which it loads after T^-1's
+diagonal blocks: the training variant 59.3-59.6 -> 57.3-57.6 us at 2048x12x1 and 243.3-245.0
+-> 240.0-241.8 at 8192x16x1 (H100, 2026-12-07, results/2026-12-07-h100-h-*; the training
+step's every result bit for bit as before).
 """
 
 from __future__ import annotations

@@ -44,7 +44,10 @@ operand image while the d_lower product runs (H200, benchmarks.kernel_profile: 5
 us at 2048x12x1 / 8192x16x1 against 65.6 / 309.3 with 4-byte stores of accumulator pairs,
 where Nsight Compute put about a third of the kernel's stall samples on those stores). The
 decayed and state-cotangent kernels took the same staging and got slower (one CTA an SM there,
-or little to store), so they keep their pair stores.
+or little to store), so they keep their pair stores. Once its operands are in their images, a
+CTA asks L2 for kk, which only d_lower's epilogue reads (prefetch.py): 56.4-56.5 -> 53.7-54.0
+us at 2048x12x1 and 281.7-282.1 -> 264.7-266.9 at 8192x16x1 (H100, 2026-12-07,
+results/2026-12-07-h100-h-*; the training step's every result bit for bit as before).
 """
 
 from __future__ import annotations

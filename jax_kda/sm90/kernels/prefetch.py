@@ -3,9 +3,10 @@ phase, with nothing to wait on (prefetch.global.L2, a 128-byte line a thread an 
 as coalesced as a load), so that the later phase's loads find them in L2 instead of waiting
 on DRAM.
 
-Where it pays (H100, 2026-12-07, results/2026-12-07-h100-f-*): the fused decayed and tokens'
-backward asks for its tokens phase's rows once its first phase's loads are in, and that phase
-went from 13.5k to 10.9k cycles a CTA at 2048x12x1. Asked for at a CTA's start, beside loads
+Where it pays (H100, 2026-12-07): once a CTA's first loads are in, the fused decayed and
+tokens' backward asks for its tokens phase's rows (that phase 13.5k -> 10.9k cycles a CTA at
+2048x12x1, results/2026-12-07-h100-f-*), the chunk core for its v rows and the dense backward
+for kk (3.5% and 4.6% off those kernels there, -h-*). Asked for at a CTA's start, beside loads
 that the CTA issues at once, prefetches cost more than they save, whatever they ask for
 (2048x12x1, against 98.1, 58.9, 56.5 and 17.1 us for the kernels without them): those rows
 with the inputs of the CTA a wave ahead (its launch index plus the CTAs resident at once) took
