@@ -143,8 +143,9 @@ def default_artifacts():
             lambda v=v_slice: sm90.state_scan_artifact(False, v, True, 1, True, True),
             lambda v=v_slice: sm90.state_scan_outputs_artifact(v, True, True, False, True),
             lambda v=v_slice: sm90.state_scan_artifact(True, v, True, 1, False, False, True),
-            # the reverse scan in prefill's state layout, as state_scan_kernel runs it: on the
-            # bf16 addend (the training backward's) and on a float32 one
+            # the reverse scan in prefill's state layout, as state_scan_kernel runs it at one
+            # pass: on the bf16 addend (the training backward's) and on a float32 one (the [K,
+            # V] ones above stay exports of their own, which their GPU tests take directly)
             lambda v=v_slice: sm90.state_scan_artifact(True, v, True, 1, False, False, True, True),
             lambda v=v_slice: sm90.state_scan_artifact(True, v, True, 1, False, False, False, True),
             lambda v=v_slice: sm90.state_cotangent_artifact(v, True),

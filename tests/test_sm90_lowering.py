@@ -958,7 +958,7 @@ def test_bf16_states_and_addend_variants_export_and_refuse_the_other_direction(v
     # the training backward's: y0 and final in prefill's [V, K] layout as well
     rev_vk = sm90.state_scan_artifact(True, v_slice, True, 1, False, False, True, True)
     assert rev_vk.prefix == f"kda_state_scan_sm90_rev_t{v_slice}x1hk"
-    with pytest.raises(ValueError, match="state_vk is the reverse tensor-core scan's"):
+    with pytest.raises(ValueError, match="state_vk=True needs reverse=True and tensor_cores"):
         sm90.state_scan_artifact(False, v_slice, True, 1, False, False, False, True)
     outs = sm90.state_scan_outputs_artifact(v_slice, True, True, False, True)
     assert outs.prefix == f"kda_state_scan_sm90_fwd_t{v_slice}x1owh"

@@ -62,6 +62,9 @@ def _main():
         sm90.state_scans_artifact(v_slice, True, True, True)
         sm90.state_scan_artifact(False, v_slice, True, 1, True, True)
         sm90.state_scan_artifact(True, v_slice, True, 1, False, False, True)
+        # the reverse scan in prefill's state layout, as state_scan_kernel runs it at one pass
+        sm90.state_scan_artifact(True, v_slice, True, 1, False, False, True, True)
+        sm90.state_scan_artifact(True, v_slice, True, 1, False, False, False, True)
         sm90.state_scan_outputs_artifact(v_slice, True, True, False, True)
         sm90.state_cotangent_artifact(v_slice, True)
         sm90.backend.reverse_scan_addend_artifact(v_slice)  # FUSE_ADDEND's (its GPU test)

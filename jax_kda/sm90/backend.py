@@ -339,7 +339,10 @@ def state_scan_artifact(
     if bf16_addend and (not reverse or not tensor_cores):
         raise ValueError("only the reverse tensor-core scan reads its addend in bf16")
     if state_vk and (not reverse or not tensor_cores):
-        raise ValueError("state_vk is the reverse tensor-core scan's (the plain forward's own)")
+        raise ValueError(
+            f"state_vk=True needs reverse=True and tensor_cores=True, got reverse={reverse}, "
+            f"tensor_cores={tensor_cores} (the plain forward scan takes prefill's layout anyway)"
+        )
     if tensor_cores:
         kernel = ChunkStateScanTcSm90(config, passes, plain_addend=plain_addend, state_vk=state_vk)
         image = (slots, heads, image_elems(passes))
@@ -918,14 +921,15 @@ def state_scan_kernel(
         and addend.v_slice == v_slice and addend.slices.dtype == jnp.bfloat16
     )  # fmt: skip
     store_bf16 = bool(bf16_states and not reverse and tensor_cores)
-    # the reverse tensor-core scan takes y0 and gives final as [V, K], prefill's layout: the
-    # transposes here and the training backward's (d_final and d_initial_state, in prefill's
-    # layout) cancel, where two transposes ran before (about 2.3 us each at 2048x12x1, H100)
-    state_vk = reverse and tensor_cores
-    if state_vk:
-        y0 = jnp.swapaxes(y0, -1, -2)
     if passes is None:
         passes = 1 if tensor_cores else 3
+    # the reverse tensor-core scan at one pass takes y0 and gives final as [V, K], prefill's
+    # layout: the transposes here and the training backward's (d_final and d_initial_state, in
+    # prefill's layout) cancel, where two transposes ran before (about 2.3 us each at
+    # 2048x12x1, H100); the three-pass variant (opt-in) keeps [K, V], as it ran on the GPU
+    state_vk = reverse and tensor_cores and passes == 1
+    if state_vk:
+        y0 = jnp.swapaxes(y0, -1, -2)
     plain_addend = (
         plain_addend and tensor_cores and not reverse and not isinstance(addend, SlicedAddend)
         and addend.dtype == jnp.bfloat16 and addend.shape[0] > 0

@@ -45,8 +45,8 @@ paired launch order or 91.4 / 461.9 with the in-place A operands (each bit for b
 kernels' results in its GPU test). Once its first phase's loads are in, a CTA asks L2 for its
 rows of the tokens phase's operands (prefetch.py): H100, 2026-12-07 (results/2026-12-07-h100-
 f-*), the tokens phase 13.5k -> 10.9k cycles a CTA and the first 12.7k -> 13.1k at 2048x12x1,
-the kernel 98.1 / 456.1 -> 96.6 / 447.1 us at 2048x12x1 / 8192x16x1 (the step's every result
-bit for bit as before).
+the kernel 98.1-99.1 / 456.1-457.1 -> 96.6-96.9 / 447.1-450.9 us at 2048x12x1 / 8192x16x1
+(two runs each; the step's every result bit for bit as before).
 """
 
 from __future__ import annotations
@@ -619,8 +619,10 @@ class DecayedTokensBwdSm90(DecayedBwdSm90):
                    count, c0, tid, True, True)  # fmt: skip
         _zero_words(s_region, RT_BYTES // 4, w_bytes(False) // 4, tid)
         cute.arch.sync_threads()
-        # this CTA's rows of the tokens phase's operands into L2 (prefetch.py) while the
-        # products run, once the first phase's own loads are in
+        # the tokens phase's operands into L2 (prefetch.py) while the products run, once the
+        # first phase's own loads are in: this chunk's rows of d_rhs, d_qg and d_kd; the v
+        # entry asks for the head's rows 0 .. count - 1, not the chunk's (row0 + i), which is
+        # how it ran on the H100 (in bounds, of no use; prefetch.py)
         bf_row = CH * mV.element_type.width // 8  # bytes of a row's 64 channels
         chunk_rows = (mDrhs[slot, h, None, None], mDqg[slot, h, None, None],
                       mDkd[slot, h, None, None])  # fmt: skip
