@@ -19,6 +19,7 @@ import pytest
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 from oracle_gradients import float64_gradients, loss_weights
+from xla_env import host_devices
 
 from jax_kda import parallel
 from jax_kda.oracle import (
@@ -49,12 +50,11 @@ CASES = {
 def _in_fresh_process(check: str, *args) -> None:
     """Run check(*args), a function of this module, in a process with HOST_DEVICES devices."""
     tests = Path(__file__).resolve().parent
-    env = {
-        **os.environ,
-        "XLA_FLAGS": f"--xla_force_host_platform_device_count={HOST_DEVICES}",
-        "JAX_PLATFORMS": "cpu",
-        "PYTHONPATH": os.pathsep.join([str(tests.parent), str(tests)]),
-    }
+    env = host_devices(
+        HOST_DEVICES,
+        JAX_PLATFORMS="cpu",
+        PYTHONPATH=os.pathsep.join([str(tests.parent), str(tests)]),
+    )
     code = f"import test_parallel; test_parallel.{check}(*{args!r}); print('ok')"
     run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
     print(run.stdout)

@@ -5,7 +5,6 @@ poisoned with NaN before the kernel writes them.
 """
 
 import functools
-import os
 import subprocess
 import sys
 import textwrap
@@ -17,6 +16,7 @@ import numpy as np
 import pytest
 from oracle_gradients import PREPARATIONS, preparation_id
 from spec_cases import LONG_LENGTH, MANY_SEQUENCES, PACKED_LENGTHS, SINGLE_LENGTHS
+from xla_env import with_xla_flags
 
 import jax_kda
 from jax_kda import sm90
@@ -456,7 +456,7 @@ def test_command_buffers_give_equal_results(tmp_path):
     flags = "--xla_gpu_enable_command_buffer=CUSTOM_CALL --xla_gpu_graph_min_graph_size=1"
     outputs = {}
     for name, xla_flags in (("plain", ""), ("command-buffer", flags)):
-        env = {**os.environ, "XLA_FLAGS": xla_flags}
+        env = with_xla_flags(xla_flags)
         path = tmp_path / f"{name}.npz"
         run = subprocess.run(
             [sys.executable, "-c", script, str(path)], env=env, capture_output=True, text=True

@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from xla_env import host_devices
 
 import jax_kda
 from jax_kda import api, sm90, xla
@@ -1228,14 +1229,8 @@ def test_symbolic_token_count_exports_on_xla_and_sm90_says_why_not():
 def _run_on_host_devices(script: str, devices: int) -> None:
     """Run `script` in a fresh process with `devices` host devices, lowering for sm_90a (the
     device count is fixed at JAX's start); it must print "ok" last."""
-    env = {
-        **os.environ,
-        "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}",
-        "JAX_PLATFORMS": "cpu",
-        "CUTE_DSL_ARCH": "sm_90a",
-        sm90.ASSUME_SM90_ENV: "1",
-        sm90.SM_COUNT_ENV: str(SM_COUNT),
-    }
+    env = host_devices(devices, JAX_PLATFORMS="cpu", CUTE_DSL_ARCH="sm_90a")
+    env.update({sm90.ASSUME_SM90_ENV: "1", sm90.SM_COUNT_ENV: str(SM_COUNT)})
     run = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True)
     assert run.returncode == 0 and run.stdout.strip().endswith("ok"), run.stderr[-3000:]
 

@@ -3,7 +3,6 @@ heads and over sequences with the default check_vma, explicit sharding (jax.set_
 jax.export with a symbolic token count, jax.checkpoint, and jax.jvp's error; plus the opt-in
 check of cu_seqlens' values."""
 
-import os
 import subprocess
 import sys
 import textwrap
@@ -14,6 +13,7 @@ import numpy as np
 import pytest
 from jax import export
 from jax.experimental import checkify
+from xla_env import host_devices
 
 import jax_kda
 from jax_kda.oracle import production_inputs, recurrent_oracle, rms_ratio
@@ -81,10 +81,8 @@ def test_shard_map_over_heads_and_sequences_with_check_vma():
         print("ok")
         """
     )
-    env = {"XLA_FLAGS": "--xla_force_host_platform_device_count=4", "JAX_PLATFORMS": "cpu"}
-    run = subprocess.run(
-        [sys.executable, "-c", script], capture_output=True, text=True, env={**os.environ, **env}
-    )
+    env = host_devices(4, JAX_PLATFORMS="cpu")
+    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env)
     assert run.returncode == 0 and run.stdout.strip().endswith("ok"), run.stderr[-3000:]
 
 
@@ -171,10 +169,8 @@ def test_explicit_sharding_runs_per_device():
         print("ok")
         """
     )
-    env = {"XLA_FLAGS": "--xla_force_host_platform_device_count=4", "JAX_PLATFORMS": "cpu"}
-    run = subprocess.run(
-        [sys.executable, "-c", script], capture_output=True, text=True, env={**os.environ, **env}
-    )
+    env = host_devices(4, JAX_PLATFORMS="cpu")
+    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env)
     assert run.returncode == 0 and run.stdout.strip().endswith("ok"), run.stderr[-3000:]
 
 
