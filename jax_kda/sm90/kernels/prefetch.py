@@ -10,7 +10,7 @@ tokens' backward asks for its tokens phase's rows (that phase 13.5k -> 10.9k cyc
 chunk's: found after that run, left as it ran), and the dense backward for kk (56.4-56.5 ->
 53.7-54.0 us there, -h-*). The chunk core asking for its v rows the same way took 59.3-59.6 ->
 57.3-57.6 us in that run, but its row count there was not bounded by the tensor under bad
-cu_seqlens, so it is not in (branch next-prefetch-fixes holds it bounded, not yet GPU-run).
+cu_seqlens, so it is not in (bounded by slot_rows it would be, once it has run on the GPU).
 Asked for at a CTA's start, beside loads that the CTA issues at once, prefetches cost more
 than they save: with the inputs of the CTA a wave ahead (its launch index plus the CTAs
 resident at once), the decayed backward took 104.5 us against 98.1 (its first phase 12.7k
