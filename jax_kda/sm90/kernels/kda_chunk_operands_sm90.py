@@ -53,7 +53,12 @@ of a CTA; the kk/qk phase's time is its operand build (one scalar shared-memory 
 and two of Gamma an element), not the product. It is now built from two-channel loads
 (anchored_pairs): the same arithmetic, bit for bit (H100, 2026-12-06, every output of the
 forward-alone and training variants at one and three passes), 0.4 us off a CTA at
-2048x12x1 and 8192x16x1, the span 51.4 -> 49.1 and 243.5 -> 234.2 us.
+2048x12x1 and 8192x16x1, the span 51.4 -> 49.1 and 243.5 -> 234.2 us. Once the first loads
+are in, a CTA asks L2 for its chunk's v rows (prefetch.py), which it loads after T^-1's
+diagonal blocks: the training variant 59.3-59.6 -> 57.3-57.6 us at 2048x12x1 and 243.3-245.0
+-> 240.0-241.8 at 8192x16x1 (H100, 2026-12-07, results/2026-12-07-h100-h-*; the training
+step's every result bit for bit as before; the rows then not bounded by the tensor under bad
+cu_seqlens, now by slot_rows: NOT yet GPU-run).
 """
 
 from __future__ import annotations
@@ -83,7 +88,8 @@ from jax_kda.sm90.kernels.chunk64 import (
 )
 from jax_kda.sm90.kernels.chunk_io import pair_at, scan_order_offset
 from jax_kda.sm90.kernels.input_prep import InputPrep, kda_gate
-from jax_kda.sm90.kernels.varlen import slot_owner
+from jax_kda.sm90.kernels.prefetch import prefetch_rows
+from jax_kda.sm90.kernels.varlen import slot_owner, slot_rows
 from jax_kda.sm90.kernels.wgmma import (
     bf16_tiled_mma,
     image_k,
@@ -408,6 +414,12 @@ class ChunkOperandsSm90:
             row_piece(s_q[i, None], pos % HEAD_DIM, LANES).store(r_q[m, None].load())
             row_piece(s_k[i, None], pos % HEAD_DIM, LANES).store(r_k[m, None].load())
         cute.arch.sync_threads()
+        # the chunk's v rows into L2 (prefetch.py) while the cumsum, the anchors and the kk/qk
+        # products run, once the first loads are in: they load after T^-1's diagonal blocks
+        # (the rows as slot_rows bounds them: inside the tensor whatever cu_seqlens holds)
+        v_row0, v_count = slot_rows(mCu, slot, tokens, SCAN_CHUNK)
+        v_bytes = HEAD_DIM * mV.element_type.width // 8
+        prefetch_rows(((mV[None, h, None], 0, v_bytes),), v_row0, v_count, tid, NTHREADS)
         r_run = cute.make_rmem_tensor((HALF,), Float32)
         for r in cutlass.range_constexpr(HALF):
             r_run[r] = s_gam[part * HALF + r, d]

@@ -620,15 +620,14 @@ class DecayedTokensBwdSm90(DecayedBwdSm90):
         _zero_words(s_region, RT_BYTES // 4, w_bytes(False) // 4, tid)
         cute.arch.sync_threads()
         # the tokens phase's operands into L2 (prefetch.py) while the products run, once the
-        # first phase's own loads are in: this chunk's rows of d_rhs, d_qg and d_kd; the v
-        # entry asks for the head's rows 0 .. count - 1, not the chunk's (row0 + i), which is
-        # how it ran on the H100 (in bounds, of no use; prefetch.py)
-        bf_row = CH * mV.element_type.width // 8  # bytes of a row's 64 channels
-        chunk_rows = (mDrhs[slot, h, None, None], mDqg[slot, h, None, None],
-                      mDkd[slot, h, None, None])  # fmt: skip
-        prefetch_rows(((chunk_rows[0], c0, bf_row), (chunk_rows[0], HEAD_DIM + c0, bf_row),
-                       (chunk_rows[1], c0, bf_row), (chunk_rows[2], c0, bf_row),
-                       (mV[None, h, None], c0, bf_row)), 0, count, tid, NTHREADS)  # fmt: skip
+        # first phase's own loads are in: this chunk's rows of d_rhs, d_qg and d_kd (all 64:
+        # the tokens phase reads them whole) and its token rows of v
+        bf_row = CH * mDrhs.element_type.width // 8  # bytes of a row's 64 channels
+        m_rhs, m_qg, m_kd = (mDrhs[slot, h, None, None], mDqg[slot, h, None, None],
+                             mDkd[slot, h, None, None])  # fmt: skip
+        prefetch_rows(((m_rhs, c0, bf_row), (m_rhs, HEAD_DIM + c0, bf_row), (m_qg, c0, bf_row),
+                       (m_kd, c0, bf_row)), 0, ROWS, tid, NTHREADS)  # fmt: skip
+        prefetch_rows(((mV[None, h, None], c0, bf_row),), row0, count, tid, NTHREADS)
         at_floor, above_floor = _gate_cumsum(s_gam, tid)
         self.stamp(mStamps, 1, tid)
         self._products(shared, mma, None, None, None, c0, tid, True, mStamps, mma_back, s_pairs)
