@@ -40,10 +40,12 @@ products on its own accumulators and stores O; the chain waits for it only befor
 overwrites a chunk's images two chunks later.
 
 Plain addend (the forward scan with outputs always; alone with plain_addend): U comes as the
-chunk core stores it, bf16 [slots, H, 64 * 128] row-major, and lanes 0-15 of each warp bring
-one row's VS columns (32 or 64 bytes) by a bulk copy on the stage's mbarrier into a [64, VS + 8]
-slice (padded rows: the -P reads hit distinct banks), so XLA makes no float32 V-sliced copy
-of U (6.0 / 28.3 us at 2048x12x1 / 8192x16x1 on the H200). These variants (plain addend, with
+chunk core stores it, bf16 [slots, H, 64 * 128] row-major, so XLA makes no float32 V-sliced
+copy of U (6.0 / 28.3 us at 2048x12x1 / 8192x16x1 on the H200). One TMA copy a chunk (u_tma,
+issued with the stage's other copies by the chain's thread 0) brings the CTA's [64, VS] slice;
+it replaced 64 bulk copies of one row each, issued by the chain's four warps in the step's
+critical path (the scan alone 30.4 us with the float32 V-sliced U against 43.0 with the row
+copies at 2048x12x1, H100, 2026-12-07). NOT yet GPU-run. These variants (plain addend, with
 outputs) take y0 and give final in prefill's layout, [N, H, V, K], where the default scans use
 [N, H, K, V]: their callers' transposes then cancel against xla.forward's, and the state is not
 copied on the way in or out. All three (outputs, split, plain addend) passed their GPU tests
@@ -100,10 +102,6 @@ def image_elems(passes: int = 3) -> int:
 
 
 HALF = HEAD_DIM // 2  # product 2 is two m64 products: channels [0, 64) and [64, 128)
-ROW_PAD = 8
-"""bf16 elements after each row of the CTA's U slice in shared memory ([64, VS + 8]): the
--P reads (8 rows x 4 column pairs a warp) then fall in distinct banks at VS = 16 and 32."""
-ROWS_A_WARP = SCAN_CHUNK // (NTHREADS // 32)  # U rows whose copies each warp issues
 CHAIN_BARRIER = 1  # named barriers of the split kernel: the chain's warpgroup,
 OUTPUTS_BARRIER = 2  # and the outputs' (0 is the whole CTA's)
 X_FULL, O_DONE, QG_FULL = 0, STAGES, 2 * STAGES  # the split kernel's mbarriers, a pair each
@@ -148,6 +146,25 @@ def accumulate_always(*mmas):
     TiledMma object: set inside a branch, its value would not reach the other)."""
     for mma in mmas:
         mma.set(warpgroup.Field.ACCUMULATE, True)
+
+
+def u_slice_layout(v_slice: int) -> cute.Layout:
+    """A CTA's slice of U in shared memory: bf16 [64 tokens, VS] dense, rows of 32 or 64 bytes,
+    as its TMA copy writes it (the -P reads, 8 rows x 4 column pairs a warp, two- or four-way
+    bank conflicted: a few cycles a chunk)."""
+    return cute.make_layout((SCAN_CHUNK, v_slice), stride=(v_slice, 1))
+
+
+def u_tma(u: cute.Tensor, v_slice: int):
+    """Host side: the TMA atom and tensor that bring one chunk's [64, VS] slice of U (the chunk
+    core's [slots, H, 64 * 128] bf16, row-major) in one copy: U viewed as [slots * H * 64,
+    128], tile (slot * H + h, V slice). Rows stay below 2^31 (the plan's 32-bit index guard)."""
+    rows = u.shape[0] * u.shape[1] * SCAN_CHUNK
+    flat = cute.make_tensor(u.iterator, cute.make_layout((rows, HEAD_DIM), stride=(HEAD_DIM, 1)))
+    atom, tensor = cpasync.make_tiled_tma_atom(
+        cpasync.CopyBulkTensorTileG2SOp(), flat, u_slice_layout(v_slice), (SCAN_CHUNK, v_slice)
+    )
+    return atom, tensor
 
 
 def _addend_values(stage: cute.Tensor, per: int) -> cute.Tensor:
@@ -233,8 +250,11 @@ class ChunkStateScanTcSm90:
         n_seq = cu_seqlens.shape[0] - 1
         heads = y0.shape[1]
         mma_x, mma_y = scan_mmas(self.vs)
+        tma_u = None
+        if cutlass.const_expr(self.u_rows):  # U plain: its slices by TMA (u_tma)
+            tma_u, addend = u_tma(addend, self.vs)
         self.kernel(
-            a_img, bt_img, decay, addend, cu_seqlens, y0, states, final, mma_x, mma_y
+            a_img, bt_img, decay, addend, cu_seqlens, y0, states, final, mma_x, mma_y, tma_u
         ).launch(grid=[HEAD_DIM // self.vs, heads, n_seq], block=[NTHREADS, 1, 1], stream=stream)
 
     @cute.kernel
@@ -250,10 +270,13 @@ class ChunkStateScanTcSm90:
         mFinal: cute.Tensor,
         mma_x: cute.TiledMma,
         mma_y: cute.TiledMma,
+        tma_u: cute.CopyAtom | None = None,
     ):
         vsl, h, n = cute.arch.block_idx()
         accumulate_always(mma_x, mma_y)
         buffers = self.allocate(self.addend_rows)
+        if cutlass.const_expr(self.u_rows):  # mAdd: U's TMA tensor
+            mAdd = (tma_u, mAdd)
         self.scan(mA, mBt, mDecay, mAdd, mCu, mY0, mStates, mFinal, mma_x, mma_y, buffers,
                   vsl, h, n)  # fmt: skip
 
@@ -272,8 +295,8 @@ class ChunkStateScanTcSm90:
         s_x = smem.allocate_tensor(BFloat16, lay_x.outer, 1024, swizzle=lay_x.inner)
         add_elems = addend_rows * self.vs
         add_type = Float32
-        if self.u_rows:  # the CTA's slice of U, bf16 [64, VS], rows padded
-            add_elems, add_type = SCAN_CHUNK * (self.vs + ROW_PAD), BFloat16
+        if self.u_rows:  # the CTA's slice of U, bf16 [64, VS] dense, as its TMA copy writes it
+            add_elems, add_type = SCAN_CHUNK * self.vs, BFloat16
         raw_add = [smem.allocate_tensor(add_type, cute.make_layout(add_elems), 128)
                    for _ in range(STAGES)]  # fmt: skip
         s_decay = [smem.allocate_tensor(Float32, cute.make_layout(HEAD_DIM), 128)
@@ -343,8 +366,8 @@ class ChunkStateScanTcSm90:
         s_a = [cute.make_tensor(r.iterator, lay_a) for r in raw_a]
         s_bt = [cute.make_tensor(r.iterator, lay_bt) for r in raw_bt]
         add_layout = cute.make_layout((self.addend_rows, VS), stride=(VS, 1))
-        if cutlass.const_expr(self.u_rows):  # U's slice, bf16 [64, VS] in padded rows
-            add_layout = cute.make_layout((SCAN_CHUNK, VS), stride=(VS + ROW_PAD, 1))
+        if cutlass.const_expr(self.u_rows):  # U's slice, bf16 [64, VS] (u_slice_layout)
+            add_layout = u_slice_layout(VS)
         add_ptrs = [r.iterator for r in raw_add]
         if cutlass.const_expr(self.u_rows or _bf16(mAdd)):  # bf16, in stages that may be
             add_ptrs = [cute.recast_ptr(p, dtype=BFloat16) for p in add_ptrs]  # typed float32
@@ -364,7 +387,7 @@ class ChunkStateScanTcSm90:
                     cute.arch.mbarrier_init(buffers[7][6].iterator + b, 1)
             cute.arch.mbarrier_init_fence()
         cute.arch.sync_threads()
-        tiles = (s_a, s_bt, s_add, add_ptrs)
+        tiles = (s_a, s_bt, s_add)
         if cutlass.const_expr(self.addend_wg):
             if tid >= NTHREADS:
                 self._addend_loop(mCu, n, n_slots, h, vbase, mma_y, buffers, s_bt, out)
@@ -391,7 +414,7 @@ class ChunkStateScanTcSm90:
         tid, _, _ = cute.arch.thread_idx()
         vbase = vsl * VS
         raw_a, raw_bt, s_y, s_x, raw_add, s_decay, s_mbar = buffers[:7]
-        s_a, s_bt, s_add, add_ptrs = tiles
+        s_a, s_bt, s_add = tiles
         loads = (raw_a, raw_bt, raw_add, s_decay, s_mbar)
         if cutlass.const_expr(self.outputs):
             raw_qg, raw_at, s_qg, s_at, split = buffers[7]
@@ -435,15 +458,7 @@ class ChunkStateScanTcSm90:
                 else:
                     acc_y[m][i] = mY0[n, h, m * HALF + ch, vbase + v]
 
-        # (the scan without U's rows keeps its branches as they were: its code is GPU-verified)
-        if cutlass.const_expr(self.u_rows):
-            if nch > 0:
-                first = step_slot(slot0, nch, self.reverse, 0)
-                if tid == 0:
-                    self._load(mA, mBt, mDecay, mAdd, first, h, vsl, 0, loads)
-                if tid % 32 < ROWS_A_WARP:
-                    self._load_row(mAdd, first, h, vbase, 0, add_ptrs, s_mbar)
-        elif nch > 0 and tid == 0:
+        if nch > 0 and tid == 0:
             first = step_slot(slot0, nch, self.reverse, 0)
             self._load(mA, mBt, mDecay, mAdd, first, h, vsl, 0, loads)
 
@@ -451,14 +466,7 @@ class ChunkStateScanTcSm90:
             slot = step_slot(slot0, nch, self.reverse, j)
             for s in cutlass.range_constexpr(STAGES):
                 if j % STAGES == s:
-                    if cutlass.const_expr(self.u_rows):
-                        if j + 1 < nch:
-                            nxt = step_slot(slot0, nch, self.reverse, j + 1)
-                            if tid == 0:
-                                self._load(mA, mBt, mDecay, mAdd, nxt, h, vsl, 1 - s, loads)
-                            if tid % 32 < ROWS_A_WARP:
-                                self._load_row(mAdd, nxt, h, vbase, 1 - s, add_ptrs, s_mbar)
-                    elif j + 1 < nch and tid == 0:
+                    if j + 1 < nch and tid == 0:
                         nxt = step_slot(slot0, nch, self.reverse, j + 1)
                         self._load(mA, mBt, mDecay, mAdd, nxt, h, vsl, 1 - s, loads)
                     phase = (j // STAGES) % 2
@@ -859,19 +867,20 @@ class ChunkStateScanTcSm90:
 
     @cute.jit
     def _load(self, mA, mBt, mDecay, mAdd, slot, h, vsl, stage: cutlass.Constexpr[int], loads):
-        """One thread: one chunk's A and B^T images, addend slice (unless U comes row by row,
-        _load_row; with the outputs inline, not the split kernel, Qg and Aqk plain) and decay
-        into `stage`, four (three, five) bulk copies completing on the stage's mbarrier, which
-        expects the rows' bytes too."""
+        """One thread: one chunk's A and B^T images, addend slice (with U, mAdd = (the TMA
+        atom, its tensor): U's [64, VS] slice by one TMA copy; with the outputs inline, not the
+        split kernel, Qg and Aqk plain) and decay into `stage`, four (three, five) bulk copies
+        completing on the stage's mbarrier."""
         raw_a, raw_bt, raw_add, s_decay, s_mbar = loads[:5]
         mbar = s_mbar.iterator + stage
-        add_elems = self.addend_rows * self.vs
-        add_type = Float32 if mAdd is None else mAdd.element_type  # float32 or bf16 reverse
-        nbytes = 2 * self.image_elems * 2 + add_elems * add_type.width // 8 + HEAD_DIM * 4
-        if cutlass.const_expr(self.u_rows):  # U's slice, bf16, row by row
+        if cutlass.const_expr(self.u_rows):  # U's slice, bf16
             nbytes = 2 * self.image_elems * 2 + HEAD_DIM * 4 + SCAN_CHUNK * self.vs * 2
-        if cutlass.const_expr(self.addend_wg):  # the addend warpgroup forms it
+        elif cutlass.const_expr(self.addend_wg):  # the addend warpgroup forms it
             nbytes = 2 * self.image_elems * 2 + HEAD_DIM * 4
+        else:
+            add_elems = self.addend_rows * self.vs
+            add_type = Float32 if mAdd is None else mAdd.element_type  # float32, bf16 reverse
+            nbytes = 2 * self.image_elems * 2 + add_elems * add_type.width // 8 + HEAD_DIM * 4
         if cutlass.const_expr(self.inline_outputs):  # Qg and Aqk plain, bf16
             nbytes = nbytes + (QG_ELEMS + AT_ELEMS) * 2
         cute.arch.mbarrier_arrive_and_expect_tx(mbar, nbytes)
@@ -879,6 +888,17 @@ class ChunkStateScanTcSm90:
             (mA[slot, h, None], raw_a[stage].iterator, BFloat16, self.image_elems),
             (mBt[slot, h, None], raw_bt[stage].iterator, BFloat16, self.image_elems),
         )
+        if cutlass.const_expr(self.u_rows):  # U's [64, VS] slice at (slot, h): one TMA copy
+            tma_u, m_u = mAdd
+            g_u = cute.local_tile(m_u, (SCAN_CHUNK, self.vs), (None, None))
+            s_u = cute.make_tensor(
+                cute.recast_ptr(raw_add[stage].iterator, dtype=BFloat16), u_slice_layout(self.vs)
+            )
+            t_s, t_g = cpasync.tma_partition(
+                tma_u, 0, cute.make_layout(1), cute.group_modes(s_u, 0, 2),
+                cute.group_modes(g_u, 0, 2),
+            )  # fmt: skip
+            cute.copy(tma_u, t_g[None, slot * mA.shape[1] + h, vsl], t_s, tma_bar_ptr=mbar)
         if cutlass.const_expr(not self.u_rows and not self.addend_wg):
             add_ptr = raw_add[stage].iterator  # a float32 stage; a bf16 addend fills half
             if cutlass.const_expr(add_type == BFloat16):
@@ -898,29 +918,6 @@ class ChunkStateScanTcSm90:
                 cpasync.CopyBulkG2SOp(), dtype, num_bits_per_copy=elems * dtype.width
             )
             cute.copy(atom, src, dst, mbar_ptr=mbar)
-
-    @cute.jit
-    def _load_row(self, mAdd, slot, h, vbase, stage: cutlass.Constexpr[int], add_ptrs, s_mbar):
-        """Lane l < 16 of warp w: row 16 w + l of the chunk's U (the four warps share the 64
-        copies: a bulk copy takes uniform operands, so a warp's lanes are likely issued one
-        after another), its VS columns from vbase (32 or 64 bytes, 16-byte aligned), into the
-        stage's padded [64, VS + 8] slice, one bulk copy completing on the stage's mbarrier
-        (whose expected bytes _load counts; a copy that lands before that arrival only takes
-        the count below zero, and the phase waits for the arrival)."""
-        tid, _, _ = cute.arch.thread_idx()
-        row = (tid // 32) * ROWS_A_WARP + tid % 32
-        src = cute.make_tensor(
-            (mAdd[slot, h, None].iterator + row * HEAD_DIM + vbase).align(16),
-            cute.make_layout(self.vs),
-        )
-        dst = cute.make_tensor(
-            (add_ptrs[stage] + row * (self.vs + ROW_PAD)).align(16),
-            cute.make_layout(self.vs),
-        )
-        atom = cute.make_copy_atom(
-            cpasync.CopyBulkG2SOp(), BFloat16, num_bits_per_copy=self.vs * BFloat16.width
-        )
-        cute.copy(atom, src, dst, mbar_ptr=s_mbar.iterator + stage)
 
 
 class ChunkStateScanOutputsTcSm90:
@@ -972,8 +969,10 @@ class ChunkStateScanOutputsTcSm90:
         n_seq = cu_seqlens.shape[0] - 1
         heads = y0.shape[1]
         mma_x, mma_y = scan_mmas(self.vs)
+        tma_u, u = u_tma(addend, self.vs)
         self.kernel(
-            a_img, bt_img, decay, addend, cu_seqlens, y0, qg, attn, states, final, o, mma_x, mma_y
+            a_img, bt_img, decay, u, cu_seqlens, y0, qg, attn, states, final, o, mma_x, mma_y,
+            tma_u,
         ).launch(
             grid=[HEAD_DIM // self.vs, heads, n_seq], block=[self.scan.threads, 1, 1],
             stream=stream,
@@ -995,12 +994,13 @@ class ChunkStateScanOutputsTcSm90:
         mO: cute.Tensor,
         mma_x: cute.TiledMma,
         mma_y: cute.TiledMma,
+        tma_u: cute.CopyAtom,
     ):
         vsl, h, n = cute.arch.block_idx()
         accumulate_always(mma_x, mma_y)
         buffers = self.scan.allocate(self.scan.addend_rows)
-        self.scan.scan(mA, mBt, mDecay, mAdd, mCu, mY0, mStates, mFinal, mma_x, mma_y, buffers,
-                       vsl, h, n, (mQg, mAttn, mO))  # fmt: skip
+        self.scan.scan(mA, mBt, mDecay, (tma_u, mAdd), mCu, mY0, mStates, mFinal, mma_x, mma_y,
+                       buffers, vsl, h, n, (mQg, mAttn, mO))  # fmt: skip
 
 
 class ChunkOutputsScanTcSm90(ChunkStateScanOutputsTcSm90):
@@ -1033,8 +1033,9 @@ class ChunkOutputsScanTcSm90(ChunkStateScanOutputsTcSm90):
         n_seq = cu_seqlens.shape[0] - 1
         heads = y0.shape[1]
         mma_x, mma_y = scan_mmas(self.vs)
+        tma_u, u = u_tma(addend, self.vs)
         self.kernel(
-            a_img, bt_img, decay, addend, cu_seqlens, y0, qg, attn, final, o, mma_x, mma_y
+            a_img, bt_img, decay, u, cu_seqlens, y0, qg, attn, final, o, mma_x, mma_y, tma_u
         ).launch(
             grid=[HEAD_DIM // self.vs, heads, n_seq], block=[self.scan.threads, 1, 1],
             stream=stream,
@@ -1055,12 +1056,13 @@ class ChunkOutputsScanTcSm90(ChunkStateScanOutputsTcSm90):
         mO: cute.Tensor,
         mma_x: cute.TiledMma,
         mma_y: cute.TiledMma,
+        tma_u: cute.CopyAtom,
     ):
         vsl, h, n = cute.arch.block_idx()
         accumulate_always(mma_x, mma_y)
         buffers = self.scan.allocate(self.scan.addend_rows)
-        self.scan.scan(mA, mBt, mDecay, mAdd, mCu, mY0, None, mFinal, mma_x, mma_y, buffers,
-                       vsl, h, n, (mQg, mAttn, mO))  # fmt: skip
+        self.scan.scan(mA, mBt, mDecay, (tma_u, mAdd), mCu, mY0, None, mFinal, mma_x, mma_y,
+                       buffers, vsl, h, n, (mQg, mAttn, mO))  # fmt: skip
 
 
 class ReverseScanAddendTcSm90:

@@ -26,6 +26,7 @@ passes them once each.
 from __future__ import annotations
 
 import cuda.bindings.driver as cuda
+import cutlass
 import cutlass.cute as cute
 
 from jax_kda.constants import HEAD_DIM
@@ -35,6 +36,7 @@ from jax_kda.sm90.kernels.kda_state_scan_tc_sm90 import (
     ChunkStateScanTcSm90,
     accumulate_always,
     scan_mmas,
+    u_tma,
 )
 
 
@@ -73,9 +75,12 @@ class BothStateScansSm90:
         n_seq = cu_seqlens.shape[0] - 1
         heads = y0.shape[1]
         mma_x, mma_y = scan_mmas(self.vs)
+        tma_u = None
+        if cutlass.const_expr(self.forward.u_rows):  # U plain: its slices by TMA
+            tma_u, u = u_tma(u, self.vs)
         args = (w_img, kd_img, decay, u, d_states, cu_seqlens, y0, d_final)
         grid = [2 * (HEAD_DIM // self.vs), heads, n_seq]
-        self.kernel(*args, states, final, g_end, d_y0, mma_x, mma_y).launch(
+        self.kernel(*args, states, final, g_end, d_y0, mma_x, mma_y, tma_u).launch(
             grid=grid, block=[NTHREADS, 1, 1], stream=stream
         )
 
@@ -96,12 +101,15 @@ class BothStateScansSm90:
         mDy0: cute.Tensor,
         mma_x: cute.TiledMma,
         mma_y: cute.TiledMma,
+        tma_u: cute.CopyAtom | None = None,
     ):
         x, h, n = cute.arch.block_idx()
         slices = HEAD_DIM // self.vs
         accumulate_always(mma_x, mma_y)
         # the larger addend stages (the reverse's [128, VS] float32; U's bf16 slice is smaller)
         buffers = self.reverse.allocate(self.reverse.addend_rows)
+        if cutlass.const_expr(self.forward.u_rows):  # mU: U's TMA tensor
+            mU = (tma_u, mU)
         if x < slices:
             self.forward.scan(mW, mKd, mDecay, mU, mCu, mY0, mStates, mFinal, mma_x, mma_y,
                               buffers, x, h, n)  # fmt: skip
