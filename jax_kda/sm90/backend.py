@@ -311,7 +311,7 @@ def state_scan_artifact(
     one with the slice as wgmma N (kernels/kda_state_scan_tc_sm90.py, bf16 [hi | lo] operand
     images from state_scan_operands; passes=1: one bf16 product each, images of the values
     alone). plain_addend (forward, tensor cores): the addend U as the chunk core stores it,
-    bf16 [slots, H, 64 * 128], each CTA copying its slice row by row, and y0 and final in
+    bf16 [slots, H, 64 * 128], each CTA bringing its slice by TMA, and y0 and final in
     prefill's layout [N, H, V, K] (the others': [N, H, K, V]). bf16_states (forward, tensor
     cores): the chunk states stored in bf16 (BF16_STATES); bf16_addend (reverse, tensor cores):
     the addend slices read in bf16 (BF16_ADDEND); state_vk (reverse, tensor cores): y0 and

@@ -218,7 +218,7 @@ class ChunkStateScanTcSm90:
         self.inline_outputs = outputs and not outputs_warpgroup
         self.threads = NTHREADS * (2 if outputs_warpgroup or addend_warpgroup else 1)
         # the addend U as the chunk core stores it, bf16 [slots, H, 64 * 128] row-major, each CTA
-        # copying its V slice row by row (with outputs always): no V-sliced float32 copy of U
+        # bringing its V slice by TMA (with outputs always): no V-sliced float32 copy of U
         self.u_rows = plain_addend or outputs
         # y0 and final in prefill's [N, H, V, K] layout (the default scans': [K, V]), so that
         # the callers' transposes cancel against xla.forward's (the new variants only; the
@@ -283,7 +283,7 @@ class ChunkStateScanTcSm90:
     def allocate(self, addend_rows: int):
         """The kernel's shared memory (addend stages of addend_rows x VS float32: a kernel that
         runs both directions allocates the larger, the reverse's; with a plain addend U's
-        slice, bf16 [64, VS + 8], instead; with outputs the Qg and Aqk stages and images too:
+        slice, bf16 [64, VS] dense, instead; with outputs the Qg and Aqk stages and images too:
         about 149 KiB at VS = 16, 159 at 32)."""
         smem = SmemAllocator()
         flat = cute.make_layout(self.image_elems)
@@ -458,7 +458,13 @@ class ChunkStateScanTcSm90:
                 else:
                     acc_y[m][i] = mY0[n, h, m * HALF + ch, vbase + v]
 
-        if nch > 0 and tid == 0:
+        # who issues a stage's copies: thread 0; with U the whole of warp 0, since cute.copy of
+        # a TMA atom elects its issuing lane itself (elect.sync over the warp: a lone thread
+        # there hangs), _load's other copies staying with thread 0
+        loader = tid == 0
+        if cutlass.const_expr(self.u_rows):
+            loader = tid < 32
+        if nch > 0 and loader:
             first = step_slot(slot0, nch, self.reverse, 0)
             self._load(mA, mBt, mDecay, mAdd, first, h, vsl, 0, loads)
 
@@ -466,7 +472,7 @@ class ChunkStateScanTcSm90:
             slot = step_slot(slot0, nch, self.reverse, j)
             for s in cutlass.range_constexpr(STAGES):
                 if j % STAGES == s:
-                    if j + 1 < nch and tid == 0:
+                    if j + 1 < nch and loader:
                         nxt = step_slot(slot0, nch, self.reverse, j + 1)
                         self._load(mA, mBt, mDecay, mAdd, nxt, h, vsl, 1 - s, loads)
                     phase = (j // STAGES) % 2
@@ -867,10 +873,36 @@ class ChunkStateScanTcSm90:
 
     @cute.jit
     def _load(self, mA, mBt, mDecay, mAdd, slot, h, vsl, stage: cutlass.Constexpr[int], loads):
-        """One thread: one chunk's A and B^T images, addend slice (with U, mAdd = (the TMA
-        atom, its tensor): U's [64, VS] slice by one TMA copy; with the outputs inline, not the
-        split kernel, Qg and Aqk plain) and decay into `stage`, four (three, five) bulk copies
-        completing on the stage's mbarrier."""
+        """One chunk's copies into `stage` (_bulk_loads'), by thread 0; with U (mAdd = (the TMA
+        atom, its tensor)) called by all of warp 0: thread 0's bulk copies, then U's [64, VS]
+        slice at (slot, h) by one TMA copy that the warp issues together (cute.copy of a TMA
+        atom elects one lane of the warp; its bytes may land before thread 0's arrival, which
+        the phase still waits for)."""
+        if cutlass.const_expr(self.u_rows):
+            if cute.arch.thread_idx()[0] == 0:
+                self._bulk_loads(mA, mBt, mDecay, mAdd, slot, h, vsl, stage, loads)
+            tma_u, m_u = mAdd
+            raw_add, s_mbar = loads[2], loads[4]
+            g_u = cute.local_tile(m_u, (SCAN_CHUNK, self.vs), (None, None))
+            s_u = cute.make_tensor(
+                cute.recast_ptr(raw_add[stage].iterator, dtype=BFloat16), u_slice_layout(self.vs)
+            )
+            t_s, t_g = cpasync.tma_partition(
+                tma_u, 0, cute.make_layout(1), cute.group_modes(s_u, 0, 2),
+                cute.group_modes(g_u, 0, 2),
+            )  # fmt: skip
+            cute.copy(tma_u, t_g[None, slot * mA.shape[1] + h, vsl], t_s,
+                      tma_bar_ptr=s_mbar.iterator + stage)  # fmt: skip
+        else:
+            self._bulk_loads(mA, mBt, mDecay, mAdd, slot, h, vsl, stage, loads)
+
+    @cute.jit
+    def _bulk_loads(self, mA, mBt, mDecay, mAdd, slot, h, vsl, stage: cutlass.Constexpr[int],
+                    loads):  # fmt: skip
+        """One thread: one chunk's A and B^T images, addend slice (not U's: _load) and decay
+        (with the outputs inline, not the split kernel, Qg and Aqk plain too) into `stage`,
+        bulk copies completing on the stage's mbarrier, whose expected bytes count U's slice
+        where the scan takes U."""
         raw_a, raw_bt, raw_add, s_decay, s_mbar = loads[:5]
         mbar = s_mbar.iterator + stage
         if cutlass.const_expr(self.u_rows):  # U's slice, bf16
@@ -888,17 +920,6 @@ class ChunkStateScanTcSm90:
             (mA[slot, h, None], raw_a[stage].iterator, BFloat16, self.image_elems),
             (mBt[slot, h, None], raw_bt[stage].iterator, BFloat16, self.image_elems),
         )
-        if cutlass.const_expr(self.u_rows):  # U's [64, VS] slice at (slot, h): one TMA copy
-            tma_u, m_u = mAdd
-            g_u = cute.local_tile(m_u, (SCAN_CHUNK, self.vs), (None, None))
-            s_u = cute.make_tensor(
-                cute.recast_ptr(raw_add[stage].iterator, dtype=BFloat16), u_slice_layout(self.vs)
-            )
-            t_s, t_g = cpasync.tma_partition(
-                tma_u, 0, cute.make_layout(1), cute.group_modes(s_u, 0, 2),
-                cute.group_modes(g_u, 0, 2),
-            )  # fmt: skip
-            cute.copy(tma_u, t_g[None, slot * mA.shape[1] + h, vsl], t_s, tma_bar_ptr=mbar)
         if cutlass.const_expr(not self.u_rows and not self.addend_wg):
             add_ptr = raw_add[stage].iterator  # a float32 stage; a bf16 addend fills half
             if cutlass.const_expr(add_type == BFloat16):

@@ -13,7 +13,7 @@ One bf16 pass a product only: at one pass an operand's image is the same in both
 
 Inputs: the forward scan's (A = W image, B^T = Kd image, decay, the addend U in V slices, or
 with plain_addend as the chunk core stores it, bf16 [slots, H, 64 * 128], each CTA copying its
-slice row by row, cu_seqlens, y0) and the reverse scan's (A = Kd image,
+slice by TMA, cu_seqlens, y0) and the reverse scan's (A = Kd image,
 B^T = W image, the same decay, the addend dL/dS in V slices, d_final); outputs: the states
 entering each chunk and the final states, then the cotangents at each chunk's end and of the
 initial states. The initial and final states and their cotangents (y0, final, d_final,
