@@ -45,7 +45,13 @@ copy of U (6.0 / 28.3 us at 2048x12x1 / 8192x16x1 on the H200). One TMA copy a c
 issued with the stage's other copies by the chain's thread 0) brings the CTA's [64, VS] slice;
 it replaced 64 bulk copies of one row each, issued by the chain's four warps in the step's
 critical path (the scan alone 30.4 us with the float32 V-sliced U against 43.0 with the row
-copies at 2048x12x1, H100, 2026-12-07). NOT yet GPU-run. These variants (plain addend, with
+copies at 2048x12x1, H100, 2026-12-07). With the TMA copy (H200, 2026-12-07, results/
+2026-12-07-h200-i-*, against the row copies in the same lease): the scan with outputs 54.2 ->
+47.0 us at 2048x12x1 and 211.3 -> 177.3 at 8192x16x1 in a training step; the no-bound forward
+96.6 -> 85.7, 416.4 -> 367.7 and 41.9 -> 37.3 us at 2048x12x1, 8192x16x1 and 1024x4x1; the
+scan alone on U 28.6 us against 29.7 on XLA's float32 slices; every result bit for bit the row
+copies' (a warp issues the TMA copy: cute.copy of a TMA atom elects its lane with elect.sync,
+and from thread 0 alone it hung). These variants (plain addend, with
 outputs) take y0 and give final in prefill's layout, [N, H, V, K], where the default scans use
 [N, H, K, V]: their callers' transposes then cancel against xla.forward's, and the state is not
 copied on the way in or out. All three (outputs, split, plain addend) passed their GPU tests

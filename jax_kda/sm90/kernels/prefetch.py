@@ -6,11 +6,13 @@ a memory access like any other here.
 
 Where it pays (H100, 2026-12-07): once a CTA's first loads are in, the fused decayed and
 tokens' backward asks for its tokens phase's rows (that phase 13.5k -> 10.9k cycles a CTA at
-2048x12x1, results/2026-12-07-h100-f-*; its v entry takes the head's first rows, not the
-chunk's: found after that run, left as it ran), and the dense backward for kk (56.4-56.5 ->
-53.7-54.0 us there, -h-*). The chunk core asking for its v rows the same way took 59.3-59.6 ->
-57.3-57.6 us in that run, but its row count there was not bounded by the tensor under bad
-cu_seqlens, so it is not in (bounded by slot_rows it would be, once it has run on the GPU).
+2048x12x1, results/2026-12-07-h100-f-*; its v entry took the head's first rows in that run,
+since then the chunk's own, row0 + i), and the dense backward for kk (56.4-56.5 -> 53.7-54.0
+us there, -h-*). The chunk core asking for its v rows the same way took 59.3-59.6 -> 57.3-57.6
+us on the H100 with its row count not yet bounded by the tensor; bounded by slot_rows, on an
+H200 it is a wash (56.8-56.9 against 57.1-57.6 us at 2048x12x1, 234.3-234.8 against
+232.6-233.2 at 8192x16x1; results/2026-12-07-h200-i-*, where the decayed backward with the
+chunk's v rows took 91.6-91.9 and 429.1-429.8 us).
 Asked for at a CTA's start, beside loads that the CTA issues at once, prefetches cost more
 than they save: with the inputs of the CTA a wave ahead (its launch index plus the CTAs
 resident at once), the decayed backward took 104.5 us against 98.1 (its first phase 12.7k
