@@ -749,7 +749,7 @@ def _chunk_scan_case(lengths, data, seed):
 def test_forward_scan_on_the_plain_bf16_addend_equals_the_sliced_one(
     lengths, data, v_slice, passes
 ):
-    """The forward tensor-core scan that copies its slice of the chunk core's bf16 U row by row
+    """The forward tensor-core scan that brings its slice of the chunk core's bf16 U by TMA
     (state_scan_artifact's plain_addend variant) against the one that reads XLA's float32
     V-sliced copy of the same values: states and final states bit for bit (the same numbers
     start the same products), every result NaN-poisoned first; the chunk core's own operands,

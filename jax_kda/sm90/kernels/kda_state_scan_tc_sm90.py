@@ -42,7 +42,7 @@ overwrites a chunk's images two chunks later.
 Plain addend (the forward scan with outputs always; alone with plain_addend): U comes as the
 chunk core stores it, bf16 [slots, H, 64 * 128] row-major, so XLA makes no float32 V-sliced
 copy of U (6.0 / 28.3 us at 2048x12x1 / 8192x16x1 on the H200). One TMA copy a chunk (u_tma,
-issued with the stage's other copies by the chain's thread 0) brings the CTA's [64, VS] slice;
+issued beside the stage's other copies by the chain's warp 0) brings the CTA's [64, VS] slice;
 it replaced 64 bulk copies of one row each, issued by the chain's four warps in the step's
 critical path (the scan alone 30.4 us with the float32 V-sliced U against 43.0 with the row
 copies at 2048x12x1, H100, 2026-12-07). With the TMA copy (H200, 2026-12-07, results/
