@@ -321,6 +321,12 @@ class ChunkStateScanTcSm90:
             if cutlass.const_expr(self.images):
                 s_qg = [cute.make_tensor(r.iterator, lay_qg) for r in raw_qg]
                 s_at = [cute.make_tensor(r.iterator, lay_at) for r in raw_at]
+            elif self.split:  # an image pair a chunk parity: the outputs' warpgroup lays out
+                # chunk j + 1's while chunk j's products run (_outputs_loop)
+                s_qg = [smem.allocate_tensor(BFloat16, lay_qg.outer, 1024, swizzle=lay_qg.inner)
+                        for _ in range(STAGES)]  # fmt: skip
+                s_at = [smem.allocate_tensor(BFloat16, lay_at.outer, 1024, swizzle=lay_at.inner)
+                        for _ in range(STAGES)]  # fmt: skip
             else:
                 s_qg = smem.allocate_tensor(BFloat16, lay_qg.outer, 1024, swizzle=lay_qg.inner)
                 s_at = smem.allocate_tensor(BFloat16, lay_at.outer, 1024, swizzle=lay_at.inner)
@@ -638,11 +644,13 @@ class ChunkStateScanTcSm90:
     @cute.jit
     def _outputs_loop(self, mCu, n, n_slots, h, vbase, mma_x, buffers, out):
         """The split kernel's second warpgroup: for every chunk of the sequence, its own copies
-        of Qg and Aqk (thread 128 issues them a chunk ahead, on the QG_FULL pair of mbarriers)
-        into images, then once the chain has written the chunk's S and X images (X_FULL),
+        of Qg and Aqk (thread 128 issues them two chunks ahead, on the QG_FULL pair of
+        mbarriers), then once the chain has written the chunk's S and X images (X_FULL),
         O = Qg S + Aqk X on its own accumulators (then those images are free: O_DONE), and O
-        into the tokens' rows. The chain waits on it only for the S and X images of two chunks
-        back."""
+        into the tokens' rows. Plain Qg and Aqk are laid out as images a chunk ahead, into the
+        other of two image pairs, while the chunk's products run; with outputs_images the
+        copies bring the images themselves. The chain waits on it only for the S and X images
+        of two chunks back."""
         tid = cute.arch.thread_idx()[0] - NTHREADS
         VS = self.vs
         s_y, s_x = buffers[2], buffers[3]
@@ -651,50 +659,63 @@ class ChunkStateScanTcSm90:
         thr = mma_x.get_slice(tid)
         f_ys = [mma_x.make_fragment_B(thr.partition_B(y)) for y in (s_y, split[0])]
         f_xs = [mma_x.make_fragment_B(thr.partition_B(x)) for x in (s_x, split[1])]
-        if cutlass.const_expr(self.images):  # an image pair a stage, as the copies bring them
-            f_qgs = [mma_x.make_fragment_A(thr.partition_A(x)) for x in s_qg]
-            f_ats = [mma_x.make_fragment_A(thr.partition_A(x)) for x in s_at]
-            f_qg, f_at = f_qgs[0], f_ats[0]
-        else:
-            f_qg = mma_x.make_fragment_A(thr.partition_A(s_qg))
-            f_at = mma_x.make_fragment_A(thr.partition_A(s_at))
-            f_qgs = (f_qg, f_qg)
-            f_ats = (f_at, f_at)
+        f_qgs = [mma_x.make_fragment_A(thr.partition_A(x)) for x in s_qg]  # a pair a parity
+        f_ats = [mma_x.make_fragment_A(thr.partition_A(x)) for x in s_at]
         c_x = thr.partition_C(cute.make_identity_tensor((SCAN_CHUNK, VS)))  # (token, v)
         acc_o = cute.make_rmem_tensor(mma_x.partition_shape_C((SCAN_CHUNK, VS)), Float32)
         slot0, nch, _ = scan_slots(mCu, n, n_slots, SCAN_CHUNK)
         bos, seqlen, _, _ = sequence_slots(mCu, n, SCAN_CHUNK)
-        o_ctx = OutputsStep(f_qg, f_at, None, acc_o, s_qg, s_at, out[2], bos, seqlen)
+        o_ctx = OutputsStep(f_qgs[0], f_ats[0], None, acc_o, s_qg, s_at, out[2], bos, seqlen)
         raws = (raw_qg, raw_at, out[0], out[1])
-        if nch > 0 and tid == 0:
-            first = step_slot(slot0, nch, False, 0)
-            self._load_outputs_operands(raws, first, h, 0, bars + QG_FULL)
+        # chunks 0 and 1 copied; chunk 0 laid out (plain), before the loop
+        if tid == 0:
+            for c in cutlass.range_constexpr(STAGES):
+                if c < nch:
+                    self._load_outputs_operands(
+                        raws, step_slot(slot0, nch, False, c), h, c, bars + QG_FULL + c
+                    )
+        if cutlass.const_expr(not self.images):
+            if nch > 0:
+                cute.arch.mbarrier_wait(bars + QG_FULL, 0)
+                self._to_image(raw_qg[0], s_qg[0], HEAD_DIM, tid)
+                self._to_image(raw_at[0], s_at[0], SCAN_CHUNK, tid)
+                cute.arch.fence_proxy("async.shared", space="cta")
+                cute.arch.barrier(barrier_id=OUTPUTS_BARRIER, number_of_threads=NTHREADS)
         for j in cutlass.range(nch, unroll=1):
             for s in cutlass.range_constexpr(STAGES):
                 if j % STAGES == s:
                     phase = (j // STAGES) % 2
-                    if j + 1 < nch and tid == 0:
-                        # stage 1 - s held chunk j - 1's, read before that iteration's barriers
-                        nxt = step_slot(slot0, nch, False, j + 1)
-                        self._load_outputs_operands(raws, nxt, h, 1 - s, bars + QG_FULL + 1 - s)
-                    cute.arch.mbarrier_wait(bars + QG_FULL + s, phase)
-                    if cutlass.const_expr(not self.images):  # lay them out first
-                        self._to_image(raw_qg[s], s_qg, HEAD_DIM, tid)
-                        self._to_image(raw_at[s], s_at, SCAN_CHUNK, tid)
-                        cute.arch.fence_proxy("async.shared", space="cta")
-                        cute.arch.barrier(barrier_id=OUTPUTS_BARRIER, number_of_threads=NTHREADS)
+                    if cutlass.const_expr(self.images):
+                        cute.arch.mbarrier_wait(bars + QG_FULL + s, phase)  # the images landed
+                    elif j + STAGES < nch and tid == 0:
+                        # stage s held chunk j's plain Qg and Aqk, laid out before the last
+                        # barrier: chunk j + 2's copies go there
+                        nxt = step_slot(slot0, nch, False, j + STAGES)
+                        self._load_outputs_operands(raws, nxt, h, s, bars + QG_FULL + s)
                     cute.arch.mbarrier_wait(bars + X_FULL + s, phase)  # S and X written
                     acc_o.fill(0.0)  # every product accumulates
                     cute.nvgpu.warpgroup.fence()
                     gemm_passes(mma_x, acc_o, f_qgs[s], f_ys[s], HEAD_DIM // 16, 1)  # Qg S
                     gemm_passes(mma_x, acc_o, f_ats[s], f_xs[s], SCAN_CHUNK // 16, 1)  # + Aqk X
                     cute.nvgpu.warpgroup.commit_group()
+                    if cutlass.const_expr(not self.images):
+                        # while they run: chunk j + 1's plain Qg and Aqk into the other image
+                        # pair (last read by chunk j - 1's products, before the last barrier)
+                        if j + 1 < nch:
+                            cute.arch.mbarrier_wait(bars + QG_FULL + 1 - s, ((j + 1) // 2) % 2)
+                            self._to_image(raw_qg[1 - s], s_qg[1 - s], HEAD_DIM, tid)
+                            self._to_image(raw_at[1 - s], s_at[1 - s], SCAN_CHUNK, tid)
+                            cute.arch.fence_proxy("async.shared", space="cta")
                     cute.nvgpu.warpgroup.wait_group(0)
                     cute.arch.mbarrier_arrive(bars + O_DONE + s)
                     self._store_outputs(o_ctx, c_x, h, vbase, j)
-                    # every warp's products have read the Qg and Aqk images before the next
-                    # chunk's overwrite them (a warp's wait_group covers its own wgmma only)
+                    # every warp's products have read chunk j's images, and chunk j + 1's are
+                    # written, before either is used again
                     cute.arch.barrier(barrier_id=OUTPUTS_BARRIER, number_of_threads=NTHREADS)
+                    if cutlass.const_expr(self.images):
+                        if j + STAGES < nch and tid == 0:  # stage s free: chunk j + 2's images
+                            nxt = step_slot(slot0, nch, False, j + STAGES)
+                            self._load_outputs_operands(raws, nxt, h, s, bars + QG_FULL + s)
 
     @cute.jit
     def _addend_loop(self, mCu, n, n_slots, h, vbase, mma_y, buffers, s_bt, out):
@@ -961,11 +982,12 @@ class ChunkStateScanOutputsTcSm90:
     stored, the final states and o alone. outputs_warpgroup (the split kernel): a second
     warpgroup takes the O products and stores off the chain, from S and X images the chain
     writes a stage each, with Qg and Aqk on copies of its own
-    (ChunkStateScanTcSm90._outputs_loop; about 156 KiB of shared memory at VS = 16, 172 at
-    32). outputs_images (with outputs_warpgroup): qg and attn come as
+    (ChunkStateScanTcSm90._outputs_loop; two image pairs, chunk j + 1's laid out while chunk
+    j's products run: about 180 KiB of shared memory at VS = 16, 196 at 32; NOT yet GPU-run,
+    one pair before: 156 and 172). outputs_images (with outputs_warpgroup): qg and attn come as
     their K-major operand images, flat (the chunk core's images variant), which the copies
     bring into two image stages as they are: that warpgroup lays nothing out, and the
-    separate images' 24 KiB of shared memory go."""
+    separate images' 48 KiB of shared memory go."""
 
     def __init__(
         self, v_slice: int, states: bool = True, outputs_warpgroup: bool = False,
