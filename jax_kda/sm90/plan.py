@@ -245,9 +245,9 @@ def scan_outputs_v_slice(num_heads: int, num_sequences: int, sm_count: int | Non
     (backend.state_scan_outputs_kernel), or None where it should not: where each of its CTAs
     has an SM of its own, at the planned width (scan_v_slice) or else at the wide one (fewer
     CTAs, each twice the columns). The outputs' operands (Qg and Aqk, two stages, and images)
-    take its shared memory from about 77 to 149 KiB (v_slice 16; 156 KiB with the outputs on
-    a warpgroup of their own), one CTA an SM, so where the scan's CTAs outnumber the SMs the
-    two kernels run one after the other instead. Unknown SM count: None."""
+    take its shared memory from about 77 to 149 KiB (v_slice 16; 178 KiB with the outputs on
+    a warpgroup of their own, two image pairs), one CTA an SM, so where the scan's CTAs
+    outnumber the SMs the two kernels run one after the other instead. Unknown SM count: None."""
     if sm_count is None:
         return None
     planned = scan_v_slice(num_heads, num_sequences, sm_count)

@@ -983,8 +983,8 @@ class ChunkStateScanOutputsTcSm90:
     warpgroup takes the O products and stores off the chain, from S and X images the chain
     writes a stage each, with Qg and Aqk on copies of its own
     (ChunkStateScanTcSm90._outputs_loop; two image pairs, chunk j + 1's laid out while chunk
-    j's products run: about 180 KiB of shared memory at VS = 16, 196 at 32; NOT yet GPU-run,
-    one pair before: 156 and 172). outputs_images (with outputs_warpgroup): qg and attn come as
+    j's products run: about 178 KiB of shared memory at VS = 16, 194 at 32; NOT yet GPU-run,
+    one pair before: 154 and 170). outputs_images (with outputs_warpgroup): qg and attn come as
     their K-major operand images, flat (the chunk core's images variant), which the copies
     bring into two image stages as they are: that warpgroup lays nothing out, and the
     separate images' 48 KiB of shared memory go."""
