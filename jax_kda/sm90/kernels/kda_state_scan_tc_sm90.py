@@ -37,7 +37,14 @@ does not wait for them: per chunk it brings in Qg and Aqk itself and lays them o
 chain's S and X images of the chunk (an mbarrier the chain's 128 threads arrive on; both
 images a stage each, so the chain writes the next chunk's while these are read), runs the O
 products on its own accumulators and stores O; the chain waits for it only before it
-overwrites a chunk's images two chunks later.
+overwrites a chunk's images two chunks later. Its copies go two chunks ahead, and it lays chunk
+j + 1's Qg and Aqk out into a second image pair while chunk j's products run (before, one pair,
+laid out between the products): H100, 2026-12-07 (results/2026-12-07-h100-j-*, against main's
+kernels in the same lease, every result of the training step bit for bit), the scan with
+outputs 47.1-47.6 -> 39.2-39.4 us at 2048x12x1 and 176.5-176.7 -> 148.0-148.2 at 8192x16x1 in
+a training step (its span 304.2-308.9 -> 297.2-300.4 and 1320.8-1334.4 -> 1301.0-1303.1 us);
+the no-bound forward, a call of 10 chained, 85.6-87.1 -> 83.0 us at 2048x12x1, 161.2-162.5 ->
+152.5 at 4096x12x1, 38.5-39.1 -> 36.3 at 1024x4x1.
 
 Plain addend (the forward scan with outputs always; alone with plain_addend): U comes as the
 chunk core stores it, bf16 [slots, H, 64 * 128] row-major, so XLA makes no float32 V-sliced
@@ -983,8 +990,8 @@ class ChunkStateScanOutputsTcSm90:
     warpgroup takes the O products and stores off the chain, from S and X images the chain
     writes a stage each, with Qg and Aqk on copies of its own
     (ChunkStateScanTcSm90._outputs_loop; two image pairs, chunk j + 1's laid out while chunk
-    j's products run: about 178 KiB of shared memory at VS = 16, 194 at 32; NOT yet GPU-run,
-    one pair before: 154 and 170). outputs_images (with outputs_warpgroup): qg and attn come as
+    j's products run: about 178 KiB of shared memory at VS = 16, 194 at 32; one pair before:
+    154 and 170). outputs_images (with outputs_warpgroup): qg and attn come as
     their K-major operand images, flat (the chunk core's images variant), which the copies
     bring into two image stages as they are: that warpgroup lays nothing out, and the
     separate images' 48 KiB of shared memory go."""

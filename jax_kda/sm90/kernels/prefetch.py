@@ -22,6 +22,13 @@ dense backward and the state cotangent with only the arrays they load after thei
 took 61.4 and 18.2 us against 56.3-57.0 and 17.0-17.3 in the same lease (280-284 -> 315 us
 for the dense one at 8192x16x1, `-g-profile-train*.log`, every result bit for bit as
 without). A prefetch changes no value a kernel computes, only when its bytes arrive.
+Asked for once a CTA's own first loads are in (while its products run), the wave-ahead inputs
+did not pay either (H100, 2026-12-07, branch exp-wave-prefetch against main in one lease,
+results/2026-12-07-h100-j-*, every result bit for bit): the decayed backward 95.4-95.7 ->
+96.5-96.7 us at 2048x12x1 and 437.4-437.9 -> 449.5-450.2 at 8192x16x1, the dense backward
+266.2-268.0 -> 281.5-282.1 there, the chunk core 245.1-245.3 -> 248.2-248.3; the decayed
+kernel's first phase, its rows then in L2, 13.4k -> 13.6k cycles a CTA (median): that phase
+waits on something other than DRAM.
 (cp.async.bulk.prefetch takes a byte range an instruction, but a warp's lanes issue it one
 after another.)
 """
