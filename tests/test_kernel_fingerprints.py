@@ -40,9 +40,9 @@ def test_compare_names_every_moved_added_or_dropped_kernel_and_refuses_other_ver
 
 
 def test_the_saved_verified_set_covers_the_default_kernels():
-    """The committed fingerprints of the GPU-verified kernels (commit abd06ae's tree) name every
+    """The committed fingerprints of the GPU-verified kernels (commit a38345f's tree) name every
     kernel the tool fingerprints today, each with its PTX hash and cubin facts."""
-    saved = json.loads((SAVED / "2026-12-07-kernel-fingerprints-abd06ae.json").read_text())
+    saved = json.loads((SAVED / "2026-12-07-kernel-fingerprints-a38345f.json").read_text())
     assert saved["nvidia-cutlass-dsl"]
     kernels = saved["kernels"]
     assert set(kernels) == {make().prefix for make in default_artifacts()}
