@@ -2068,8 +2068,13 @@ benchmarks/results/2026-12-07-h100-e-*-reverse-addend.log) its g_end and d_y0 eq
 kernels' bit for bit, but it saves nothing: 51.5 us against 31.8 + 17.2 at 2048x12x1, 193.3
 against 127.8 + 70.5 at 8192x16x1. The chain waits for the addend every step: the addend
 warpgroup's per-chunk work (Qg's and Aqk's layout into images, three products, dO's rows)
-takes longer than a step of the chain (about 1 us at 2048x12x1); the chunk core writing Qg
-and Aqk as images would take the layout off it."""
+takes longer than a step of the chain (about 1 us at 2048x12x1). Taking the layout off the
+chain's path does not change that: with chunk j + 1's Qg and Aqk laid out into a second image
+pair while chunk j's products run (branch next-addend-overlap, as the forward's outputs
+warpgroup does; H100, 2026-12-07, results/2026-12-07-h100-k-profile-variants-addend-overlap-*,
+bit for bit the two kernels in its GPU test) the one launch took 53.0-53.2 us against 30.9-31.3
++ 16.9-17.0, and 201.2-201.3 against 124.8-125.2 + 70.7-70.9 at 8192x16x1: the three products
+a chunk on one warpgroup are the bound."""
 
 DENSE_PRECISIONS = {
     "bf16": jax.lax.DotAlgorithmPreset.BF16_BF16_F32,
