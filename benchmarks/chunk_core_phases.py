@@ -32,6 +32,14 @@ class PhaseTable:
     """Median cycles of a CTA over its median duration: the SM clock the CTAs ran at."""
     phases: dict[str, tuple[float, float]]
     """Per phase: median cycles and 90th-percentile cycles."""
+    at_once: dict[str, tuple[float, float]]
+    """Per phase: how many CTAs were in it at once over the span, sampled at BINS points: the
+    mean and the 90th percentile. CTAs whose load phases run in step (all loading together,
+    then all computing) show a 90th percentile far above the mean; spread out, near it."""
+
+
+BINS = 2000
+"""Sampling points over a kernel's span for PhaseTable.at_once."""
 
 
 def phase_table(stamps: np.ndarray, phases) -> PhaseTable:
@@ -57,6 +65,15 @@ def phase_table(stamps: np.ndarray, phases) -> PhaseTable:
     ends = starts + durations
     span = float(ends.max() - starts.min())
     total = clocks[:, -1]
+    # each CTA's phases on the global timer, at its own clock rate (cycles over nanoseconds)
+    rate = total / np.maximum(durations, 1)
+    edges = starts[:, None] + clocks / np.maximum(rate, 1e-9)[:, None]
+    times = starts.min() + (np.arange(BINS) + 0.5) * span / BINS
+    at_once = {}
+    for i, name in enumerate(phases):
+        inside = (edges[:, i, None] <= times) & (times < edges[:, i + 1, None])
+        counts = inside.sum(axis=0)
+        at_once[name] = (float(counts.mean()), float(np.percentile(counts, 90)))
     return PhaseTable(
         ctas=flat.shape[0],
         span_us=span / 1e3,
@@ -67,6 +84,7 @@ def phase_table(stamps: np.ndarray, phases) -> PhaseTable:
             name: (float(np.median(steps[:, i])), float(np.percentile(steps[:, i], 90)))
             for i, name in enumerate(phases)
         },
+        at_once=at_once,
     )
 
 
@@ -76,12 +94,15 @@ def format_table(name: str, table: PhaseTable) -> str:
         f"{name}: {table.ctas} CTAs, span {table.span_us:.1f} us, a CTA {table.cta_us[1]:.2f} us"
         f" (p10 {table.cta_us[0]:.2f}, p90 {table.cta_us[2]:.2f}), {table.concurrent:.0f} at "
         f"once on average, {table.cycles_per_ns:.2f} cycles/ns",
-        "| phase | median cycles | share | p90 cycles |",
-        "|---|---|---|---|",
+        "| phase | median cycles | share | p90 cycles | CTAs in it at once: mean, p90 |",
+        "|---|---|---|---|---|",
     ]
     for phase, (median, p90) in table.phases.items():
         share = median / total if total else float("nan")
-        lines.append(f"| {phase} | {median:.0f} | {share:.0%} | {p90:.0f} |")
+        mean, high = table.at_once[phase]
+        lines.append(
+            f"| {phase} | {median:.0f} | {share:.0%} | {p90:.0f} | {mean:.1f}, {high:.0f} |"
+        )
     return "\n".join(lines)
 
 

@@ -9,7 +9,9 @@ of a training step's backward (H100, 2026-12-06: 107.6 of 311.4 us at 2048x12x1,
 (sm90.backend.decayed_tokens_bwd_stamps) has thread 0 of every CTA read the SM's cycle counter
 at each phase's end (DECAYED_PHASES) and the global timer at the CTA's start and end; this
 prints, per shape, the median cycles of each phase and its share of a CTA, the CTAs'
-durations, how many ran at once on average and the kernel's span. Its inputs: production-gate data
+durations, how many ran at once on average, the kernel's span, and per phase how many CTAs
+were in it at once (mean and 90th percentile over the span: loads that run in step, every CTA
+loading together, show a 90th percentile far above the mean). Its inputs: production-gate data
 (the kernel sums g into Gamma itself, so the anchors are the ones a real step takes) and random
 cotangents (the kernel's work does not depend on their values).
 """

@@ -177,3 +177,29 @@ def test_chunk_core_phase_table_reads_the_stamps():
         phase_table(stamps, ("first", "second", "third"))
     with pytest.raises(ValueError, match="no CTAs"):
         phase_table(np.zeros((0, 2, 5), np.int32), ("first", "second"))
+
+
+def test_phase_table_counts_the_ctas_in_each_phase_at_once():
+    """benchmarks.chunk_core_phases.phase_table's at_once: CTAs in step (two loading together,
+    then computing together) against one out of step, each at its own clock rate."""
+    import numpy as np
+
+    from benchmarks.chunk_core_phases import BINS, phase_table
+
+    # per CTA: cycles at start and after each phase, then the global timer (ns) at start and end
+    stamps = np.asarray(
+        [
+            [0, 1000, 3000, 0, 3000],  # 1 cycle/ns: "load" [0, 1000), "compute" [1000, 3000)
+            [0, 2000, 6000, 0, 3000],  # 2 cycles/ns: the same times
+            [0, 1000, 3000, 3000, 6000],  # out of step: "load" [3000, 4000)
+        ],
+        np.int32,
+    ).reshape(3, 1, 5)
+    table = phase_table(stamps, ("load", "compute"))
+    mean, p90 = table.at_once["load"]
+    # over the 6000 ns span: two CTAs for 1000 ns, one for 1000 ns, none for 4000 ns
+    assert abs(mean - 3000 / 6000) < 2 * 3 / BINS
+    assert p90 == 2.0  # two at once for the last sixth of the sorted samples: bursty
+    compute_mean, compute_p90 = table.at_once["compute"]
+    # [1000, 3000) two at once, [4000, 6000) one: two thirds of the span, 6000 CTA-ns
+    assert abs(compute_mean - 6000 / 6000) < 2 * 3 / BINS and compute_p90 == 2.0
