@@ -7,7 +7,8 @@ phase, no hot spot" (results/2026-12-03-h200-ncu-step.md), and the profiler sees
 kernel's span. Its stamps variant (sm90.backend.chunk_core_stamps) has thread 0 of every CTA
 read the SM's cycle counter at each phase's end and the global timer at the CTA's start and end;
 this prints, per shape, the median cycles of each phase and its share of a CTA, the CTAs'
-durations, how many ran at once on average, and the kernel's span. The forward-alone variant
+durations, how many ran at once on average, the kernel's span, and per phase how many CTAs
+were in it at once (mean and 90th percentile over the span). The forward-alone variant
 (the no-bound forward's) by default; --residuals: the training variant.
 """
 
